@@ -1,0 +1,62 @@
+"""The only place that calls collectives: every call is counted, so tests and benchmarks can check volumes.
+
+Elements are counted as the size of the whole (unsharded) tensor a collective covers: the input of a
+reduce-scatter, the output of an all-gather, the tensor of an all-reduce or broadcast. That is the unit of the
+ZeRO paper's volumes (2Ψ per step for stages 1 and 2).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .topology import Topology
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the first names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+
+class Communicator:
+    """Collectives over one topology's shard group, with per-collective counters."""
+
+    def __init__(self, topology: Topology) -> None:
+        self.topology = topology
+        self._stats: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0})
+
+    def _count(self, name: str, tensor: torch.Tensor) -> None:
+        entry = self._stats[name]
+        entry["calls"] += 1
+        entry["elements"] += tensor.numel()
+        entry["bytes"] += tensor.numel() * tensor.element_size()
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[dist.Work]:
+        """Sum ``input`` over ranks; this rank receives its equal slice in ``output``."""
+        self._count("reduce_scatter", input)
+        return _reduce_scatter(output, input, group=self.topology.group, async_op=async_op)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[dist.Work]:
+        """Concatenate every rank's ``input`` into ``output`` in rank order."""
+        self._count("all_gather", output)
+        return _all_gather(output, input, group=self.topology.group, async_op=async_op)
+
+    def all_reduce(
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+    ) -> Optional[dist.Work]:
+        self._count("all_reduce", tensor)
+        return dist.all_reduce(tensor, op=op, group=self.topology.group, async_op=async_op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[dist.Work]:
+        """Broadcast from shard-group rank ``src``."""
+        self._count("broadcast", tensor)
+        return dist.broadcast(tensor, src=self.topology.global_rank(src), group=self.topology.group, async_op=async_op)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Calls, elements and bytes per collective since the last reset."""
+        return {name: dict(entry) for name, entry in self._stats.items()}
+
+    def reset(self) -> None:
+        self._stats.clear()

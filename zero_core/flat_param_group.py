@@ -1,0 +1,131 @@
+"""One optimizer group's trainable parameters of one dtype, living in one flat buffer.
+
+Stages 1 and 2 keep every parameter whole: the parameters become views of ``flat`` (so the model runs
+unchanged), and this rank's optimizer steps over its slices of each bucket. What differs by stage is only
+where gradients live, and that is chosen here by ``full_grads``:
+- stage 1 (``full_grads=True``): a flat gradient buffer as big as ``flat``; ``param.grad`` are views of it, so
+  autograd accumulates in place and one reduce-scatter per bucket reads it directly.
+- stage 2 (``full_grads=False``): only this rank's reduced gradient shard is kept; ``param.grad`` exists only
+  between autograd producing it and the reducer copying it into a bucket.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .layout import BucketLayout, FlatLayout
+
+
+class FlatParamGroup:
+    """Flat parameter storage, gradient storage and fp32 master shards for one (group, dtype)."""
+
+    def __init__(
+        self,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        group_index: int,
+        layout: FlatLayout,
+        rank: int,
+        full_grads: bool,
+    ) -> None:
+        self.params = list(params)
+        self.names = list(names)
+        self.group_index = group_index
+        self.layout = layout
+        self.rank = rank
+        self.full_grads = full_grads
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.flat = self._adopt_params()
+        self.flat_grad: Optional[torch.Tensor] = None
+        self._grad_shards = self._allocate_grads()
+        self.masters: list[nn.Parameter] = []
+
+    # -- storage -------------------------------------------------------------------------------------------
+    def _adopt_params(self) -> torch.Tensor:
+        """Copy each parameter into the flat buffer and make it a view of it (same Parameter object)."""
+        flat = torch.zeros(self.layout.total, dtype=self.dtype, device=self.device)
+        for param, slot in zip(self.params, self.layout.slots):
+            view = flat[slot.range.as_slice()].view_as(param)
+            view.copy_(param.detach())
+            param.data = view
+        return flat
+
+    def _allocate_grads(self) -> list[torch.Tensor]:
+        if self.full_grads:
+            self.flat_grad = torch.zeros_like(self.flat)
+            self._point_grads_at_views()
+            return [self.flat_grad[b.shard_range(self.rank).as_slice()] for b in self.layout.buckets]
+        storage = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        offsets = self.layout.shard_offsets()
+        return [storage[o : o + b.shard_size] for o, b in zip(offsets, self.layout.buckets)]
+
+    def _grad_view(self, index: int) -> torch.Tensor:
+        return self.flat_grad[self.layout.slots[index].range.as_slice()].view_as(self.params[index])
+
+    def _point_grads_at_views(self) -> None:
+        for index, param in enumerate(self.params):
+            param.grad = self._grad_view(index)
+
+    def build_masters(self, master_dtype: torch.dtype) -> list[nn.Parameter]:
+        """fp32 master shards, one per bucket: views of ``flat`` when it is already fp32, copies otherwise."""
+        masters = []
+        for bucket in self.layout.buckets:
+            shard = self.flat[bucket.shard_range(self.rank).as_slice()]
+            data = shard if shard.dtype == master_dtype else shard.to(master_dtype)
+            masters.append(nn.Parameter(data, requires_grad=True))
+        self.masters = masters
+        return masters
+
+    @property
+    def masters_alias_params(self) -> bool:
+        return self.dtype == (self.masters[0].dtype if self.masters else self.dtype)
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def grad_shard(self, bucket: int) -> torch.Tensor:
+        """This rank's reduced gradient for ``bucket`` (scaled like the loss)."""
+        return self._grad_shards[bucket]
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return list(self._grad_shards)
+
+    def bucket_grad_input(self, bucket: BucketLayout) -> torch.Tensor:
+        """Stage 1: the full local gradients of one bucket, gathered into the flat gradient buffer."""
+        for index in bucket.param_indices:
+            param, view = self.params[index], self._grad_view(index)
+            if param.grad is None:
+                view.zero_()  # released by the user since the last step: no gradient this step
+            elif param.grad.data_ptr() != view.data_ptr():
+                view.copy_(param.grad)  # autograd made a new tensor (the user set .grad to None)
+            param.grad = view
+        return self.flat_grad[bucket.range.as_slice()]
+
+    def zero_grads(self) -> None:
+        if self.full_grads:
+            self.flat_grad.zero_()
+            self._point_grads_at_views()
+        else:
+            for shard in self._grad_shards:
+                shard.zero_()
+            for param in self.params:
+                param.grad = None
+
+    def grad_nbytes(self) -> int:
+        if self.full_grads:
+            return self.flat_grad.numel() * self.flat_grad.element_size()
+        return sum(s.numel() for s in self._grad_shards) * self.flat.element_size()
+
+    # -- parameters ----------------------------------------------------------------------------------------
+    def shard_of_params(self, bucket: int) -> torch.Tensor:
+        """This rank's slice of the parameters in ``bucket`` (a view of ``flat``)."""
+        return self.flat[self.layout.buckets[bucket].shard_range(self.rank).as_slice()]
+
+    def write_back_masters(self) -> None:
+        """Copy updated 16-bit values of this rank's shards from their fp32 masters."""
+        for bucket, master in enumerate(self.masters):
+            shard = self.shard_of_params(bucket)
+            if shard.data_ptr() != master.data_ptr():
+                shard.copy_(master.detach())

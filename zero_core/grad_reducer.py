@@ -1,0 +1,214 @@
+"""Gradient reduction for stages 1 and 2: buckets reduce-scattered into each rank's gradient shard.
+
+Every rank reduces the buckets in one fixed order, last bucket first (the order backward produces them), so
+the collectives match across ranks whatever the timing. Stage 2 launches a bucket from a post-accumulate-grad
+hook as soon as its gradients are in and every later bucket has been launched; a callback queued on the
+autograd engine flushes the rest once backward ends. Stage 1 reduces once, when the step needs the gradients.
+See docs/core-api.md for the full rules.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from .buffer_pool import BufferPool
+from .comm import Communicator
+from .flat_param_group import FlatParamGroup
+
+
+@dataclass
+class _BucketState:
+    """What one bucket has received during the current backward."""
+
+    staging: Optional[torch.Tensor] = None
+    seen: set = field(default_factory=set)
+
+
+@dataclass
+class _InFlight:
+    group: FlatParamGroup
+    bucket: int
+    work: Optional[dist.Work]
+    result: torch.Tensor
+    scratch: list
+    accumulate: bool
+
+
+class GradReducer:
+    """Owns the bucket order, the stage 2 hooks and every gradient collective."""
+
+    MAX_IN_FLIGHT = 2
+
+    def __init__(
+        self,
+        groups: list[FlatParamGroup],
+        comm: Communicator,
+        pool: BufferPool,
+        *,
+        partition_grads: bool,
+        overlap: bool,
+        use_reduce_scatter: bool,
+        ignore_unused: bool,
+    ) -> None:
+        self.groups = groups
+        self.comm = comm
+        self.pool = pool
+        self.partition_grads = partition_grads
+        self.overlap = overlap
+        self.use_reduce_scatter = use_reduce_scatter
+        self.ignore_unused = ignore_unused
+        self.world_size = comm.topology.world_size
+        self.rank = comm.topology.rank
+        # Global bucket order: position i is (group, bucket index); reduction runs from the end.
+        self.order = [(g, b.index) for g in groups for b in g.layout.buckets]
+        self.sync = True
+        self._handles = []
+        self._reset_backward_state()
+        if partition_grads:
+            self._register_hooks()
+
+    # -- stage 2: during backward --------------------------------------------------------------------------
+    def _reset_backward_state(self) -> None:
+        self._states = [_BucketState() for _ in self.order]
+        self._next = len(self.order) - 1
+        self._inflight: list[_InFlight] = []
+        self._callback_queued = False
+        self.unsynced_grads = False
+
+    def _register_hooks(self) -> None:
+        for position, (group, bucket) in enumerate(self.order):
+            for index in group.layout.buckets[bucket].param_indices:
+                hook = functools.partial(self._on_grad_ready, position, index)
+                self._handles.append(group.params[index].register_post_accumulate_grad_hook(hook))
+
+    def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
+        if not self.sync:
+            self.unsynced_grads = True  # no_sync: autograd keeps accumulating in param.grad
+            return
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self.finish_backward)
+            self._callback_queued = True
+        if position > self._next:
+            group = self.order[position][0]
+            raise RuntimeError(
+                f"parameter '{group.names[index]}' produced a second gradient in one backward after its bucket "
+                "was reduced; with torch.utils.checkpoint pass use_reentrant=False"
+            )
+        self._stage(position, index, param.grad, repeat=index in self._states[position].seen)
+        param.grad = None
+        self._states[position].seen.add(index)
+        self._launch_ready()
+
+    def _stage(self, position: int, index: int, grad: torch.Tensor, repeat: bool = False) -> None:
+        group, bucket = self.order[position]
+        state = self._states[position]
+        layout = group.layout.buckets[bucket]
+        if state.staging is None:
+            state.staging = self.pool.acquire(layout.range.size, group.dtype)
+        start = group.layout.slots[index].range.start - layout.range.start
+        target = state.staging[start : start + grad.numel()]
+        target.add_(grad.reshape(-1)) if repeat else target.copy_(grad.reshape(-1))
+
+    def _is_complete(self, position: int) -> bool:
+        group, bucket = self.order[position]
+        return len(self._states[position].seen) == len(group.layout.buckets[bucket].param_indices)
+
+    def _launch_ready(self) -> None:
+        while self._next >= 0 and self._is_complete(self._next):
+            self._launch_staged(self._next)
+            self._next -= 1
+
+    def _launch_staged(self, position: int) -> None:
+        group, bucket = self.order[position]
+        state = self._states[position]
+        size = group.layout.buckets[bucket].range.size
+        if state.staging is None:
+            state.staging = self.pool.acquire(size, group.dtype)  # nothing arrived here on this rank
+        self._inflight.append(self._reduce(group, bucket, state.staging[:size], accumulate=True))
+        self._inflight[-1].scratch.append(state.staging)
+        state.staging = None
+        # Overlap keeps a few buckets in flight; waiting for the oldest bounds scratch memory.
+        self._complete_inflight(keep=self.MAX_IN_FLIGHT if self.overlap else 0)
+
+    def finish_backward(self) -> None:
+        """End of a backward: stage what no hook delivered, launch the remaining buckets in order, wait."""
+        unused = []
+        for position in range(self._next, -1, -1):
+            unused += self._stage_leftovers(position)
+            self._launch_staged(position)
+        self._complete_inflight()
+        self._reset_backward_state()
+        if unused and not self.ignore_unused:
+            raise RuntimeError(
+                f"parameters got no gradient in this backward: {', '.join(unused)}. Set "
+                "zero_optimization.ignore_unused_parameters=true if that is expected, or freeze them."
+            )
+
+    def _stage_leftovers(self, position: int) -> list[str]:
+        """Gradients still held by parameters (accumulated under no_sync); names of parameters with none."""
+        group, bucket = self.order[position]
+        state, unused = self._states[position], []
+        for index in group.layout.buckets[bucket].param_indices:
+            param = group.params[index]
+            if index in state.seen:
+                continue
+            if param.grad is None:
+                unused.append(group.names[index])
+                continue
+            self._stage(position, index, param.grad)
+            param.grad = None
+            state.seen.add(index)
+        return unused
+
+    def flush_unsynced(self) -> None:
+        """Stage 2: reduce gradients left in ``param.grad`` by backward passes run entirely under no_sync."""
+        if self.partition_grads and self.unsynced_grads:
+            self.finish_backward()
+
+    # -- stage 1: once per step ----------------------------------------------------------------------------
+    def reduce_full_grads(self) -> None:
+        """Stage 1: reduce every bucket of the full gradient buffers, last bucket first."""
+        for group, bucket in reversed(self.order):
+            source = group.bucket_grad_input(group.layout.buckets[bucket])
+            self._inflight.append(self._reduce(group, bucket, source, accumulate=False))
+            self._complete_inflight(keep=self.MAX_IN_FLIGHT if self.overlap else 0)
+        self._complete_inflight()
+
+    # -- the collectives -----------------------------------------------------------------------------------
+    def _reduce(self, group: FlatParamGroup, bucket: int, source: torch.Tensor, accumulate: bool) -> _InFlight:
+        """Average ``source`` (one bucket) over ranks; this rank's slice goes to its gradient shard."""
+        source.div_(self.world_size)  # pre-divide as DDP does, so the sum stays in range
+        shard_size = group.layout.buckets[bucket].shard_size
+        if not self.use_reduce_scatter:
+            work = self.comm.all_reduce(source, async_op=self.overlap)
+            own = source[self.rank * shard_size : (self.rank + 1) * shard_size]
+            return _InFlight(group, bucket, work, own, [], accumulate)
+        scratch = self.pool.acquire(shard_size, group.dtype)
+        work = self.comm.reduce_scatter(scratch[:shard_size], source, async_op=self.overlap)
+        return _InFlight(group, bucket, work, scratch[:shard_size], [scratch], accumulate)
+
+    def _complete_inflight(self, keep: int = 0) -> None:
+        """Wait for the oldest collectives until at most ``keep`` are still in flight."""
+        split = max(len(self._inflight) - keep, 0)
+        done, self._inflight = self._inflight[:split], self._inflight[split:]
+        for job in done:
+            if job.work is not None:
+                job.work.wait()
+            target = job.group.grad_shard(job.bucket)
+            if job.accumulate:
+                target.add_(job.result)
+            elif target.data_ptr() != job.result.data_ptr():
+                target.copy_(job.result)
+            for buffer in job.scratch:
+                self.pool.release(buffer)
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

@@ -1,0 +1,89 @@
+"""The user's optimizer, narrowed to this rank's fp32 master shards, behind a torch Optimizer facade.
+
+The user's own optimizer object becomes the inner optimizer: its ``param_groups`` dicts stay the same objects
+(learning rate, weight decay and every other hyper-parameter per group), only their ``"params"`` lists now
+hold this rank's master shards. So an LR scheduler built on the user's optimizer before ``setup`` keeps
+working, and so does one built on ``engine.optimizer`` after: both change the same dicts.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+
+def narrow_param_groups(optimizer: torch.optim.Optimizer, masters_per_group: Sequence[list[nn.Parameter]]) -> None:
+    """Replace each group's parameters with its master shards, keeping the group dicts themselves."""
+    if optimizer.state:
+        raise ValueError(
+            f"the {type(optimizer).__name__} passed to zero_core.setup already holds state (it has stepped): "
+            "create the optimizer, call setup, then train; to resume, load a checkpoint through the engine"
+        )
+    for group, masters in zip(optimizer.param_groups, masters_per_group):
+        group["params"] = list(masters)
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """What front-ends and users step: ``step`` and ``zero_grad`` go through the engine.
+
+    ``Optimizer.__init__`` is not called on purpose: the parameter groups already exist in the inner optimizer
+    and are shared, not copied.
+    """
+
+    def __init__(self, inner: torch.optim.Optimizer, step_fn: Callable[[], None], zero_grad_fn: Callable[[], None]):
+        self.inner = inner
+        self._step_fn = step_fn
+        self._zero_grad_fn = zero_grad_fn
+        self.defaults = inner.defaults
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.inner.state = value
+
+    def step(self, closure: Optional[Callable[[], float]] = None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._step_fn()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._zero_grad_fn()
+
+    def add_param_group(self, param_group: dict) -> None:
+        raise NotImplementedError(
+            "adding a parameter group after zero_core.setup is not supported: put every group in the optimizer "
+            "before setup (the engine lays out flat buffers per group)"
+        )
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (sharded checkpoints gather it; see docs/core-api.md)."""
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        self.inner.load_state_dict(state_dict)
+
+    def __repr__(self) -> str:
+        return f"ShardedOptimizer({self.inner!r})"
