@@ -6,7 +6,29 @@ See docs/core-api.md for the engine and docs/config.md for every configuration f
 """
 
 from .config import ZeroConfig, ZeroConfigError
+from .debug_access import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_optimizer_state,
+)
 from .engine import ZeroEngine, setup
+from .fragments import Fragment
 from .layout import FlatLayout, Range, compute_layout
 
-__all__ = ["ZeroConfig", "ZeroConfigError", "ZeroEngine", "setup", "FlatLayout", "Range", "compute_layout"]
+__all__ = [
+    "ZeroConfig",
+    "ZeroConfigError",
+    "ZeroEngine",
+    "setup",
+    "Fragment",
+    "FlatLayout",
+    "Range",
+    "compute_layout",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_optimizer_state",
+]

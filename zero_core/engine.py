@@ -20,8 +20,10 @@ from .buffer_pool import BufferPool
 from .comm import Communicator
 from .config import ZeroConfig
 from .flat_param_group import FlatParamGroup
+from .fragments import Fragment
 from .grad_reducer import GradReducer
 from .layout import compute_layout
+from . import registry
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
 from .mixed_precision import cast_floating_inputs, cast_module
@@ -48,7 +50,10 @@ class ZeroEngine:
             cast_module(module, config.param_dtype)
         if config.fp16.enabled and config.fp16.auto_cast:
             module.register_forward_pre_hook(cast_floating_inputs(config.param_dtype), with_kwargs=True)
+        self._names = {param: name for name, param in module.named_parameters()}
+        self.group_param_names = [[self._names[p] for p in g["params"]] for g in optimizer.param_groups]
         self.groups = self._build_groups(optimizer)
+        registry.register([p for g in self.groups for p in g.params], self)
         self._broadcast_initial_state()
         masters = [[m for g in self.groups if g.group_index == i for m in g.build_masters(torch.float32)]
                    for i in range(len(optimizer.param_groups))]
@@ -75,7 +80,7 @@ class ZeroEngine:
         return max((b.range.size for g in self.groups for b in g.layout.buckets), default=1)
 
     def _build_groups(self, optimizer: torch.optim.Optimizer) -> list[FlatParamGroup]:
-        names = {param: name for name, param in self.module.named_parameters()}
+        names = self._names
         bucket_numel = min(self.config.reduce_bucket_size, self.config.allgather_bucket_size)
         groups, seen = [], set()
         for index, group in enumerate(optimizer.param_groups):
@@ -241,6 +246,49 @@ class ZeroEngine:
         self._reduced = False
 
     # -- introspection -------------------------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self._device()
+
+    def fragments(self) -> list[Fragment]:
+        """This rank's fp32 master (and gradient) pieces of every trainable parameter; see zero_core.fragments."""
+        return [f for group in self.groups for f in group.fragments()]
+
+    def fragments_of(self, name: str) -> list[Fragment]:
+        return [f for f in self.fragments() if f.name == name]
+
+    def name_of(self, param: torch.Tensor) -> str:
+        return self._names[param]
+
+    def reduce_gradients(self) -> None:
+        """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective."""
+        self._ensure_reduced()
+
+    @property
+    def loss_scaler(self) -> Optional[LossScaler]:
+        """The fp16 loss scaler (``state_dict``/``load_state_dict`` for checkpoints), or None."""
+        return self._scaler
+
+    def refresh_params_from_masters(self) -> None:
+        """Make the model's parameters equal to the fp32 masters again (after masters were loaded). A collective."""
+        self._all_gather_params()
+
+    def replicated_state(self) -> dict[str, torch.Tensor]:
+        """Model state that ZeRO does not shard: buffers and parameters outside every optimizer group."""
+        managed = {id(p) for g in self.groups for p in g.params}
+        state = {n: p for n, p in self.module.named_parameters() if id(p) not in managed}
+        state.update(dict(self.module.named_buffers()))
+        return state
+
+    def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Every parameter, whole, one at a time (stage 3 gathers each transiently). Call on every rank."""
+        yield from self.module.named_parameters()
+
+    def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        """Write a new full value into the model's own copy of ``param`` (every rank holds it whole)."""
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes per collective since the last :meth:`reset_comm_stats`."""
         stats = {name: {"calls": 0, "elements": 0, "bytes": 0} for name in ("reduce_scatter", "all_gather", "all_reduce")}

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .fragments import Fragment
 from .layout import BucketLayout, FlatLayout
 
 
@@ -80,9 +81,20 @@ class FlatParamGroup:
         self.masters = masters
         return masters
 
-    @property
-    def masters_alias_params(self) -> bool:
-        return self.dtype == (self.masters[0].dtype if self.masters else self.dtype)
+    def fragments(self) -> list[Fragment]:
+        """This rank's piece of every parameter, located in the master and gradient shards."""
+        return [
+            Fragment(
+                name=self.names[f.param_index],
+                shape=self.params[f.param_index].shape,
+                dtype=self.dtype,
+                param_range=f.param_range,
+                master=self.masters[f.bucket],
+                grad_shard=self._grad_shards[f.bucket],
+                local=f.shard_range,
+            )
+            for f in self.layout.fragments(self.rank)
+        ]
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shard(self, bucket: int) -> torch.Tensor:

@@ -1,0 +1,77 @@
+"""DeepSpeed's debugging API: full fp32 parameters, gradients and optimizer state, read and written by name.
+
+Every function is a collective: all ranks must call it, in the same order, with the same parameter. Built on
+:mod:`zero_core.fragments`, so it is the same code for every stage.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .registry import engine_of
+
+
+def _assemble(engine, param: torch.Tensor, pick) -> torch.Tensor:
+    """Sum each rank's fragments of ``param`` into one full fp32 tensor on every rank."""
+    full = torch.zeros(param.shape.numel(), dtype=torch.float32, device=engine.device)
+    for fragment in engine.fragments_of(engine.name_of(param)):
+        full[fragment.param_range.as_slice()] = pick(fragment).float()
+    engine.comm.all_reduce(full)
+    return full.view(param.shape)
+
+
+def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
+    """The fp32 master value of ``param``, whole, on every rank."""
+    engine = engine_of(param)
+    return _assemble(engine, param, lambda f: f.master_values())
+
+
+def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor:
+    """The reduced (averaged over ranks), unscaled fp32 gradient of ``param``; call after backward, before step."""
+    engine = engine_of(param)
+    engine.reduce_gradients()
+    scale = engine.loss_scale
+    return _assemble(engine, param, lambda f: f.grad_values().float() / scale)
+
+
+def _state_slice(engine, fragment, key: str) -> Optional[torch.Tensor]:
+    value = engine.optimizer.state.get(fragment.master, {}).get(key)
+    if torch.is_tensor(value) and value.numel() == fragment.master.numel():
+        return value[fragment.local.as_slice()]
+    return None
+
+
+def _require_state(engine, key: str) -> None:
+    states = list(engine.optimizer.state.values())
+    if not states:
+        raise RuntimeError("the optimizer has no state yet: optimizer state exists after the first step()")
+    if not any(key in s for s in states):
+        raise KeyError(f"optimizer state has no key {key!r}; keys: {sorted(states[0])}")
+
+
+def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
+    """The per-element optimizer state ``optim_state_key`` (e.g. ``exp_avg``) of ``param``, whole."""
+    engine = engine_of(param)
+    _require_state(engine, optim_state_key)
+    return _assemble(engine, param, lambda f: _state_slice(engine, f, optim_state_key))
+
+
+def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
+    """Set the fp32 master of ``param`` (and the model's copy) from ``value``, given on every rank."""
+    engine = engine_of(param)
+    flat = value.detach().reshape(-1).to(torch.float32)
+    for fragment in engine.fragments_of(engine.name_of(param)):
+        fragment.master_values()[...] = flat[fragment.param_range.as_slice()]
+    engine.refresh_param(param, value)
+
+
+def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
+    """Set the per-element optimizer state ``optim_state_key`` of ``param`` from ``value``, given on every rank."""
+    engine = engine_of(param)
+    _require_state(engine, optim_state_key)
+    flat = value.detach().reshape(-1).to(torch.float32)
+    for fragment in engine.fragments_of(engine.name_of(param)):
+        target = _state_slice(engine, fragment, optim_state_key)
+        target[...] = flat[fragment.param_range.as_slice()]
