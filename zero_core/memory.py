@@ -17,7 +17,7 @@ class _StorageCounter:
         total = 0
         for tensor in tensors:
             storage = tensor.untyped_storage()
-            if storage.data_ptr() in self.seen or storage.nbytes() == 0:
+            if storage.nbytes() == 0 or storage.data_ptr() in self.seen:
                 continue
             self.seen.add(storage.data_ptr())
             total += storage.nbytes()
@@ -31,19 +31,18 @@ def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
                 yield value
 
 
-def model_state_bytes(module, inner_optimizer, groups, pool) -> dict[str, int]:
+def model_state_bytes(module, inner_optimizer, runtime) -> dict[str, int]:
     """Parameters, gradients, fp32 master copies, optimizer state and buffers (module buffers and scratch).
 
     Counted in that order, so an fp32 master that is a view of the parameters counts as parameters only.
     """
     counter = _StorageCounter()
-    params = counter.nbytes(module.parameters())
-    grads = counter.nbytes([s for g in groups for s in g.grad_shards()])
-    grads += counter.nbytes([g.flat_grad for g in groups if g.flat_grad is not None])
+    params = counter.nbytes(module.parameters()) + counter.nbytes(runtime.param_shards())
+    grads = counter.nbytes(runtime.grad_tensors())
     grads += counter.nbytes([p.grad for p in module.parameters() if p.grad is not None])
-    master = counter.nbytes([m for g in groups for m in g.masters])
+    master = counter.nbytes([m for part in runtime.parts for m in part.masters])
     optimizer_state = counter.nbytes(_state_tensors(inner_optimizer))
-    buffers = counter.nbytes(module.buffers()) + pool.nbytes()
+    buffers = counter.nbytes(module.buffers()) + runtime.scratch_nbytes()
     return {
         "params": params,
         "grads": grads,

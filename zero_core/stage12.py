@@ -1,0 +1,123 @@
+"""Stages 1 and 2: every rank keeps whole parameters; master weights, optimizer state (and, in stage 2,
+gradients) are sharded. The engine drives this runtime through the same methods as stage 3's.
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .buffer_pool import BufferPool
+from .comm import Communicator
+from .config import ZeroConfig
+from .flat_param_group import FlatParamGroup
+from .grad_reducer import GradReducer
+from .layout import compute_layout
+
+
+class ReplicatedParamsRuntime:
+    """Flat parameter groups, the bucketed gradient reducer, and the all-gather after each step."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        trainable_by_group: list[list[nn.Parameter]],
+        names: dict,
+        config: ZeroConfig,
+        comm: Communicator,
+    ) -> None:
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.parts = self._build_groups(trainable_by_group, names)
+        self._broadcast_initial_state()
+        for part in self.parts:
+            part.build_masters(torch.float32)
+        device = self.parts[0].device if self.parts else torch.device("cpu")
+        self.pool = BufferPool(device, capacity=max((b.range.size for g in self.parts for b in g.layout.buckets), default=1))
+        self.reducer = GradReducer(
+            self.parts,
+            comm,
+            self.pool,
+            partition_grads=config.stage >= 2,
+            overlap=config.resolved_overlap_comm,
+            use_reduce_scatter=config.reduce_scatter,
+            ignore_unused=config.ignore_unused_parameters,
+        )
+
+    def _build_groups(self, trainable_by_group, names) -> list[FlatParamGroup]:
+        bucket_numel = min(self.config.reduce_bucket_size, self.config.allgather_bucket_size)
+        topology = self.comm.topology
+        groups = []
+        for index, trainable in enumerate(trainable_by_group):
+            for dtype in sorted({p.dtype for p in trainable}, key=str):
+                members = [p for p in trainable if p.dtype == dtype]
+                layout = compute_layout([p.numel() for p in members], topology.world_size, bucket_numel)
+                groups.append(FlatParamGroup(members, [names[p] for p in members], index, layout,
+                                             topology.rank, full_grads=self.config.stage == 1))
+        return groups
+
+    def managed_params(self) -> list[nn.Parameter]:
+        return [p for g in self.parts for p in g.params]
+
+    def _broadcast_initial_state(self) -> None:
+        """Start every rank from rank 0's weights and buffers, as DDP does."""
+        for tensor in [g.flat for g in self.parts] + list(self.replicated_state().values()):
+            self.comm.broadcast(tensor.data, src=0)
+
+    # -- the engine's calls --------------------------------------------------------------------------------
+    def set_sync(self, sync: bool) -> None:
+        self.reducer.sync = sync
+
+    def reduce_gradients(self) -> None:
+        if self.config.stage == 1:
+            self.reducer.reduce_full_grads()
+        else:
+            self.reducer.flush_unsynced()
+
+    def after_step(self) -> None:
+        """Every rank updated its shards; all-gather them so each rank holds whole parameters again."""
+        works = []
+        for group in self.parts:
+            group.write_back_masters()
+            for bucket in group.layout.buckets:
+                works += self._gather_bucket(group, bucket)
+        for work in works:
+            work.wait()
+
+    def _gather_bucket(self, group: FlatParamGroup, bucket) -> list:
+        full = group.flat[bucket.range.as_slice()]
+        if not self.config.allgather_partitions:
+            pieces = [bucket.shard_range(r).shift(-bucket.range.start) for r in range(self.comm.topology.world_size)]
+            return [self.comm.broadcast(full[p.as_slice()], src=r, async_op=True) for r, p in enumerate(pieces)]
+        return [self.comm.all_gather(full, group.shard_of_params(bucket.index), async_op=True)]
+
+    def zero_grads(self) -> None:
+        for group in self.parts:
+            group.zero_grads()
+
+    def replicated_state(self) -> dict[str, torch.Tensor]:
+        """Buffers and parameters outside every optimizer group: identical on every rank, not sharded."""
+        managed = {id(p) for p in self.managed_params()}
+        state = {n: p for n, p in self.module.named_parameters() if id(p) not in managed}
+        state.update(dict(self.module.named_buffers()))
+        return state
+
+    def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
+        yield from self.module.named_parameters()
+
+    def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+
+    def param_shards(self) -> list[torch.Tensor]:
+        return []  # parameters are whole: module.parameters() already covers them
+
+    def scratch_nbytes(self) -> int:
+        return self.pool.nbytes()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        tensors = [s for g in self.parts for s in g.grad_shards()]
+        return tensors + [g.flat_grad for g in self.parts if g.flat_grad is not None]
