@@ -1,0 +1,583 @@
+"""ZeroConfig: every setting of DeepSpeed's ``zero_optimization`` block plus the run-level fields
+(fp16, bf16, gradient_clipping, gradient_accumulation_steps) that the ZeRO engine reads.
+
+One dataclass per block, one documented field per setting, DeepSpeed's names, aliases and defaults.
+Values are checked in ``__post_init__``; every error is a ZeroConfigError naming the field's dotted
+path. ``python -m zero_core.config`` prints the field tables of docs/config.md.
+"""
+
+import dataclasses
+import functools
+import json
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import MISSING, dataclass, fields
+from typing import Any, ClassVar, Optional, Union
+
+from zero_core.config_fields import Block, checked_init, setting, documented, rule_text, type_text
+from zero_core.config_loading import (
+    ALIASES,
+    DEEPSPEED_IGNORED_KEYS,
+    DEPRECATED,
+    RUN_FIELDS,
+    ZERO_SECTION,
+    ZeroConfigError,
+    flatten_deepspeed_config,
+    is_whole_config,
+    key_path,
+    normalize_names,
+    pop_autos,
+    read_config_file,
+    require_str_keys,
+    unknown_key_error,
+    warn,
+)
+
+__all__ = [
+    "BF16Config", "FIELD_STATUS", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
+    "ZeroConfig", "ZeroConfigError",
+]
+
+HONOURED = "honoured"
+NOT_YET = "not yet implemented"
+
+
+def _mapped(how: str) -> str:
+    return f"mapped: {how}"
+
+
+# What the engine does with each ZeroConfig field; warn_unimplemented() reads it.
+FIELD_STATUS = {
+    "stage": HONOURED,
+    "contiguous_gradients": _mapped("gradients are always copied into contiguous bucket buffers"),
+    "reduce_scatter": HONOURED,
+    "reduce_bucket_size": HONOURED,
+    "allgather_partitions": HONOURED,
+    "allgather_bucket_size": HONOURED,
+    "overlap_comm": HONOURED,
+    "load_from_fp32_weights": NOT_YET,
+    "elastic_checkpoint": _mapped("checkpoints always load at any world size"),
+    "offload_param": NOT_YET,
+    "offload_optimizer": NOT_YET,
+    "sub_group_size": _mapped("the optimizer steps over one shard per bucket"),
+    "prefetch_bucket_size": NOT_YET,
+    "param_persistence_threshold": NOT_YET,
+    "model_persistence_threshold": NOT_YET,
+    "max_live_parameters": NOT_YET,
+    "max_reuse_distance": NOT_YET,
+    "gather_16bit_weights_on_model_save": NOT_YET,
+    "ignore_unused_parameters": HONOURED,
+    "legacy_stage1": _mapped("there is one stage 1 implementation"),
+    "round_robin_gradients": NOT_YET,
+    "zero_hpz_partition_size": NOT_YET,
+    "zero_quantized_weights": NOT_YET,
+    "zero_quantized_nontrainable_weights": NOT_YET,
+    "zero_quantized_gradients": NOT_YET,
+    "mics_shard_size": NOT_YET,
+    "mics_hierarchical_params_gather": NOT_YET,
+    "memory_efficient_linear": _mapped("stage 3 hooks never keep gathered weights for backward"),
+    "pipeline_loading_checkpoint": NOT_YET,
+    "override_module_apply": NOT_YET,
+    "fp16": HONOURED,
+    "bf16": HONOURED,
+    "gradient_clipping": HONOURED,
+    "gradient_accumulation_steps": _mapped("read by the front-ends; with the core API use engine.no_sync()"),
+}
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+
+
+def _check_nvme(block) -> None:
+    if block.device == "nvme" and not block.nvme_path:
+        raise ZeroConfigError(f"{block._PATH}.nvme_path is required when device is 'nvme'; "
+                              f"set it to a directory on the NVMe drive, or use device 'cpu'")
+
+
+@checked_init
+@documented
+@dataclass
+class OffloadParamConfig(Block):
+    """Parameter offload (``zero_optimization.offload_param``); DeepSpeed allows it with stage 3 only."""
+
+    _PATH: ClassVar[str] = f"{ZERO_SECTION}.offload_param"
+
+    device: str = setting(
+        "none", choices=OFFLOAD_DEVICES,
+        doc="Where to offload parameters: none, cpu or nvme.")
+    nvme_path: Optional[str] = setting(None, doc="Directory on the NVMe drive; required when device is nvme.")
+    buffer_count: int = setting(5, minimum=0, doc="Number of buffers in the pool for NVMe parameter offload.")
+    buffer_size: int = setting(100_000_000, minimum=0, doc="Size in elements of each NVMe offload buffer.")
+    max_in_cpu: int = setting(
+        1_000_000_000, minimum=0,
+        doc="Number of parameter elements kept in CPU memory when offloading to NVMe.")
+    pin_memory: bool = setting(
+        False,
+        doc="Offload to page-locked CPU memory: faster copies, more host memory.")
+
+    def _check_combinations(self) -> None:
+        _check_nvme(self)
+
+
+@checked_init
+@documented
+@dataclass
+class OffloadOptimizerConfig(Block):
+    """Optimizer-state offload (``zero_optimization.offload_optimizer``); stages 1, 2 and 3."""
+
+    _PATH: ClassVar[str] = f"{ZERO_SECTION}.offload_optimizer"
+
+    device: str = setting(
+        "none", choices=OFFLOAD_DEVICES,
+        doc="Where to offload optimizer state: none, cpu or nvme; the step runs on the CPU.")
+    nvme_path: Optional[str] = setting(None, doc="Directory on the NVMe drive; required when device is nvme.")
+    buffer_count: int = setting(
+        4, minimum=0,
+        doc="Number of buffers for NVMe offload; at least the optimizer's states per parameter (Adam: 4).")
+    pin_memory: bool = setting(
+        False,
+        doc="Offload to page-locked CPU memory: faster copies, more host memory.")
+    pipeline_read: bool = setting(
+        False,
+        doc="Overlap reading the next tile with the step on the current one.")
+    pipeline_write: bool = setting(
+        False,
+        doc="Overlap writing the previous tile with the step on the current one.")
+    fast_init: bool = setting(False, doc="Fast optimizer initialisation when offloading to NVMe.")
+
+    def _check_combinations(self) -> None:
+        _check_nvme(self)
+
+
+@checked_init
+@documented
+@dataclass
+class FP16Config(Block):
+    """Float16 mixed precision with loss scaling (the top-level ``fp16`` block of a DeepSpeed config)."""
+
+    _PATH: ClassVar[str] = "fp16"
+
+    enabled: bool = setting(False, doc="Train with float16 parameters and dynamic or static loss scaling.")
+    auto_cast: bool = setting(False, doc="Cast the inputs of the model's forward to float16.")
+    loss_scale: float = setting(0.0, minimum=0, doc="Static loss scale; 0 means dynamic loss scaling.")
+    initial_scale_power: int = setting(16, minimum=0, doc="Dynamic scaling starts at 2**initial_scale_power.")
+    loss_scale_window: int = setting(
+        1000, minimum=1,
+        doc="Steps without overflow before the dynamic loss scale is raised.")
+    hysteresis: int = setting(
+        2, minimum=1,
+        doc="Overflows tolerated before the dynamic loss scale is lowered.")
+    consecutive_hysteresis: bool = setting(
+        False,
+        doc="Refill the hysteresis after each step without overflow.")
+    min_loss_scale: float = setting(1.0, above=0, doc="Lower bound of the dynamic loss scale.")
+
+
+@checked_init
+@documented
+@dataclass
+class BF16Config(Block):
+    """BFloat16 mixed precision (the top-level ``bf16`` block; DeepSpeed also reads ``bfloat16``)."""
+
+    _PATH: ClassVar[str] = "bf16"
+
+    enabled: bool = setting(False, doc="Train with bfloat16 parameters (no loss scaling needed).")
+
+
+# Block fields of ZeroConfig: field name -> (class, may be None).
+_BLOCKS = {
+    "offload_param": (OffloadParamConfig, True),
+    "offload_optimizer": (OffloadOptimizerConfig, True),
+    "fp16": (FP16Config, False),
+    "bf16": (BF16Config, False),
+}
+
+
+def _as_block(path: str, value: Any, cls, optional: bool) -> Any:
+    if value is None and optional:
+        return None
+    if isinstance(value, cls):
+        value.validate()
+        return value
+    if isinstance(value, Mapping):
+        return cls(**value)
+    expected = f"a mapping (or {cls.__name__})" + (" or null" if optional else "")
+    raise ZeroConfigError(f"{path} must be {expected}, got {value!r} ({type(value).__name__})")
+
+
+def _offloads(block) -> bool:
+    return block is not None and block.device != "none"
+
+
+
+def _plain(value: Any) -> Any:
+    return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
+
+
+def _set_path(flat: dict, path: str, value: Any) -> None:
+    root, _, leaf = path.partition(".")
+    if leaf:
+        flat[root][leaf] = value
+    else:
+        flat[root] = value
+
+
+def _get_path(flat: dict, path: str) -> Any:
+    root, _, leaf = path.partition(".")
+    return flat[root][leaf] if leaf else flat[root]
+
+
+@checked_init
+@documented
+@dataclass
+class ZeroConfig(Block):
+    """ZeRO settings: DeepSpeed's ``zero_optimization`` block plus the run-level fields the engine reads.
+
+    Build it from keyword arguments, ``from_dict`` (a bare zero_optimization block or a whole
+    DeepSpeed config), ``from_file`` (.json/.yaml/.yml) or ``coerce``. DeepSpeed's aliases
+    (stage3_*) and deprecated names (cpu_offload, ...) are accepted; unknown keys are errors.
+    """
+
+    stage: int = setting(
+        0, choices=(0, 1, 2, 3),
+        doc="ZeRO stage: 0 off, 1 shards optimizer state, 2 also gradients, 3 also parameters.")
+    contiguous_gradients: bool = setting(
+        True,
+        doc="Copy gradients into a contiguous buffer as they are produced, avoiding memory fragmentation.")
+    reduce_scatter: bool = setting(True, doc="Average gradients with reduce-scatter instead of all-reduce.")
+    reduce_bucket_size: int = setting(
+        500_000_000, minimum=0,
+        doc="Number of gradient elements reduced at a time; bounds the memory of the reduction buckets.")
+    allgather_partitions: bool = setting(
+        True,
+        doc="Gather updated parameters with all-gather instead of a series of broadcasts.")
+    allgather_bucket_size: int = setting(
+        500_000_000, minimum=0,
+        doc="Number of parameter elements all-gathered at a time.")
+    overlap_comm: Optional[bool] = setting(
+        None,
+        doc="Overlap gradient reduction with the backward pass; null means true for stage 3 and false "
+            "otherwise.")
+    load_from_fp32_weights: bool = setting(
+        True,
+        doc="Initialise the fp32 master weights from the checkpoint's fp32 copies (no precision loss) rather "
+            "than its 16-bit weights.")
+    elastic_checkpoint: bool = setting(False, doc="Load checkpoints saved with a different number of ranks.")
+    offload_param: Optional[OffloadParamConfig] = setting(
+        None,
+        doc="Offload parameters to CPU or NVMe (stage 3 only); a mapping of OffloadParamConfig fields.")
+    offload_optimizer: Optional[OffloadOptimizerConfig] = setting(
+        None,
+        doc="Offload optimizer state and step to CPU or NVMe (stages 1-3); a mapping of "
+            "OffloadOptimizerConfig fields.")
+    sub_group_size: int = setting(
+        1_000_000_000, minimum=0,
+        doc="Tile size, in elements, of the optimizer step over very large models.")
+    prefetch_bucket_size: int = setting(
+        50_000_000, minimum=0,
+        doc="Stage 3: maximum number of parameter elements fetched ahead of use.")
+    param_persistence_threshold: int = setting(
+        100_000, minimum=0,
+        doc="Stage 3: parameters with fewer elements than this stay unpartitioned.")
+    model_persistence_threshold: int = setting(
+        sys.maxsize, minimum=0,
+        doc="Stage 3: bound on the total elements that param_persistence_threshold may keep unpartitioned.")
+    max_live_parameters: int = setting(
+        1_000_000_000, minimum=0,
+        doc="Stage 3: maximum parameter elements resident per GPU before gathered parameters are released.")
+    max_reuse_distance: int = setting(
+        1_000_000_000, minimum=0,
+        doc="Stage 3: keep a gathered parameter that is used again within this many parameter elements.")
+    gather_16bit_weights_on_model_save: bool = setting(
+        False,
+        doc="Stage 3: gather the partitioned 16-bit weights when the model is saved.")
+    ignore_unused_parameters: bool = setting(
+        True,
+        doc="Accept parameters that receive no gradient instead of raising an error.")
+    legacy_stage1: bool = setting(False, doc="Use DeepSpeed's old stage 1 implementation.")
+    round_robin_gradients: bool = setting(
+        False,
+        doc="Stages 1-2 with CPU offload: spread the gradient copies to CPU memory across ranks.")
+    zero_hpz_partition_size: int = setting(
+        1, minimum=1,
+        doc="ZeRO++ hpZ: ranks in the secondary parameter partition group; 1 turns it off.")
+    zero_quantized_weights: bool = setting(False, doc="ZeRO++ qwZ: quantize weights for the all-gather.")
+    zero_quantized_nontrainable_weights: bool = setting(
+        False,
+        doc="Store non-trainable weights quantized (useful for LoRA).")
+    zero_quantized_gradients: bool = setting(False, doc="ZeRO++ qgZ: quantize gradients for the reduction.")
+    mics_shard_size: int = setting(
+        -1, check=lambda v: v == -1 or v >= 1, rule="-1 or >= 1",
+        doc="MiCS: number of devices that partition the model states; -1 turns MiCS off.")
+    mics_hierarchical_params_gather: bool = setting(
+        False,
+        doc="MiCS: gather parameters in two stages, within and then across nodes.")
+    memory_efficient_linear: bool = setting(
+        True,
+        doc="Stage 3: use a linear layer that does not keep gathered weights for backward.")
+    pipeline_loading_checkpoint: bool = setting(
+        False,
+        doc="Stage 3: DeepSpeed's pipelined loading of checkpoint weights while the model is partitioned.")
+    override_module_apply: bool = setting(
+        True,
+        doc="Stage 3: gather parameters around nn.Module.apply; false initialises faster but apply then sees "
+            "partitioned parameters.")
+    fp16: FP16Config = setting(factory=FP16Config, doc="Float16 mixed precision: the top-level fp16 block.")
+    bf16: BF16Config = setting(
+        factory=BF16Config,
+        doc="BFloat16 mixed precision: the top-level bf16 (or bfloat16) block.")
+    gradient_clipping: float = setting(
+        0.0, minimum=0,
+        doc="Clip the global gradient norm to this value; 0 turns clipping off.")
+    gradient_accumulation_steps: int = setting(
+        1, minimum=1,
+        doc="Micro-batches whose gradients are accumulated before each optimizer step.")
+
+    # --- construction hooks (see checked_init)
+
+    @classmethod
+    def _prepare_kwargs(cls, kwargs: dict) -> tuple:
+        kwargs = normalize_names(kwargs, [f.name for f in fields(cls)])
+        block_fields = {name: [f.name for f in fields(block)] for name, (block, _) in _BLOCKS.items()}
+        return pop_autos(kwargs, block_fields)
+
+    def _record_given(self, names: tuple, autos: tuple) -> None:
+        # Plain attributes, not fields: they stay out of __eq__, __repr__ and the CLI.
+        self._explicit = frozenset(names) | {path.split(".")[0] for path in autos}
+        self._auto = tuple(sorted(autos, key=field_paths().index))  # field order, not key order
+        self._warned_unimplemented = False
+
+    def _path(self, name: str) -> str:
+        return key_path(name)
+
+    def _checked(self, f: dataclasses.Field) -> Any:
+        if f.name in _BLOCKS:
+            block, optional = _BLOCKS[f.name]
+            return _as_block(self._path(f.name), getattr(self, f.name), block, optional)
+        return super()._checked(f)
+
+    def _check_combinations(self) -> None:
+        if _offloads(self.offload_param) and self.stage != 3:
+            raise ZeroConfigError(f"{key_path('offload_param')} needs stage 3, got stage {self.stage}; "
+                                  f"set {key_path('stage')} to 3 or remove offload_param")
+        if _offloads(self.offload_optimizer) and self.stage == 0:
+            raise ZeroConfigError(f"{key_path('offload_optimizer')} needs stage 1, 2 or 3, got stage 0; "
+                                  f"set {key_path('stage')} or remove offload_optimizer")
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ZeroConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+
+    # --- derived values
+
+    @property
+    def resolved_overlap_comm(self) -> bool:
+        """overlap_comm with DeepSpeed's default filled in: true for stage 3, false otherwise."""
+        return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
+
+    @property
+    def param_dtype(self):
+        """torch.float16, torch.bfloat16 or torch.float32, from fp16.enabled / bf16.enabled."""
+        import torch  # lazily: reading a config should not need torch
+
+        if self.fp16.enabled:
+            return torch.float16
+        return torch.bfloat16 if self.bf16.enabled else torch.float32
+
+    @property
+    def auto_fields(self) -> tuple:
+        """Field paths (e.g. 'reduce_bucket_size', 'fp16.enabled') given as "auto"; they hold defaults."""
+        return self._auto
+
+    # --- other constructors
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "ZeroConfig":
+        """Build from a bare zero_optimization block (optionally with the run-level fields) or from a
+        whole DeepSpeed config (recognised by its top-level zero_optimization key, or by another
+        DeepSpeed top-level key such as optimizer when ZeRO is off)."""
+        if not isinstance(d, Mapping):
+            raise ZeroConfigError(f"a ZeRO config must be a mapping, got {type(d).__name__}")
+        if is_whole_config(d):
+            d = flatten_deepspeed_config(d, [f.name for f in fields(cls) if f.name not in RUN_FIELDS])
+        require_str_keys(d)
+        return cls(**d)
+
+    @classmethod
+    def from_file(cls, path: Union[str, os.PathLike]) -> "ZeroConfig":
+        """Build from a .json, .yaml or .yml file holding either shape that from_dict accepts."""
+        data = read_config_file(path)
+        try:
+            return cls.from_dict(data)
+        except ZeroConfigError as err:
+            raise ZeroConfigError(f"in config file '{os.fspath(path)}': {err}") from None
+
+    @classmethod
+    def coerce(cls, obj: Union["ZeroConfig", Mapping, str, os.PathLike, None]) -> "ZeroConfig":
+        """A ZeroConfig from a ZeroConfig (returned as is), a mapping, a file path, or None (defaults)."""
+        if isinstance(obj, cls):
+            return obj
+        if obj is None:
+            return cls()
+        if isinstance(obj, Mapping):
+            return cls.from_dict(obj)
+        if isinstance(obj, (str, os.PathLike)):
+            return cls.from_file(obj)
+        raise TypeError(f"ZeroConfig.coerce expects a ZeroConfig, a dict, a path to a .json/.yaml/.yml "
+                        f"file (str or os.PathLike) or None, got {type(obj).__name__}")
+
+    # --- output
+
+    def _flat(self) -> dict:
+        return {f.name: _plain(getattr(self, f.name)) for f in fields(self)}
+
+    def to_dict(self) -> dict:
+        """The whole-DeepSpeed-config shape; fields recorded as "auto" are written back as "auto"."""
+        flat = self._flat()
+        for path in self._auto:
+            _set_path(flat, path, "auto")
+        out = {ZERO_SECTION: {k: v for k, v in flat.items() if k not in RUN_FIELDS}}
+        out.update({k: flat[k] for k in RUN_FIELDS})
+        return out
+
+    # --- "auto"
+
+    def resolve_auto(self, **values: Any) -> "ZeroConfig":
+        """A copy whose "auto" fields take the given run values, keyed by field path
+        ('gradient_accumulation_steps', 'fp16.enabled', 'reduce_bucket_size', ...; aliases and a
+        'zero_optimization.' prefix are accepted). Values for fields that are not "auto" are ignored.
+        One UserWarning lists the "auto" fields left without a value and the default each keeps."""
+        given = {_canonical_path(key): value for key, value in values.items()}
+        flat, fallbacks = self._flat(), []
+        for path in self._auto:
+            if path in given:
+                _set_path(flat, path, given[path])
+            else:
+                fallbacks.append(f"{path}={_get_path(flat, path)!r}")
+        resolved = type(self)(**flat)
+        resolved._explicit = self._explicit
+        if fallbacks:
+            warn("ZeroConfig.resolve_auto: these \"auto\" fields got no value and keep their defaults: "
+                 + ", ".join(fallbacks), UserWarning)
+        return resolved
+
+    # --- implementation status
+
+    def explicit_fields(self) -> tuple:
+        """Names of the fields the user gave (directly, through an alias or a deprecated name)."""
+        return tuple(f.name for f in fields(self) if f.name in self._explicit)
+
+    def unimplemented_fields(self) -> tuple:
+        """Explicit fields set away from their default whose status is "not yet implemented"."""
+        return tuple(name for name in self.explicit_fields()
+                     if FIELD_STATUS[name] == NOT_YET and _differs_from_default(self, name))
+
+    def warn_unimplemented(self) -> None:
+        """One UserWarning listing unimplemented_fields(); silent if there are none or already warned."""
+        names = self.unimplemented_fields()
+        if self._warned_unimplemented or not names:
+            return
+        self._warned_unimplemented = True
+        listed = ", ".join(f"{key_path(name)} ({FIELD_STATUS[name]})" for name in names)
+        warn(f"ZeroConfig: these settings are not implemented by lightning-zero yet and have no effect: "
+             f"{listed}; docs/config.md lists the status of every field", UserWarning)
+
+
+def _default(cls, name: str) -> Any:
+    f = cls.__dataclass_fields__[name]
+    return f.default_factory() if f.default is MISSING else f.default
+
+
+def _differs_from_default(cfg: ZeroConfig, name: str) -> bool:
+    value = getattr(cfg, name)
+    if name in ("offload_param", "offload_optimizer"):
+        return _offloads(value)  # a block with device 'none' offloads nothing
+    return value != _default(ZeroConfig, name)
+
+
+@functools.cache
+def field_paths() -> tuple:
+    """Every field path of ZeroConfig in field order: 'stage', ..., 'offload_param', 'offload_param.device',
+    ..., 'fp16', 'fp16.enabled', ..."""
+    paths = []
+    for f in fields(ZeroConfig):
+        paths.append(f.name)
+        if f.name in _BLOCKS:
+            paths += [f"{f.name}.{sub.name}" for sub in fields(_BLOCKS[f.name][0])]
+    return tuple(paths)
+
+
+def _canonical_path(key: str) -> str:
+    path = key.removeprefix(f"{ZERO_SECTION}.")
+    root, dot, leaf = path.partition(".")
+    path = ALIASES.get(root, root) + dot + leaf
+    if path not in field_paths():
+        err = unknown_key_error(key, path, field_paths())
+        raise ZeroConfigError(f"resolve_auto: {err}")
+    return path
+
+
+# ----------------------------------------------------------------------------- docs tables
+
+_CROSS_RULES = {
+    "offload_param": "device other than none needs stage 3",
+    "offload_optimizer": "device other than none needs stage 1-3",
+    "fp16": "not together with bf16.enabled",
+    "nvme_path": "required when device is nvme",
+}
+
+
+def _other_names(path: str) -> str:
+    names = [f"`{old}` (alias)" for old, new in ALIASES.items() if new == path]
+    names += [f"`{old}` (deprecated)" for old, new in DEPRECATED.items() if path in new.split(" / ")]
+    return ", ".join(names)
+
+
+def _shown_default(f: dataclasses.Field) -> str:
+    value = f.default
+    if value is MISSING:
+        return "its block's defaults"
+    if value is sys.maxsize:
+        return "`sys.maxsize`"
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
+        return f"`{value:,}`"
+    return f"`{json.dumps(value)}`"
+
+
+def _row(cls, f: dataclasses.Field, path: str, status: str) -> str:
+    rule = "; ".join(r for r in (type_text(cls, f), rule_text(f.metadata), _CROSS_RULES.get(f.name)) if r)
+    cells = [f"`{path}`", _other_names(path), _shown_default(f), rule, status, f.metadata["doc"]]
+    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+
+def _table(title: str, cls, names, prefix: str = "", status: str = "") -> list:
+    lines = [f"### {title}", "", "| Field | Other names | Default | Constraint | Status | Description |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    for f in fields(cls):
+        if f.name in names:
+            lines.append(_row(cls, f, prefix + f.name, status or FIELD_STATUS[f.name]))
+    return lines + [""]
+
+
+def markdown_tables() -> str:
+    """The field tables of docs/config.md (regenerate with ``python -m zero_core.config``)."""
+    zero_names = [f.name for f in fields(ZeroConfig) if f.name not in RUN_FIELDS]
+    lines = _table(f"`{ZERO_SECTION}` block", ZeroConfig, zero_names)
+    for name in ("offload_param", "offload_optimizer"):
+        block = _BLOCKS[name][0]
+        title = f"`{ZERO_SECTION}.{name}` block"
+        lines += _table(title, block, _names(block), f"{name}.", FIELD_STATUS[name])
+    lines += _table("Top-level run fields", ZeroConfig, RUN_FIELDS)
+    for name in ("fp16", "bf16"):
+        block = _BLOCKS[name][0]
+        lines += _table(f"`{name}` block", block, _names(block), f"{name}.", FIELD_STATUS[name])
+    lines += ["### Other DeepSpeed top-level keys", "",
+              "A whole DeepSpeed config may also hold these keys; ZeroConfig reads past them:", "",
+              ", ".join(f"`{key}`" for key in sorted(DEEPSPEED_IGNORED_KEYS)) + "."]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _names(cls) -> list:
+    return [f.name for f in fields(cls)]
+
+
+if __name__ == "__main__":
+    print(markdown_tables(), end="")
