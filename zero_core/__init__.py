@@ -14,6 +14,7 @@ from .debug_access import (
     safe_set_full_optimizer_state,
 )
 from .engine import ZeroEngine, setup
+from .external_params import GatheredParameters, register_external_parameter, unregister_external_parameter
 from .fragments import Fragment
 from .layout import FlatLayout, Range, compute_layout
 
@@ -22,6 +23,9 @@ __all__ = [
     "ZeroConfigError",
     "ZeroEngine",
     "setup",
+    "GatheredParameters",
+    "register_external_parameter",
+    "unregister_external_parameter",
     "Fragment",
     "FlatLayout",
     "Range",

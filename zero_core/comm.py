@@ -7,6 +7,7 @@ ZeRO paper's volumes (2Ψ per step for stages 1 and 2).
 
 from __future__ import annotations
 
+import os
 from collections import defaultdict
 from typing import Optional
 
@@ -26,21 +27,44 @@ class Communicator:
     def __init__(self, topology: Topology) -> None:
         self.topology = topology
         self._stats: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0})
+        # Debug mode (DESIGN.md): before each collective, every rank shows what it is about to call, so a
+        # mismatch becomes an error naming both sides instead of a hang. Stage 3 also turns it on while it
+        # records its first trace.
+        self.always_check = os.environ.get("ZERO_CORE_CHECK_COLLECTIVES", "0") == "1"
+        self.check = self.always_check
 
-    def _count(self, name: str, tensor: torch.Tensor) -> None:
+    def _verify(self, name: str, tensor: torch.Tensor, label: str) -> None:
+        mine = (name, tensor.numel(), str(tensor.dtype), label)
+        everyone: list = [None] * self.topology.world_size
+        dist.all_gather_object(everyone, mine, group=self.topology.group)
+        for rank, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise RuntimeError(
+                    f"collective mismatch: rank {self.topology.rank} calls {name} of {mine[1]} {mine[2]} elements "
+                    f"for '{label}', but rank {rank} calls {theirs[0]} of {theirs[1]} {theirs[2]} elements for "
+                    f"'{theirs[3]}'. Every rank must run the same modules in the same order."
+                )
+
+    def _count(self, name: str, tensor: torch.Tensor, label: str = "") -> None:
+        if self.check:
+            self._verify(name, tensor, label)
         entry = self._stats[name]
         entry["calls"] += 1
         entry["elements"] += tensor.numel()
         entry["bytes"] += tensor.numel() * tensor.element_size()
 
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[dist.Work]:
+    def reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
+    ) -> Optional[dist.Work]:
         """Sum ``input`` over ranks; this rank receives its equal slice in ``output``."""
-        self._count("reduce_scatter", input)
+        self._count("reduce_scatter", input, label)
         return _reduce_scatter(output, input, group=self.topology.group, async_op=async_op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False) -> Optional[dist.Work]:
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
+    ) -> Optional[dist.Work]:
         """Concatenate every rank's ``input`` into ``output`` in rank order."""
-        self._count("all_gather", output)
+        self._count("all_gather", output, label)
         return _all_gather(output, input, group=self.topology.group, async_op=async_op)
 
     def all_reduce(

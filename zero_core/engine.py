@@ -228,6 +228,23 @@ class ZeroEngine:
         """Write a new full value into the model's own copy of ``param`` (value given on every rank)."""
         self.runtime.refresh_param(param, value)
 
+    def describe(self, param: torch.Tensor) -> str:
+        return self._names.get(param, "<unknown>")
+
+    def gather_params(self, params) -> list:
+        """GatheredParameters' entry: gather what is partitioned (stage 3). A collective."""
+        return self.runtime.gather_params(params)
+
+    def commit_params(self, params, opened: list, modified: bool) -> None:
+        """GatheredParameters' exit: keep modified values (masters included), release what was gathered."""
+        self.runtime.commit_params(params, opened, modified)
+
+    def empty_partition_cache(self) -> None:
+        """Release every gathered stage 3 parameter that is not in use (no-op for stages 1 and 2)."""
+        release = getattr(self.runtime, "release_all", None)
+        if release is not None:
+            release()
+
     # -- introspection -------------------------------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes per collective since the last :meth:`reset_comm_stats`."""

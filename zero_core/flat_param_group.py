@@ -16,7 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .fragments import Fragment
+from .fragments import Fragment, build_fragments, make_masters
 from .layout import BucketLayout, FlatLayout
 
 
@@ -73,28 +73,13 @@ class FlatParamGroup:
 
     def build_masters(self, master_dtype: torch.dtype) -> list[nn.Parameter]:
         """fp32 master shards, one per bucket: views of ``flat`` when it is already fp32, copies otherwise."""
-        masters = []
-        for bucket in self.layout.buckets:
-            shard = self.flat[bucket.shard_range(self.rank).as_slice()]
-            data = shard if shard.dtype == master_dtype else shard.to(master_dtype)
-            masters.append(nn.Parameter(data, requires_grad=True))
-        self.masters = masters
-        return masters
+        self.masters = make_masters([self.shard_of_params(b.index) for b in self.layout.buckets], master_dtype)
+        return self.masters
 
     def fragments(self) -> list[Fragment]:
         """This rank's piece of every parameter, located in the master and gradient shards."""
-        return [
-            Fragment(
-                name=self.names[f.param_index],
-                shape=self.params[f.param_index].shape,
-                dtype=self.dtype,
-                param_range=f.param_range,
-                master=self.masters[f.bucket],
-                grad_shard=self._grad_shards[f.bucket],
-                local=f.shard_range,
-            )
-            for f in self.layout.fragments(self.rank)
-        ]
+        shapes = [p.shape for p in self.params]
+        return build_fragments(self.layout, self.rank, self.names, shapes, self.dtype, self.masters, self._grad_shards)
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shard(self, bucket: int) -> torch.Tensor:

@@ -31,6 +31,7 @@ class ReplicatedParamsRuntime:
         self.module = module
         self.config = config
         self.comm = comm
+        self.names = names
         self.parts = self._build_groups(trainable_by_group, names)
         self._broadcast_initial_state()
         for part in self.parts:
@@ -107,6 +108,19 @@ class ReplicatedParamsRuntime:
 
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.module.named_parameters()
+
+    def gather_params(self, params) -> list:
+        return []  # parameters are whole on every rank already
+
+    def commit_params(self, params, opened: list, modified: bool) -> None:
+        """Parameters changed in place (and broadcast): copy them into their fp32 master fragments."""
+        if not modified:
+            return
+        values = {self.names[p]: p.detach().reshape(-1) for p in params if p in self.names}
+        for part in self.parts:
+            for fragment in part.fragments():
+                if fragment.name in values:
+                    fragment.master_values()[...] = values[fragment.name][fragment.param_range.as_slice()]
 
     def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
         with torch.no_grad():

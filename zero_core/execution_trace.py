@@ -1,0 +1,97 @@
+"""The module execution order that stage 3 prefetches along.
+
+The first step records the order in which managed modules run their forward. At the end of that step every
+rank compares its order with the others (one small all-gather): identical orders make the trace valid;
+different orders are an error that names where the ranks part ways. While valid, each forward is checked
+against the trace as it runs; a module out of place (another code path) stops prefetching for the rest of the
+step and the next step records again. Prefetch only ever follows a trace that every rank agreed on.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class TraceState(enum.Enum):
+    RECORDING = "recording"
+    VALID = "valid"
+
+
+class ExecutionTrace:
+    """Records, validates and follows the forward order of managed modules."""
+
+    def __init__(self, module_names: dict[nn.Module, str], comm) -> None:
+        self.module_names = module_names
+        self._index = {m: i for i, m in enumerate(module_names)}
+        self.comm = comm
+        self.state = TraceState.RECORDING
+        self.order: list[nn.Module] = []
+        self.position = 0
+        self.deviated = False
+
+    def reset(self) -> None:
+        """Forget the trace (the set of managed modules changed): record again from the next forward."""
+        self._index = {m: i for i, m in enumerate(self.module_names)}
+        self.state = TraceState.RECORDING
+        self.order = []
+        self.deviated = False
+
+    def start_forward(self) -> None:
+        """The root module's forward begins."""
+        if self.state is TraceState.RECORDING:
+            self.order = []
+        self.position = 0
+
+    def visit(self, module: nn.Module) -> Optional[int]:
+        """Note that ``module`` runs now; its trace position when the trace is valid and followed."""
+        if self.state is TraceState.RECORDING:
+            self.order.append(module)
+            return None
+        if self.deviated or self.position >= len(self.order) or self.order[self.position] is not module:
+            self.deviated = True
+            return None
+        self.position += 1
+        return self.position - 1
+
+    @property
+    def following(self) -> bool:
+        return self.state is TraceState.VALID and not self.deviated
+
+    def end_step(self) -> None:
+        """At the end of a step (all ranks together): validate a recording, or go back to recording."""
+        if self.state is TraceState.RECORDING and self.order:
+            self._check_same_on_all_ranks()
+            self.state = TraceState.VALID
+        elif self.deviated:
+            self.state = TraceState.RECORDING
+        self.deviated = False
+
+    def _check_same_on_all_ranks(self) -> None:
+        mine = [self._index[m] for m in self.order]
+        everyone: list = [None] * self.comm.topology.world_size
+        dist.all_gather_object(everyone, mine, group=self.comm.topology.group)
+        for rank, theirs in enumerate(everyone):
+            if theirs != mine:
+                raise RuntimeError(self._describe_mismatch(mine, theirs, rank))
+
+    def _describe_mismatch(self, mine: list, theirs: list, rank: int) -> str:
+        names = list(self.module_names.values())
+        at = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+        here = names[mine[at]] if at < len(mine) else "<end of forward>"
+        there = names[theirs[at]] if at < len(theirs) else "<end of forward>"
+        return (
+            f"ZeRO stage 3: ranks ran their modules in different orders: at position {at} rank "
+            f"{self.comm.topology.rank} ran '{here}' but rank {rank} ran '{there}'. Every rank must take the same "
+            "code path through the model in a step (data-dependent branches must agree across ranks)."
+        )
+
+    def upcoming(self, position: int, backward: bool) -> list[nn.Module]:
+        """Modules after ``position`` in execution order (before it, reversed, for backward)."""
+        if backward:
+            return self.order[:position][::-1]
+        return self.order[position + 1 :]

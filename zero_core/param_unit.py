@@ -1,0 +1,174 @@
+"""Stage 3's unit of partitioning: one module's own parameters of one optimizer group and dtype.
+
+Each rank keeps only its shard (``shard``: its slice of every bucket of the unit's flat layout, concatenated).
+``full`` is the gathered flat buffer; the parameters are views of it, and its storage is resized to zero while
+the unit is sharded, so the views (and autograd's references to them) stay valid objects that hold no memory.
+Gathering resizes it back and all-gathers each bucket straight into place: no copy-out.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from .comm import Communicator
+from .fragments import Fragment, build_fragments, make_masters
+from .layout import FlatLayout
+
+
+class UnitState(enum.Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"  # an all-gather is in flight (prefetch)
+    GATHERED = "gathered"
+
+
+class ParamUnit:
+    """Partitioned storage, gather/release, gradient shard and fp32 masters of one unit."""
+
+    def __init__(
+        self,
+        index: int,
+        module_name: str,
+        params: Sequence[nn.Parameter],
+        names: Sequence[str],
+        group_index: Optional[int],
+        layout: FlatLayout,
+        comm: Communicator,
+    ) -> None:
+        self.index = index
+        self.module_name = module_name
+        self.params = list(params)
+        self.names = list(names)
+        self.group_index = group_index  # None: frozen (or in no optimizer group): no gradient, no master
+        self.layout = layout
+        self.comm = comm
+        self.rank = comm.topology.rank
+        self.dtype = self.params[0].dtype
+        self.device = self.params[0].device
+        self.persistent = False
+        self.state = UnitState.GATHERED
+        self._works: list = []
+        self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
+        self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
+        self._offsets = layout.shard_offsets()
+        self.grad_shard = torch.zeros_like(self.shard) if self.trainable else None
+        self.masters: list[nn.Parameter] = []
+
+    @property
+    def trainable(self) -> bool:
+        return self.group_index is not None
+
+    @property
+    def numel(self) -> int:
+        return self.layout.total
+
+    def _bucket_shard(self, tensor: torch.Tensor, bucket: int) -> torch.Tensor:
+        start = self._offsets[bucket]
+        return tensor[start : start + self.layout.buckets[bucket].shard_size]
+
+    # -- building ------------------------------------------------------------------------------------------
+    def adopt(self, values: Sequence[torch.Tensor], broadcast: bool) -> None:
+        """Take whole values for every parameter, keep this rank's shard, point the parameters at views of
+        ``full`` and release it. ``broadcast``: start from rank 0's values (as DDP does)."""
+        for value, slot in zip(values, self.layout.slots):
+            self.full[slot.range.as_slice()].copy_(value.detach().reshape(-1))
+        if broadcast:
+            self.comm.broadcast(self.full, src=0)
+        self._take_shard_from_full()
+        for param, slot in zip(self.params, self.layout.slots):
+            param.data = self.full[slot.range.as_slice()].view(param.shape)
+        if self.trainable:
+            self.masters = make_masters([self._bucket_shard(self.shard, b.index) for b in self.layout.buckets],
+                                        torch.float32)
+        self.release()  # persistent units stay gathered
+
+    def _take_shard_from_full(self) -> None:
+        for bucket in self.layout.buckets:
+            self._bucket_shard(self.shard, bucket.index).copy_(self.full[bucket.shard_range(self.rank).as_slice()])
+
+    # -- gather / release ----------------------------------------------------------------------------------
+    def gather(self, async_op: bool = False) -> None:
+        if self.state is not UnitState.SHARDED:
+            if not async_op:
+                self.wait()
+            return
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        self._works = [
+            self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(self.shard, b.index), async_op=True,
+                                 label=self.module_name)
+            for b in self.layout.buckets
+        ]
+        self.state = UnitState.GATHERING
+        if not async_op:
+            self.wait()
+
+    def wait(self) -> None:
+        if self.state is UnitState.GATHERING:
+            for work in self._works:
+                work.wait()
+            self._works = []
+            self.state = UnitState.GATHERED
+
+    def release(self, force: bool = False) -> None:
+        """Free the gathered storage (persistent units keep it unless ``force``)."""
+        if self.state is UnitState.SHARDED or (self.persistent and not force):
+            return
+        self.wait()
+        self.full.untyped_storage().resize_(0)
+        self.state = UnitState.SHARDED
+
+    def write_full_into_shard(self) -> None:
+        """After the full values were changed in place (GatheredParameters with a modifier): keep them."""
+        self._take_shard_from_full()
+        for master, bucket in zip(self.masters, self.layout.buckets):
+            shard = self._bucket_shard(self.shard, bucket.index)
+            if master.data_ptr() != shard.data_ptr():
+                master.data.copy_(shard)
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def grad_shards(self) -> list[torch.Tensor]:
+        if not self.trainable:
+            return []
+        return [self._bucket_shard(self.grad_shard, b.index) for b in self.layout.buckets]
+
+    def stage_grads(self, staging: torch.Tensor) -> list[str]:
+        """Copy each parameter's ``.grad`` into ``staging`` (unit layout) and free it; names with none."""
+        missing = []
+        for param, slot, name in zip(self.params, self.layout.slots, self.names):
+            if param.grad is None:
+                missing.append(name)
+                continue
+            staging[slot.range.as_slice()].copy_(param.grad.reshape(-1))
+            param.grad = None
+        return missing
+
+    def reduce_scatter_into_shard(self, staging: torch.Tensor, scratch: torch.Tensor, async_op: bool) -> list:
+        """Average ``staging`` over ranks bucket by bucket; results land in ``scratch`` (shard-shaped)."""
+        staging[: self.layout.total].div_(self.comm.topology.world_size)
+        return [
+            self.comm.reduce_scatter(self._bucket_shard(scratch, b.index), staging[b.range.as_slice()],
+                                     async_op=async_op, label=self.module_name)
+            for b in self.layout.buckets
+        ]
+
+    def zero_grads(self) -> None:
+        if self.grad_shard is not None:
+            self.grad_shard.zero_()
+        for param in self.params:
+            param.grad = None
+
+    # -- optimizer side ------------------------------------------------------------------------------------
+    def write_back_masters(self) -> None:
+        for master, bucket in zip(self.masters, self.layout.buckets):
+            shard = self._bucket_shard(self.shard, bucket.index)
+            if shard.data_ptr() != master.data_ptr():
+                shard.copy_(master.detach())
+
+    def fragments(self) -> list[Fragment]:
+        if not self.trainable:
+            return []
+        shapes = [p.shape for p in self.params]
+        return build_fragments(self.layout, self.rank, self.names, shapes, self.dtype, self.masters, self.grad_shards())

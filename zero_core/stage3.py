@@ -1,0 +1,385 @@
+"""Stage 3: parameters partitioned across ranks, gathered just before a module runs and released after.
+
+Units (param_unit.py) are a module's own parameters per optimizer group and dtype. Hooks on the user's modules
+(in place, no wrapper) gather a module's units before its forward and, through backward_hooks.py, before its
+backward; they release them after each. Gradients are reduce-scattered unit by unit as soon as a unit's last
+gradient is accumulated. Prefetch follows the execution trace that every rank agreed on (execution_trace.py).
+docs/stage3.md explains what is gathered when and every knob.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+
+from . import param_sources, registry
+from .backward_hooks import PostBackward, PreBackward, attach
+from .buffer_pool import BufferPool
+from .comm import Communicator
+from .config import ZeroConfig
+from .execution_trace import ExecutionTrace
+from .external_params import registered_externals
+from .layout import compute_layout
+from .param_unit import ParamUnit, UnitState
+from .partitioned_param import mark_partitioned
+
+
+class PartitionedParamsRuntime:
+    """Owns the units, the module hooks, prefetch, and gradient reduction for stage 3."""
+
+    MAX_IN_FLIGHT = 2
+
+    def __init__(self, module, trainable_by_group, names, config: ZeroConfig, comm: Communicator) -> None:
+        self.module = module
+        self.config = config
+        self.comm = comm
+        self.names = names
+        self.units: list[ParamUnit] = []
+        self._own: dict[nn.Module, list[ParamUnit]] = defaultdict(list)
+        self._externals: dict[nn.Module, list[ParamUnit]] = defaultdict(list)
+        self.unit_of: dict[nn.Parameter, ParamUnit] = {}
+        self.live_elements = 0  # gathered elements now, and the most ever (max_live_parameters is checked on it)
+        self.peak_live_elements = 0
+        self._build_units(trainable_by_group)
+        self.parts = [u for u in self.units if u.trainable]
+        capacity = max((u.numel for u in self.units), default=1)
+        self.pool = BufferPool(self.units[0].device if self.units else torch.device("cpu"), capacity)
+        module_names = {m: n for n, m in module.named_modules() if m in self._own or m in self._externals}
+        self.trace = ExecutionTrace(module_names, comm)
+        self.comm.check = True  # verify collectives while the first trace is recorded
+        self.sync = True
+        self._active: dict[ParamUnit, int] = defaultdict(int)
+        self._held: set[ParamUnit] = set()
+        self._hooks = []
+        self._reset_backward_state()
+        self._register_hooks(module_names)
+
+    # -- partitioning at setup -----------------------------------------------------------------------------
+    def _build_units(self, trainable_by_group) -> None:
+        group_of = {p: i for i, params in enumerate(trainable_by_group) for p in params}
+        device = next((p.device for p in self.module.parameters() if not p.is_meta), torch.device("cpu"))
+        persistent_budget = self.config.model_persistence_threshold
+        for module_name, mod in self.module.named_modules():
+            param_sources.materialize_meta(mod, module_name, device)
+            own = []
+            for param in mod.parameters(recurse=False):
+                if param in self.unit_of or any(param is p for p, _ in own):
+                    if param in self.unit_of:
+                        self._add_external(mod, self.unit_of[param])
+                    continue
+                own.append((param, group_of.get(param)))
+            for key in sorted({(g if g is not None else -1, str(p.dtype)) for p, g in own}):
+                members = [p for p, g in own if (g if g is not None else -1, str(p.dtype)) == key]
+                persistent_budget = self._add_unit(module_name, mod, members, key[0], persistent_budget)
+        for mod, params in registered_externals(self.module):
+            for param in params:
+                self._add_external(mod, self.unit_of[param])
+
+    def _add_unit(self, module_name, mod, params, group_index, persistent_budget) -> int:
+        bucket_numel = self.config.reduce_bucket_size
+        layout = compute_layout([p.numel() for p in params], self.comm.topology.world_size, bucket_numel)
+        unit = ParamUnit(len(self.units), module_name, params, [self.names[p] for p in params],
+                         group_index if group_index >= 0 else None, layout, self.comm)
+        numel = sum(p.numel() for p in params)
+        if all(p.numel() < self.config.param_persistence_threshold for p in params) and numel <= persistent_budget:
+            unit.persistent = True
+            persistent_budget -= numel
+        broadcast = not all(param_sources.comes_from_init(p) for p in params)
+        unit.adopt([param_sources.whole_value(p) for p in params], broadcast=broadcast)
+        for param in params:
+            mark_partitioned(param)
+            self.unit_of[param] = unit
+        self.units.append(unit)
+        self._own[mod].append(unit)
+        if unit.persistent:
+            self._note_live(unit.numel)
+        return persistent_budget
+
+    def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
+        if unit not in self._externals[mod] and unit not in self._own[mod]:
+            self._externals[mod].append(unit)
+
+    def add_external_after_setup(self, mod: nn.Module, param: nn.Parameter) -> None:
+        """register_external_parameter called after setup: gather ``param`` with ``mod`` from now on."""
+        if param not in self.unit_of:
+            return
+        hooked = mod in self._own or mod in self._externals
+        self._add_external(mod, self.unit_of[param])
+        if not hooked:
+            self.trace.module_names[mod] = type(mod).__name__
+            self.trace.reset()
+            self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, mod), with_kwargs=True))
+            self._hooks.append(mod.register_forward_hook(functools.partial(self._post_forward, mod)))
+
+    def managed_params(self) -> list[nn.Parameter]:
+        return [p for u in self.units for p in u.params]
+
+    def describe(self, param) -> str:
+        return self.names.get(param, "<unknown>")
+
+    # -- hooks ---------------------------------------------------------------------------------------------
+    def _register_hooks(self, module_names) -> None:
+        root = self.module
+        self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
+        self._hooks.append(root.register_forward_hook(self._root_post_forward))
+        for mod in module_names:
+            self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, mod), with_kwargs=True))
+            self._hooks.append(mod.register_forward_hook(functools.partial(self._post_forward, mod)))
+        for unit in self.parts:
+            for param in unit.params:
+                self._hooks.append(param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit)))
+
+    def _units_for(self, mod: nn.Module) -> list[ParamUnit]:
+        return self._own.get(mod, []) + self._externals.get(mod, [])
+
+    def _root_pre_forward(self, module, args) -> None:
+        if not self._in_backward:
+            self.trace.start_forward()
+
+    def _root_post_forward(self, module, args, output) -> None:
+        if not torch.is_grad_enabled():
+            self._release_held()
+
+    def _pre_forward(self, mod, _hook_module, args, kwargs):
+        position = None if self._in_backward else self.trace.visit(mod)
+        units = self._units_for(mod)
+        for unit in units:
+            self._gather(unit)
+        for unit in units:
+            self._active[unit] += 1
+        if position is not None and self.trace.following:
+            self._prefetch(position, backward=False)
+        if torch.is_grad_enabled() and not self._in_backward:
+            (args, kwargs), _ = attach(PostBackward, functools.partial(self._post_backward, mod), (args, kwargs))
+        return args, kwargs
+
+    def _post_forward(self, mod, _hook_module, args, output):
+        units = self._units_for(mod)
+        for unit in units:
+            self._active[unit] -= 1
+        if self._in_backward:
+            return output  # recomputation under activation checkpointing: backward releases these
+        returned = self._returned_units(output)
+        wrapped = 0
+        if torch.is_grad_enabled():
+            output, wrapped = attach(PreBackward, functools.partial(self._pre_backward, mod), output)
+        for unit in units:
+            if unit in returned or (torch.is_grad_enabled() and wrapped == 0 and unit.trainable):
+                self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
+            else:
+                self._release(unit)
+        return output
+
+    def _returned_units(self, output) -> set:
+        leaves = output if isinstance(output, (tuple, list)) else [output]
+        return {self.unit_of[leaf] for leaf in leaves if isinstance(leaf, nn.Parameter) and leaf in self.unit_of}
+
+    def _pre_backward(self, mod) -> None:
+        self._enter_backward()
+        for unit in self._units_for(mod):
+            self._gather(unit)
+        position = self._backward_position(mod)
+        if position is not None:
+            self._prefetch(position, backward=True)
+
+    def _backward_position(self, mod) -> Optional[int]:
+        if not self.trace.following:
+            return None
+        order = self.trace.order
+        while self._bwd_cursor >= 0 and order[self._bwd_cursor] is not mod:
+            self._bwd_cursor -= 1
+        if self._bwd_cursor < 0:
+            return None
+        self._bwd_cursor -= 1
+        return self._bwd_cursor + 1
+
+    def _post_backward(self, mod) -> None:
+        for unit in self._units_for(mod):
+            if self._active[unit] == 0 and unit not in self._held:
+                self._release(unit)
+
+    # -- gather / release / prefetch -----------------------------------------------------------------------
+    def _note_live(self, delta: int) -> None:
+        self.live_elements += delta
+        self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
+
+    def _gather(self, unit: ParamUnit, async_op: bool = False) -> None:
+        if unit.state is UnitState.SHARDED:
+            self._note_live(unit.numel)
+        unit.gather(async_op=async_op)
+
+    def _release(self, unit: ParamUnit) -> None:
+        if unit.state is not UnitState.SHARDED and not unit.persistent:
+            unit.release()
+            self._note_live(-unit.numel)
+
+    def _release_held(self) -> None:
+        for unit in list(self._held):
+            if self._active[unit] == 0:
+                self._release(unit)
+        self._held.clear()
+
+    def release_all(self) -> None:
+        """Release every gathered, non-persistent unit (``engine.empty_partition_cache()``)."""
+        self._held.clear()
+        for unit in self.units:
+            if self._active[unit] == 0:
+                self._release(unit)
+
+    def _prefetch(self, position: int, backward: bool) -> None:
+        """Start gathering the units of the modules that run next, up to ``prefetch_bucket_size`` elements."""
+        budget = self.config.prefetch_bucket_size
+        for mod in self.trace.upcoming(position, backward):
+            for unit in self._units_for(mod):
+                if unit.state is not UnitState.SHARDED:
+                    continue
+                if unit.numel > budget or self.live_elements + unit.numel > self.config.max_live_parameters:
+                    return
+                budget -= unit.numel
+                self._gather(unit, async_op=True)
+
+    # -- gradients -----------------------------------------------------------------------------------------
+    def _reset_backward_state(self) -> None:
+        self._seen: dict[ParamUnit, int] = defaultdict(int)
+        self._reduced: set[ParamUnit] = set()
+        self._inflight: list = []
+        self._callback_queued = False
+        self._in_backward = False
+        self._bwd_cursor = len(self.trace.order) - 1
+        self.unsynced_grads = False
+
+    def _enter_backward(self) -> None:
+        self._in_backward = True
+        if not self._callback_queued:
+            Variable._execution_engine.queue_callback(self._finish_backward)
+            self._callback_queued = True
+
+    def _on_grad(self, unit: ParamUnit, param: nn.Parameter) -> None:
+        if not self.sync:
+            self.unsynced_grads = True  # no_sync: autograd keeps accumulating in param.grad
+            return
+        self._enter_backward()
+        self._seen[unit] += 1
+        if self._seen[unit] == len(unit.params) and unit not in self._reduced:
+            self._reduce(unit)
+
+    def _reduce(self, unit: ParamUnit) -> list[str]:
+        self._reduced.add(unit)
+        staging = self.pool.acquire(unit.numel, unit.dtype)
+        missing = unit.stage_grads(staging)
+        scratch = self.pool.acquire(unit.layout.shard_numel, unit.dtype)
+        overlap = self.config.resolved_overlap_comm
+        works = unit.reduce_scatter_into_shard(staging, scratch, async_op=overlap)
+        self._inflight.append((unit, works, staging, scratch))
+        self._complete_inflight(keep=self.MAX_IN_FLIGHT if overlap else 0)
+        return missing
+
+    def _complete_inflight(self, keep: int = 0) -> None:
+        split = max(len(self._inflight) - keep, 0)
+        done, self._inflight = self._inflight[:split], self._inflight[split:]
+        for unit, works, staging, scratch in done:
+            for work in works:
+                if work is not None:
+                    work.wait()
+            unit.grad_shard.add_(scratch[: unit.layout.shard_numel])
+            self.pool.release(staging)
+            self.pool.release(scratch)
+
+    def _finish_backward(self) -> None:
+        """End of backward: reduce what no hook completed (fixed order), wait, release every gathered unit."""
+        unused = []
+        for unit in reversed(self.parts):
+            if unit not in self._reduced:
+                unused += self._reduce(unit)
+        self._complete_inflight()
+        self._release_held()
+        for unit in self.units:
+            if self._active[unit] == 0:
+                self._release(unit)
+        self._reset_backward_state()
+        if unused and not self.config.ignore_unused_parameters:
+            raise RuntimeError(
+                f"parameters got no gradient in this backward: {', '.join(unused)}. Set "
+                "zero_optimization.ignore_unused_parameters=true if that is expected, or freeze them."
+            )
+
+    # -- the engine's calls --------------------------------------------------------------------------------
+    def set_sync(self, sync: bool) -> None:
+        self.sync = sync
+
+    def reduce_gradients(self) -> None:
+        if self.unsynced_grads:
+            self._finish_backward()
+
+    def after_step(self) -> None:
+        """Updated masters go back into the 16-bit shards; persistent units are gathered again."""
+        for unit in self.parts:
+            unit.write_back_masters()
+            if unit.persistent:
+                unit.state = UnitState.SHARDED  # its full copy is stale: gather the new values
+                unit.gather()
+        self.release_all()
+        self.trace.end_step()
+        self.comm.check = self.comm.always_check or self.trace.state.value == "recording"
+        self._bwd_cursor = len(self.trace.order) - 1
+
+    def zero_grads(self) -> None:
+        for unit in self.parts:
+            unit.zero_grads()
+
+    def replicated_state(self) -> dict[str, torch.Tensor]:
+        """Buffers, plus frozen parameters gathered into whole copies (they are partitioned in stage 3)."""
+        state = {}
+        for name, param in self.iter_full_params(frozen_only=True):
+            state[name] = param.detach().clone()
+        state.update(dict(self.module.named_buffers()))
+        return state
+
+    def iter_full_params(self, frozen_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+        """Each parameter whole, one unit gathered at a time (copy what you keep before the next item)."""
+        for unit in self.units:
+            if frozen_only and unit.trainable:
+                continue
+            was_sharded = unit.state is UnitState.SHARDED
+            self._gather(unit)
+            for name, param in zip(unit.names, unit.params):
+                yield name, param
+            if was_sharded:
+                self._release(unit)
+
+    def gather_params(self, params) -> list[ParamUnit]:
+        """Gather the units holding ``params`` (GatheredParameters); returns those that were sharded."""
+        units = list(dict.fromkeys(self.unit_of[p] for p in params if p in self.unit_of))
+        opened = [u for u in units if u.state is UnitState.SHARDED]
+        for unit in units:
+            self._gather(unit)
+        return opened
+
+    def commit_params(self, params, opened: list[ParamUnit], modified: bool) -> None:
+        """After GatheredParameters: keep in-place changes (every rank already holds them), release."""
+        units = list(dict.fromkeys(self.unit_of[p] for p in params if p in self.unit_of))
+        for unit in units:
+            if modified:
+                unit.write_full_into_shard()
+        for unit in opened:
+            self._release(unit)
+
+    def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
+        opened = self.gather_params([param])
+        with torch.no_grad():
+            param.copy_(value.to(param.dtype))
+        self.commit_params([param], opened, modified=True)
+
+    def param_shards(self) -> list[torch.Tensor]:
+        return [u.shard for u in self.units] + [u.full for u in self.units]
+
+    def scratch_nbytes(self) -> int:
+        return self.pool.nbytes()
+
+    def grad_tensors(self) -> list[torch.Tensor]:
+        return [u.grad_shard for u in self.parts]
