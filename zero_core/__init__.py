@@ -16,6 +16,7 @@ from .debug_access import (
 from .engine import ZeroEngine, setup
 from .external_params import GatheredParameters, register_external_parameter, unregister_external_parameter
 from .fragments import Fragment
+from .init_context import Init
 from .layout import FlatLayout, Range, compute_layout
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "ZeroEngine",
     "setup",
     "GatheredParameters",
+    "Init",
     "register_external_parameter",
     "unregister_external_parameter",
     "Fragment",

@@ -23,7 +23,7 @@ from .config import ZeroConfig
 from .fragments import Fragment
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
-from .mixed_precision import cast_floating_inputs, cast_module
+from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
 from .sharded_optimizer import ShardedOptimizer, narrow_param_groups
 from .stage12 import ReplicatedParamsRuntime
 from .topology import Topology
@@ -53,7 +53,8 @@ class ZeroEngine:
         self._no_sync_depth = 0
         self._scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else None
         if config.param_dtype != torch.float32:
-            cast_module(module, config.param_dtype)
+            # stage 3 casts each unit as it partitions it: a whole-model cast would touch partitioned parameters
+            (cast_buffers if config.stage == 3 else cast_module)(module, config.param_dtype)
         if config.fp16.enabled and config.fp16.auto_cast:
             module.register_forward_pre_hook(cast_floating_inputs(config.param_dtype), with_kwargs=True)
         self._names = {param: name for name, param in module.named_parameters()}

@@ -14,6 +14,14 @@ def cast_module(module: nn.Module, dtype: torch.dtype) -> None:
     module.to(dtype)
 
 
+def cast_buffers(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast floating buffers only (stage 3 casts parameters itself, unit by unit, as it partitions them)."""
+    for sub in module.modules():
+        for name, buffer in sub.named_buffers(recurse=False):
+            if buffer is not None and buffer.is_floating_point():
+                sub._buffers[name] = buffer.to(dtype)
+
+
 def cast_floating_inputs(dtype: torch.dtype) -> Callable:
     """A forward pre-hook (with kwargs) that casts floating tensor inputs to ``dtype`` (fp16 ``auto_cast``)."""
 

@@ -37,6 +37,7 @@ class ParamUnit:
         group_index: Optional[int],
         layout: FlatLayout,
         comm: Communicator,
+        dtype: torch.dtype,
     ) -> None:
         self.index = index
         self.module_name = module_name
@@ -46,7 +47,7 @@ class ParamUnit:
         self.layout = layout
         self.comm = comm
         self.rank = comm.topology.rank
-        self.dtype = self.params[0].dtype
+        self.dtype = dtype  # the training dtype; adopt() casts the values
         self.device = self.params[0].device
         self.persistent = False
         self.state = UnitState.GATHERED

@@ -37,7 +37,8 @@ class ReplicatedParamsRuntime:
         for part in self.parts:
             part.build_masters(torch.float32)
         device = self.parts[0].device if self.parts else torch.device("cpu")
-        self.pool = BufferPool(device, capacity=max((b.range.size for g in self.parts for b in g.layout.buckets), default=1))
+        largest = max((b.range.size for g in self.parts for b in g.layout.buckets), default=1)
+        self.pool = BufferPool(device, [largest, -(-largest // comm.topology.world_size)])
         self.reducer = GradReducer(
             self.parts,
             comm,

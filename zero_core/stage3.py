@@ -47,8 +47,9 @@ class PartitionedParamsRuntime:
         self.peak_live_elements = 0
         self._build_units(trainable_by_group)
         self.parts = [u for u in self.units if u.trainable]
-        capacity = max((u.numel for u in self.units), default=1)
-        self.pool = BufferPool(self.units[0].device if self.units else torch.device("cpu"), capacity)
+        device = self.units[0].device if self.units else torch.device("cpu")
+        largest = max(self.parts, key=lambda u: u.numel, default=None)
+        self.pool = BufferPool(device, [largest.numel, largest.layout.shard_numel] if largest else [1])
         module_names = {m: n for n, m in module.named_modules() if m in self._own or m in self._externals}
         self.trace = ExecutionTrace(module_names, comm)
         self.comm.check = True  # verify collectives while the first trace is recorded
@@ -83,8 +84,9 @@ class PartitionedParamsRuntime:
     def _add_unit(self, module_name, mod, params, group_index, persistent_budget) -> int:
         bucket_numel = self.config.reduce_bucket_size
         layout = compute_layout([p.numel() for p in params], self.comm.topology.world_size, bucket_numel)
+        dtype = self.config.param_dtype if params[0].is_floating_point() else params[0].dtype
         unit = ParamUnit(len(self.units), module_name, params, [self.names[p] for p in params],
-                         group_index if group_index >= 0 else None, layout, self.comm)
+                         group_index if group_index >= 0 else None, layout, self.comm, dtype)
         numel = sum(p.numel() for p in params)
         if all(p.numel() < self.config.param_persistence_threshold for p in params) and numel <= persistent_budget:
             unit.persistent = True

@@ -1,0 +1,180 @@
+"""``zero_core.Init``: build a model already partitioned across ranks (DeepSpeed's ``zero.Init``).
+
+While the context is open, each submodule's own parameters are partitioned as soon as the submodule is attached
+to its parent (its ``__init__`` has finished by then), and the remaining ones when the context closes. So no
+rank holds more than one module's parameters whole while a model is built. Each parameter starts from rank 0's
+values (one broadcast), whatever each rank's random seed.
+
+Initialisation code that runs after a submodule was partitioned — ``self.apply(self._init_weights)``,
+``nn.init.normal_(self.emb.weight)`` — still works (``override_module_apply``): an operation on a partitioned
+parameter gathers it, runs, and an in-place change is broadcast from rank 0 and partitioned again. Operations
+through views (``param[0].zero_()``) are not supported: wrap them in ``GatheredParameters(..., modifier_rank=0)``.
+``zero_core.setup(model, optimizer, {"stage": 3})`` then takes the partitions over, one module at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
+from torch.utils.weak import WeakIdKeyDictionary
+
+from . import registry
+from .comm import Communicator
+from .config import ZeroConfig
+from .layout import compute_layout
+from .partitioned_param import PartitionedParameter, mark_partitioned, unmark_partitioned
+from .topology import Topology
+
+
+@dataclass
+class _InitShard:
+    label: str
+    full: torch.Tensor  # padded whole value; zero-sized storage while partitioned
+    shard: torch.Tensor
+
+
+class Init:
+    """Partition parameters at construction time. Every rank must build the same model inside it."""
+
+    def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None, config_dict_or_path=None,
+                 config=None, enabled: bool = True, dtype: Optional[torch.dtype] = None) -> None:
+        self.enabled = enabled
+        self.group = data_parallel_group
+        self.config = ZeroConfig.coerce(config if config is not None else config_dict_or_path)
+        self.dtype = dtype
+        self._shards = WeakIdKeyDictionary()
+        self._pending: dict[int, nn.Module] = {}
+        self._handles = []
+        self._open = False
+        self.comm: Optional[Communicator] = None
+        self.peak_gathered_elements = 0
+        self._gathered_elements = 0
+        self._module = module
+
+    # -- the context ---------------------------------------------------------------------------------------
+    def __enter__(self) -> "Init":
+        if not self.enabled:
+            return self
+        self.comm = Communicator(Topology.from_process_group(self.group))
+        self._handles = [
+            register_module_module_registration_hook(self._on_submodule),
+            register_module_parameter_registration_hook(self._on_parameter),
+        ]
+        self._open = True
+        if self._module is not None:
+            self._partition_tree(self._module)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self.enabled:
+            return
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        for module in list(self._pending.values()):
+            self._partition_own(module)
+        self._pending.clear()
+        self._open = False
+
+    def _on_parameter(self, module: nn.Module, name: str, param) -> None:
+        if param is not None and param not in self._shards:
+            self._pending[id(module)] = module
+
+    def _on_submodule(self, parent: nn.Module, name: str, child) -> None:
+        if child is not None:
+            self._pending[id(parent)] = parent
+            self._partition_tree(child)
+
+    def _partition_tree(self, module: nn.Module) -> None:
+        for sub in module.modules():
+            self._partition_own(sub)
+
+    def _partition_own(self, module: nn.Module) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            if param not in self._shards and not param.is_meta:
+                self._partition(param, f"{type(module).__name__}.{name}")
+        self._pending.pop(id(module), None)
+
+    # -- one parameter -------------------------------------------------------------------------------------
+    def _partition(self, param: nn.Parameter, label: str) -> None:
+        world, rank = self.comm.topology.world_size, self.comm.topology.rank
+        layout = compute_layout([param.numel()], world, param.numel())
+        dtype = self.dtype or param.dtype
+        full = torch.zeros(layout.total, dtype=dtype, device=param.device)
+        full[: param.numel()].copy_(param.detach().reshape(-1))
+        self.comm.broadcast(full, src=0)
+        size = layout.shard_numel
+        shard = full[rank * size : (rank + 1) * size].clone()
+        param.data = full[: param.numel()].view(param.shape)
+        full.untyped_storage().resize_(0)
+        self._shards[param] = _InitShard(label, full, shard)
+        mark_partitioned(param)
+        registry.register([param], self)
+
+    def _gather(self, param: nn.Parameter) -> bool:
+        entry = self._shards[param]
+        if entry.full.untyped_storage().nbytes() > 0:
+            return False
+        entry.full.untyped_storage().resize_(entry.full.numel() * entry.full.element_size())
+        self.comm.all_gather(entry.full, entry.shard, label=entry.label)
+        self._gathered_elements += entry.full.numel()
+        self.peak_gathered_elements = max(self.peak_gathered_elements, self._gathered_elements)
+        return True
+
+    def _release(self, param: nn.Parameter, keep_changes: bool) -> None:
+        entry = self._shards[param]
+        if keep_changes:
+            self.comm.broadcast(entry.full, src=0)  # ranks may have drawn different random numbers
+            size = entry.shard.numel()
+            rank = self.comm.topology.rank
+            entry.shard.copy_(entry.full[rank * size : (rank + 1) * size])
+        entry.full.untyped_storage().resize_(0)
+        self._gathered_elements -= entry.full.numel()
+
+    # -- the owner protocol (partitioned_param.py, GatheredParameters, stage 3 setup) -----------------------
+    def describe(self, param) -> str:
+        entry = self._shards.get(param)
+        return entry.label if entry is not None else "<unknown>"
+
+    def handles_released(self, func) -> bool:
+        return self._open and self.config.override_module_apply
+
+    def run_on_released(self, func, args, kwargs):
+        """Gather the partitioned parameters ``func`` touches, run it, keep in-place changes, release."""
+        params = [a for a in list(args) + list(kwargs.values()) if isinstance(a, PartitionedParameter) and a in self._shards]
+        opened = [p for p in params if self._gather(p)]
+        try:
+            result = func(*args, **kwargs)
+        finally:
+            name = getattr(func, "__name__", "")
+            in_place = name.endswith("_") and not name.startswith("__")
+            for param in opened:
+                self._release(param, keep_changes=in_place)
+        return result
+
+    def gather_params(self, params) -> list:
+        return [p for p in params if p in self._shards and self._gather(p)]
+
+    def commit_params(self, params, opened: list, modified: bool) -> None:
+        for param in params:
+            if param in self._shards and any(param is p for p in opened):
+                self._release(param, keep_changes=modified)
+            elif param in self._shards and modified:
+                self._gather(param)
+                self._release(param, keep_changes=True)
+
+    def take_whole_value(self, param: nn.Parameter) -> torch.Tensor:
+        """Hand the parameter to stage 3's setup: its whole value, and this context's storage is freed."""
+        entry = self._shards.pop(param)
+        entry.full.untyped_storage().resize_(entry.full.numel() * entry.full.element_size())
+        self.comm.all_gather(entry.full, entry.shard, label=entry.label)
+        value = entry.full[: param.numel()].view(param.shape)
+        unmark_partitioned(param)
+        return value
