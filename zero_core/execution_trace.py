@@ -33,6 +33,7 @@ class ExecutionTrace:
         self.order: list[nn.Module] = []
         self.position = 0
         self.deviated = False
+        self._distances: dict = {}
 
     def reset(self) -> None:
         """Forget the trace (the set of managed modules changed): record again from the next forward."""
@@ -40,11 +41,13 @@ class ExecutionTrace:
         self.state = TraceState.RECORDING
         self.order = []
         self.deviated = False
+        self._distances = {}
 
     def start_forward(self) -> None:
         """The root module's forward begins."""
         if self.state is TraceState.RECORDING:
             self.order = []
+            self._distances = {}
         self.position = 0
 
     def visit(self, module: nn.Module) -> Optional[int]:
@@ -89,6 +92,21 @@ class ExecutionTrace:
             f"{self.comm.topology.rank} ran '{here}' but rank {rank} ran '{there}'. Every rank must take the same "
             "code path through the model in a step (data-dependent branches must agree across ranks)."
         )
+
+    def reuse_distance(self, position: int, unit, units_for: Callable) -> float:
+        """Elements gathered between the forward at ``position`` and the next use of ``unit`` (this forward's
+        remaining modules, then backward in reverse order); infinity if it is not used again."""
+        key = (position, id(unit))
+        if key not in self._distances:
+            distance = 0
+            self._distances[key] = float("inf")
+            for module in self.order[position + 1 :] + self.order[::-1]:
+                units = units_for(module)
+                if unit in units:
+                    self._distances[key] = distance
+                    break
+                distance += sum(u.numel for u in units)
+        return self._distances[key]
 
     def upcoming(self, position: int, backward: bool) -> list[nn.Module]:
         """Modules after ``position`` in execution order (before it, reversed, for backward)."""

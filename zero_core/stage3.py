@@ -55,6 +55,7 @@ class PartitionedParamsRuntime:
         self.comm.check = True  # verify collectives while the first trace is recorded
         self.sync = True
         self._active: dict[ParamUnit, int] = defaultdict(int)
+        self._positions: dict[nn.Module, list] = defaultdict(list)  # trace position of each open forward call
         self._held: set[ParamUnit] = set()
         self._hooks = []
         self._reset_backward_state()
@@ -149,6 +150,7 @@ class PartitionedParamsRuntime:
 
     def _pre_forward(self, mod, _hook_module, args, kwargs):
         position = None if self._in_backward else self.trace.visit(mod)
+        self._positions[mod].append(position)
         units = self._units_for(mod)
         for unit in units:
             self._gather(unit)
@@ -164,6 +166,7 @@ class PartitionedParamsRuntime:
         units = self._units_for(mod)
         for unit in units:
             self._active[unit] -= 1
+        position = self._positions[mod].pop() if self._positions[mod] else None
         if self._in_backward:
             return output  # recomputation under activation checkpointing: backward releases these
         returned = self._returned_units(output)
@@ -173,9 +176,15 @@ class PartitionedParamsRuntime:
         for unit in units:
             if unit in returned or (torch.is_grad_enabled() and wrapped == 0 and unit.trainable):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
-            else:
+            elif not self._reused_soon(position, unit):
                 self._release(unit)
         return output
+
+    def _reused_soon(self, position: Optional[int], unit: ParamUnit) -> bool:
+        """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting."""
+        if position is None or not self.trace.following or self.live_elements > self.config.max_live_parameters:
+            return False
+        return self.trace.reuse_distance(position, unit, self._units_for) <= self.config.max_reuse_distance
 
     def _returned_units(self, output) -> set:
         leaves = output if isinstance(output, (tuple, list)) else [output]
