@@ -269,6 +269,8 @@ def setup(
 ) -> ZeroEngine:
     """Put ``model`` and ``optimizer`` under ZeRO; ``config`` is a ZeroConfig, a dict, a JSON/YAML path or None."""
     config = ZeroConfig.coerce(config)
+    if config.auto_fields:
+        config = config.resolve_auto()  # front-ends resolve "auto" from their run first; the rest is reported
     if config.stage == 0:
         raise ValueError(
             "zero_optimization.stage=0 disables ZeRO: use torch's DistributedDataParallel, or pick stage 1, 2 or 3"
