@@ -62,6 +62,12 @@ class ZeroEngine:
         trainable = self._trainable_by_group(optimizer)
         self.runtime = _runtime_class(config.stage)(module, trainable, self._names, config, self.comm)
         registry.register(self.runtime.managed_params(), self)
+        # Like a torch optimizer skipping parameters whose .grad is None, a step with no backward since the
+        # last zero_grad changes nothing (no weight decay, no moment update).
+        self._saw_grad = False
+        for param in self.runtime.managed_params():
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(self._note_grad)
         masters = [[m for part in self.runtime.parts if part.group_index == i for m in part.masters]
                    for i in range(len(optimizer.param_groups))]
         narrow_param_groups(optimizer, masters)
@@ -121,6 +127,9 @@ class ZeroEngine:
             self._no_sync_depth -= 1
             self.runtime.set_sync(self._no_sync_depth == 0)
 
+    def _note_grad(self, param: torch.Tensor) -> None:
+        self._saw_grad = True
+
     def reduce_gradients(self) -> None:
         """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective."""
         if not self._reduced:
@@ -161,6 +170,9 @@ class ZeroEngine:
 
     def step(self) -> None:
         """Sharded optimizer step over the fp32 masters, then the parameters are refreshed; grads are zeroed."""
+        if not self._saw_grad:
+            self.zero_grad()  # nothing to apply: every rank ran the same (empty) step
+            return
         self.reduce_gradients()
         if self._overflow_on_any_rank():
             self.skipped_steps += 1
@@ -201,6 +213,7 @@ class ZeroEngine:
                 param.grad = None
         self._clip_coef = None
         self._reduced = False
+        self._saw_grad = False
 
     # -- state access (checkpoints, debugging API) ---------------------------------------------------------
     def fragments(self) -> list[Fragment]:
