@@ -1,0 +1,29 @@
+"""Sharded checkpoints for the ZeRO engine: atomic save, verified and resharding load, streaming consolidation.
+
+    save_checkpoint(engine, path, client_state)        every rank; a directory appears at path when complete
+    client_state = load_checkpoint(engine, path)       every rank; any world size and stage
+    consolidate(path, out, dtype="bf16")               offline: Hugging Face-style safetensors shards + index
+    save_16bit_model(engine, out_dir)                  every rank: the live weights, streamed
+
+docs/checkpoints.md is the user's guide; docs/checkpoint-format.md describes the files.
+"""
+
+from .consolidate import consolidate, export_optimizer_state
+from .export16 import save_16bit_model
+from .format import CheckpointError, CheckpointMismatchError, read_manifest
+from .load import load_checkpoint, load_full_state_dict
+from .save import save_checkpoint
+from .summary import describe
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointMismatchError",
+    "consolidate",
+    "describe",
+    "export_optimizer_state",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "read_manifest",
+    "save_16bit_model",
+    "save_checkpoint",
+]

@@ -1,0 +1,77 @@
+"""``zero-checkpoint``: consolidate, inspect and export sharded checkpoints, without a process group.
+
+    zero-checkpoint consolidate CKPT OUT --dtype bf16 --max-shard-size 5GB
+    zero-checkpoint inspect CKPT [--verify true] [--tensors true]
+    zero-checkpoint export-optimizer CKPT OUT.pt
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from typing import Literal, Optional
+
+from jsonargparse import auto_cli
+
+
+def consolidate(checkpoint: str, out: str, dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
+                max_shard_size: str = "5GB", verify: bool = True, progress: bool = True) -> None:
+    """Write the checkpoint's model as Hugging Face-style sharded safetensors plus model.safetensors.index.json.
+
+    Args:
+        checkpoint: Checkpoint directory written by save_checkpoint.
+        out: Output directory (created; an earlier consolidation there is replaced once the new one is complete).
+        dtype: Dtype of floating tensors in the output.
+        max_shard_size: Largest output file, e.g. 500MB, 5GB, 2GiB.
+        verify: Check every checkpoint file's SHA-256 first.
+        progress: Show a progress bar.
+    """
+    from .consolidate import consolidate as run
+
+    out_dir = run(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, verify=verify, progress=progress)
+    print(f"wrote {out_dir}")
+
+
+def inspect(checkpoint: str, verify: bool = False, tensors: bool = False) -> None:
+    """Print what a checkpoint holds: run, files, parameters, optimizer, loss scaler, client state.
+
+    Args:
+        checkpoint: Checkpoint directory.
+        verify: Also check every file's size and SHA-256 against the manifest.
+        tensors: List every tensor with its shape, dtype and where its fragments are.
+    """
+    from .summary import describe
+
+    print(describe(checkpoint, verify=verify, tensors=tensors))
+
+
+def export_optimizer(checkpoint: str, out: str, verify: bool = True) -> None:
+    """Write the optimizer state as a plain torch optimizer.state_dict() file, e.g. for a DDP resume.
+
+    Args:
+        checkpoint: Checkpoint directory.
+        out: Output file, loadable with torch.load(out, weights_only=True).
+        verify: Check every checkpoint file's SHA-256 first.
+    """
+    from .consolidate import export_optimizer_state
+
+    print(f"wrote {export_optimizer_state(checkpoint, out, verify=verify)}")
+
+
+def _underscored(args: list[str]) -> list[str]:
+    """Accept ``--max-shard-size`` as well as jsonargparse's own ``--max_shard_size``."""
+    return [re.sub(r"^--[a-z0-9-]+", lambda m: m.group(0)[:2] + m.group(0)[2:].replace("-", "_"), a) for a in args]
+
+
+def main(args: Optional[list[str]] = None) -> None:
+    from .format import CheckpointError
+
+    args = _underscored(sys.argv[1:] if args is None else list(args))
+    try:
+        auto_cli({"consolidate": consolidate, "inspect": inspect, "export-optimizer": export_optimizer}, args=args)
+    except (CheckpointError, FileNotFoundError) as error:  # a bad checkpoint is the user's news, not a bug
+        sys.exit(f"zero-checkpoint: error: {error}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""Offline consolidation: a sharded checkpoint -> one model in Hugging Face-style safetensors shards, and the
+optimizer state as a plain torch ``optimizer.state_dict()`` for a DDP resume.
+
+No process group and no pickled classes are needed. Consolidation streams: one parameter is assembled from
+its fragments, converted, and handed to the shard writer, so the peak is about the largest tensor plus one
+output shard (benchmarks/consolidation_memory.py measures it).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import secrets
+import shutil
+from pathlib import Path
+from typing import Literal, Union
+
+import torch
+from tqdm.auto import tqdm
+
+from zero_core.layout import Range
+
+from .files import check_replaceable, publish, remove_stale_temps, temp_sibling
+from .format import CheckpointError, PathLike, read_manifest
+from .hf_shards import INDEX, ShardedWriter, parse_size
+from .sources import ShardedSource
+from .verify import verify_files
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+DtypeName = Literal["fp32", "bf16", "fp16"]
+
+
+def consolidate(path: PathLike, out: PathLike, dtype: DtypeName = "fp32", max_shard_size: Union[int, str] = "5GB",
+                verify: bool = True, progress: bool = True) -> Path:
+    """Write the model of checkpoint ``path`` to directory ``out`` as sharded safetensors plus an index.
+
+    Floating tensors are cast to ``dtype`` (from the fp32 masters); tied weights are written once, under their
+    first name, and listed in the index's ``metadata.tied_weights``. ``out`` appears only when complete.
+    """
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    path, out = Path(path), Path(out).absolute()
+    max_bytes = parse_size(max_shard_size)
+    manifest = read_manifest(path)
+    verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
+    check_replaceable(out, marker=INDEX)
+    remove_stale_temps(out)
+    temp = temp_sibling(out, secrets.token_hex(8))
+    temp.mkdir(parents=True)
+    try:
+        _write_model(path, manifest, temp, DTYPES[dtype], max_bytes, progress, dtype)
+        publish(temp, out)
+    except BaseException:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return out
+
+
+def _write_model(path: Path, manifest: dict, temp: Path, dtype: torch.dtype, max_bytes: int, progress: bool,
+                 dtype_label: str) -> None:
+    names = [p["name"] for p in manifest["parameters"]] + [r["name"] for r in manifest["replicated"]]
+    writer = ShardedWriter(temp, max_bytes)
+    with ShardedSource(path, manifest) as source:
+        for name in tqdm(names, desc="consolidating", unit="tensor", disable=not progress):
+            tensor = source.read_whole(name)
+            writer.add(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
+            del tensor  # the fp32 copy goes now; only the converted one waits in the writer
+    index = writer.finish({"dtype": dtype_label, "tied_weights": manifest["aliases"],
+                           "source_checkpoint": str(path.absolute())})
+    if sorted(index["weight_map"]) != sorted(names):
+        raise CheckpointError(f"consolidation wrote {len(index['weight_map'])} tensors, expected {len(names)}")
+
+
+def export_optimizer_state(path: PathLike, out: PathLike, verify: bool = True) -> Path:
+    """Write the checkpoint's optimizer state as a plain torch ``optimizer.state_dict()`` file at ``out``.
+
+    Its integer ids follow the original optimizer's groups (``param_names`` in the manifest), so
+    ``optimizer.load_state_dict(torch.load(out, weights_only=True))`` works for an optimizer built over the
+    same parameters in the same order (e.g. for a DDP resume). The whole state is held in memory.
+    """
+    path, out = Path(path), Path(out)
+    manifest = read_manifest(path)
+    verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
+    with ShardedSource(path, manifest) as source:
+        state_dict = _plain_optimizer_state(source, manifest)
+    partial = out.with_name(f".{out.name}.tmp-{secrets.token_hex(8)}")
+    torch.save(state_dict, partial)
+    os.replace(partial, out)  # never a half-written file at ``out``
+    return out
+
+
+def _plain_optimizer_state(source: ShardedSource, manifest: dict) -> dict:
+    state, groups, param_id = {}, [], 0
+    keys = source.state_keys()
+    cpu = torch.device("cpu")
+    for group, hyperparameters in zip(manifest["optimizer"]["param_groups"], source.hyperparameters()):
+        ids = []
+        for name in group["param_names"]:
+            if source.has_state(name):
+                shape = source.params[name]["shape"]
+                entry = source.scalars(name, cpu)
+                for key in keys:
+                    values = source.read_state(name, Range(0, math.prod(shape)), key)
+                    if values is not None:
+                        entry[key] = values.view(shape)
+                state[param_id] = entry
+            ids.append(param_id)
+            param_id += 1
+        groups.append({**hyperparameters, "params": ids})
+    return {"state": state, "param_groups": groups}

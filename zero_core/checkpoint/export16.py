@@ -1,0 +1,91 @@
+"""``save_16bit_model``: the live model's weights, as trained (16-bit under fp16/bf16), in Hugging Face-style
+safetensors shards, written during training.
+
+Every rank walks ``engine.iter_full_params()`` in lockstep (in stage 3 each parameter is gathered for that
+moment only); rank 0 keeps one output shard at a time. No rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+
+from .collective import run_agreed, shared_token
+from .consolidate import DTYPES, DtypeName
+from .files import check_replaceable, publish, remove_stale_temps, temp_sibling
+from .format import PathLike
+from .hf_shards import INDEX, ShardedWriter, parse_size
+from .model_info import non_persistent_buffers, tied_aliases
+
+
+def save_16bit_model(engine, out_dir: PathLike, dtype: Optional[DtypeName] = None,
+                     max_shard_size: Union[int, str] = "5GB", exclude_frozen_parameters: bool = False) -> bool:
+    """Save the model's weights to ``out_dir`` (sharded safetensors + index). A collective; returns whether saved.
+
+    ``dtype`` None keeps each tensor's dtype (the training dtype); "fp32", "bf16" or "fp16" casts floating
+    tensors. In stage 3 this needs ``gather_16bit_weights_on_model_save`` in the config, as in DeepSpeed.
+    """
+    if engine.config.stage == 3 and not engine.config.gather_16bit_weights_on_model_save:
+        warnings.warn("save_16bit_model did nothing: stage 3 needs zero_optimization."
+                      "stage3_gather_16bit_weights_on_model_save=true to gather the weights; or save a "
+                      "checkpoint and run `zero-checkpoint consolidate`", stacklevel=2)
+        return False
+    if dtype is not None and dtype not in DTYPES:
+        raise ValueError(f"dtype must be None or one of {sorted(DTYPES)}, got {dtype!r}")
+    out = Path(out_dir).absolute()
+    leader = engine.topology.rank == 0
+    temp = temp_sibling(out, shared_token(engine))
+    run_agreed(engine, _prepare, out, temp, leader)
+    writer = ShardedWriter(temp, parse_size(max_shard_size)) if leader else None
+    try:
+        run_agreed(engine, _stream, engine, writer, DTYPES.get(dtype), exclude_frozen_parameters)
+        run_agreed(engine, _finish, engine, writer, temp, out, dtype)
+    except BaseException:
+        if leader:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return True
+
+
+def _prepare(out: Path, temp: Path, leader: bool) -> None:
+    if leader:
+        check_replaceable(out, marker=INDEX)
+        remove_stale_temps(out)
+        temp.mkdir(parents=True)
+
+
+def _stream(engine, writer: Optional[ShardedWriter], dtype: Optional[torch.dtype], exclude_frozen: bool) -> None:
+    # Every rank must finish the generator (in stage 3 each step is a collective gather), so a write error on
+    # rank 0 is kept until the walk is over, then raised and agreed on.
+    written, error = set(), None
+    for name, param in engine.iter_full_params():
+        written.add(name)
+        if writer is None or error is not None or (exclude_frozen and not param.requires_grad):
+            continue
+        try:
+            writer.add(name, _converted(param, dtype))
+        except Exception as caught:
+            error = caught
+    if error is not None:
+        raise error
+    if writer is not None:
+        skip = non_persistent_buffers(engine.module)  # buffers are whole on every rank, in every stage
+        for name, tensor in engine.module.named_buffers():
+            if name not in written and name not in skip:
+                writer.add(name, _converted(tensor, dtype))
+
+
+def _converted(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """A CPU copy (stage 3 frees the gathered storage once the generator moves on)."""
+    target = dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+    return tensor.detach().to(device="cpu", dtype=target, copy=True)
+
+
+def _finish(engine, writer: Optional[ShardedWriter], temp: Path, out: Path, dtype: Optional[str]) -> None:
+    if writer is not None:
+        writer.finish({"dtype": dtype or "as trained", "tied_weights": tied_aliases(engine.module)})
+        publish(temp, out)

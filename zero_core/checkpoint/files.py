@@ -1,0 +1,128 @@
+"""Durable file writing: a streaming safetensors writer with checksums, fsync, and the atomic directory swap.
+
+The writer is ours (the format is a length, a JSON header and raw little-endian bytes) so that it can stream
+views of the fp32 masters straight to disk: ``safetensors.torch.save_file`` refuses tensors that share storage,
+which would force a copy of this rank's whole state, and it cannot hash while writing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import shutil
+import zlib
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from .format import CheckpointError, MANIFEST, safetensors_dtype
+
+_CHUNK = 1 << 24  # bytes hashed per read when verifying a file
+
+
+def tensor_bytes(tensor: torch.Tensor) -> memoryview:
+    """The raw bytes of ``tensor`` on the CPU; no copy when it is already a contiguous CPU tensor."""
+    flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+
+
+def write_safetensors(path: Path, entries: Sequence[tuple[str, torch.Tensor]],
+                      metadata: Optional[dict[str, str]] = None) -> dict:
+    """Write ``entries`` (key, tensor) in order; returns {"bytes", "sha256", "crc32": {key: crc32 of its bytes}}."""
+    header, offset = {}, 0
+    if metadata:
+        header["__metadata__"] = dict(metadata)
+    for key, tensor in entries:
+        nbytes = tensor.numel() * tensor.element_size()
+        header[key] = {"dtype": safetensors_dtype(tensor.dtype), "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned, as safetensors itself writes it
+    digest, crcs, size = hashlib.sha256(), {}, 0
+    with open(path, "wb") as f:
+        for chunk in (len(raw).to_bytes(8, "little"), raw):
+            f.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
+        for key, tensor in entries:
+            data = tensor_bytes(tensor)  # one tensor at a time: a GPU tensor is copied to the CPU alone
+            f.write(data)
+            digest.update(data)
+            crcs[key] = zlib.crc32(data)
+            size += len(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return {"bytes": size, "sha256": digest.hexdigest(), "crc32": crcs}
+
+
+def sha256_file(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's entry list holds the renames and new files)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def temp_sibling(path: Path, token: str) -> Path:
+    """The hidden directory a save writes into before it is renamed to ``path``."""
+    return path.parent / f".{path.name}.tmp-{token}"
+
+
+def check_replaceable(path: Path, marker: str = MANIFEST) -> None:
+    """Refuse to replace anything but a missing path, an empty directory, or an earlier output (has ``marker``)."""
+    if not path.exists():
+        return
+    if not path.is_dir():
+        raise CheckpointError(f"cannot save to '{path}': it is a file; give a directory path")
+    if any(path.iterdir()) and not (path / marker).is_file():
+        raise CheckpointError(f"refusing to replace '{path}': it is a non-empty directory without {marker}, so "
+                              "not an earlier output of this library; choose another path or empty it")
+
+
+def remove_stale_temps(path: Path) -> None:
+    """Delete what interrupted saves to ``path`` left behind (they can never become valid)."""
+    for stale in path.parent.glob(f".{path.name}.tmp-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def publish(temp: Path, path: Path) -> None:
+    """Make the complete directory ``temp`` visible at ``path``, replacing an earlier one only now."""
+    fsync_path(temp)
+    if not path.exists():
+        os.rename(temp, path)
+    elif _exchange(temp, path):
+        shutil.rmtree(temp)  # after the swap, temp holds the previous directory
+    else:
+        # No atomic swap here (not Linux, or the filesystem refuses): move the old one aside first. A crash
+        # between the two renames leaves the old directory complete at .<name>.old-<token>.
+        old = path.parent / f".{path.name}.old-{temp.name.rsplit('-', 1)[-1]}"
+        os.rename(path, old)
+        os.rename(temp, path)
+        shutil.rmtree(old)
+    fsync_path(path.parent)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Atomically swap two directory entries with Linux's renameat2(RENAME_EXCHANGE); False if unavailable."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    return renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0

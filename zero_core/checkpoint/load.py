@@ -1,0 +1,201 @@
+"""Verified, resharding load: each rank fills its own fragments from whatever world size and stage saved them.
+
+Steps, each ending in an agreement so that every rank raises the same error or none does:
+1. read the manifest; 2. check file sizes and SHA-256 (the files are split between the ranks); 3. compare the
+checkpoint's parameter names and shapes with the model's; 4. read this rank's ranges into its fp32 masters and
+optimizer state; 5. all-gather the parameters from the masters (``refresh_params_from_masters``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+
+from .collective import agree, run_agreed
+from .format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, read_manifest
+from .model_info import persistent_replicated_state, tied_aliases, trainable_shapes
+from .sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
+from .values import load_client_state
+from .verify import verify_files
+
+Verify = Literal["checksum", "size"]
+
+
+def load_checkpoint(engine, path: PathLike, strict: bool = True, load_optimizer_states: bool = True,
+                    verify: Verify = "checksum") -> Any:
+    """Load a checkpoint written by :func:`save_checkpoint` (any world size, any stage) into ``engine``.
+
+    Returns the ``client_state`` saved with it (None if there was none). A collective. ``path`` may also be a
+    plain model state dict (``.safetensors``/``.pt`` file, or a consolidated directory): see
+    :func:`load_full_state_dict`. ``strict=False`` loads what matches and warns about missing and unexpected
+    names; shape mismatches are always errors. ``verify="size"`` skips the SHA-256 pass over the files.
+    """
+    path = Path(path)
+    if path.is_file() or (path / HF_INDEX).is_file():
+        load_full_state_dict(engine, path, strict=strict)
+        return None
+    manifest = run_agreed(engine, read_manifest, path)
+    run_agreed(engine, _verify_my_share, engine, path, manifest, verify)
+    with ShardedSource(path, manifest) as source:
+        optimizer = source if load_optimizer_states and _optimizer_matches(engine, manifest, strict) else None
+        _load(engine, source, optimizer, strict)
+        if load_optimizer_states:
+            run_agreed(engine, _load_scaler, engine, manifest)
+    if CLIENT_STATE in manifest["files"]:
+        return run_agreed(engine, load_client_state, path)
+    return None
+
+
+def load_full_state_dict(engine, model_state: Union[dict, PathLike],
+                         optimizer_state: Optional[Union[dict, PathLike]] = None, strict: bool = True) -> None:
+    """Load a plain model state dict (DDP or one process) and optionally a plain ``optimizer.state_dict()``.
+
+    ``model_state`` is a dict, a ``.safetensors`` or torch file, or a directory of safetensors shards with
+    ``model.safetensors.index.json`` (what ``consolidate`` writes). The optimizer state's integer ids map to
+    parameters through ``engine.group_param_names``, as for the optimizer the state dict came from. Each rank
+    keeps only its own ranges. A collective.
+    """
+    if optimizer_state is not None and not isinstance(optimizer_state, dict):
+        optimizer_state = torch.load(optimizer_state, map_location="cpu", weights_only=True, mmap=True)
+    source = run_agreed(engine, FullStateSource, model_state)
+    with source:
+        optimizer = None
+        if optimizer_state is not None:
+            optimizer = run_agreed(engine, PlainOptimizerSource, optimizer_state, engine.group_param_names)
+        _load(engine, source, optimizer, strict)
+
+
+def _verify_my_share(engine, path: Path, manifest: dict, verify: Verify) -> None:
+    """This rank checks every world_size-th file, so the files are read once in all."""
+    rank, world = engine.topology.rank, engine.topology.world_size
+    files = sorted(manifest["files"])[rank::world]
+    verify_files(path, manifest, files, checksum=verify == "checksum")
+
+
+def _optimizer_matches(engine, manifest: dict, strict: bool) -> bool:
+    saved = manifest["optimizer"]["class"]
+    inner = type(engine.optimizer.inner)
+    current = f"{inner.__module__}.{inner.__qualname__}"
+    if saved == current:
+        return True
+    message = f"the checkpoint's optimizer state is from {saved}, the engine's optimizer is {current}"
+    if strict:
+        raise CheckpointMismatchError(f"{message}; pass strict=False to load the model alone")
+    warnings.warn(f"{message}: optimizer state not loaded", stacklevel=3)
+    return False
+
+
+def _load(engine, source, optimizer, strict: bool) -> None:
+    model_shapes = trainable_shapes(engine)
+    replicated = persistent_replicated_state(engine)  # a collective in stage 3 (frozen parameters are gathered)
+    model_shapes.update({n: list(t.shape) for n, t in replicated.items()})
+    run_agreed(engine, _match, source, model_shapes, tied_aliases(engine.module), strict)
+    names = _source_names(source, engine.module)
+    run_agreed(engine, _load_fragments, engine, source, optimizer, names, strict)
+    _load_replicated(engine, source, [n for n in replicated if n in names], names)
+    engine.refresh_params_from_masters()
+
+
+def _match(source, model_shapes: dict, aliases: dict, strict: bool) -> None:
+    """Names and shapes of checkpoint and model: shape differences always raise, missing/unexpected if strict."""
+    saved = {aliases.get(n, n): s for n, s in source.shapes().items()}
+    wrong = [f"'{n}': checkpoint {tuple(saved[n])}, model {tuple(s)}"
+             for n, s in model_shapes.items() if n in saved and list(saved[n]) != list(s)]
+    if wrong:
+        raise CheckpointMismatchError("the checkpoint does not match the model: shape mismatch for "
+                                      + "; ".join(wrong))
+    missing = sorted(set(model_shapes) - set(saved))
+    unexpected = sorted(set(saved) - set(model_shapes))
+    if not (missing or unexpected):
+        return
+    message = f"missing from the checkpoint: {missing}; unexpected in the checkpoint: {unexpected}"
+    if strict:
+        raise CheckpointMismatchError(f"the checkpoint does not match the model: {message}. "
+                                      "Pass strict=False to load the parameters that match")
+    warnings.warn(f"non-strict checkpoint load: {message}", stacklevel=4)
+
+
+def _load_fragments(engine, source, optimizer, names: dict, strict: bool) -> None:
+    round_to_16bit = not engine.config.load_from_fp32_weights
+    for fragment in engine.fragments():
+        if fragment.name not in names:
+            continue
+        values = source.read(names[fragment.name], fragment.param_range, MASTER_KIND)
+        if round_to_16bit:  # DeepSpeed's load_from_fp32_weights=False: start from the 16-bit model weights
+            values = values.to(fragment.dtype)
+        fragment.master_values().copy_(values)
+    if optimizer is not None:
+        _load_optimizer(engine, optimizer, strict)
+
+
+def _load_replicated(engine, source, wanted: list[str], names: dict) -> None:
+    """Buffers are copied in place; frozen parameters go through ``engine.refresh_param``, a collective in
+    stage 3. So every rank walks the same list to the end, and a read error is raised only after the walk."""
+    params, buffers = dict(engine.module.named_parameters()), dict(engine.module.named_buffers())
+    error = None
+    for name in wanted:
+        target = params.get(name, buffers.get(name))
+        try:
+            value = source.read_whole(names[name])
+        except Exception as caught:
+            error = error or caught
+            value = torch.zeros(list(source.shapes()[names[name]]))  # keeps the collectives in step
+        if name in params:
+            engine.refresh_param(target, value)
+        else:
+            with torch.no_grad():
+                target.copy_(value.view(target.shape))
+    agree(engine, error)
+
+
+def _source_names(source, module) -> dict[str, str]:
+    """Model name -> the name the source uses (a state dict may hold a tied weight under an alias only)."""
+    names = {n: n for n in source.shapes()}
+    for alias, canonical in tied_aliases(module).items():
+        if canonical not in names and alias in names:
+            names[canonical] = alias
+    return names
+
+
+def _load_optimizer(engine, source, strict: bool) -> None:
+    """Optimizer sources are keyed by the engine's own parameter names (the manifest's, group_param_names)."""
+    inner = engine.optimizer.inner
+    inner.state.clear()  # like Optimizer.load_state_dict: the checkpoint's state replaces the current one
+    group_of = {id(m): g for g in inner.param_groups for m in g["params"]}
+    keys = source.state_keys()
+    for fragment in engine.fragments():
+        name = fragment.name
+        if not source.has_state(name):
+            continue
+        master = fragment.master
+        group = group_of[id(master)]
+        on_device = group.get("capturable") or group.get("fused")  # else scalars stay on the CPU, as in torch
+        state = inner.state[master]
+        if not state:
+            state.update({key: torch.zeros_like(master.detach()) for key in keys})
+        state.update(source.scalars(name, master.device if on_device else torch.device("cpu")))
+        for key in keys:
+            values = source.read_state(name, fragment.param_range, key)
+            if values is not None:
+                state[key][fragment.local.as_slice()] = values
+    _load_hyperparameters(inner, source.hyperparameters(), strict)
+
+
+def _load_hyperparameters(inner, saved: list[dict], strict: bool) -> None:
+    if len(saved) != len(inner.param_groups):
+        message = f"the checkpoint has {len(saved)} optimizer parameter groups, the optimizer {len(inner.param_groups)}"
+        if strict:
+            raise CheckpointMismatchError(message)
+        warnings.warn(f"{message}: hyper-parameters not loaded", stacklevel=5)
+        return
+    for group, values in zip(inner.param_groups, saved):
+        group.update({k: v for k, v in values.items() if k != "params"})
+
+
+def _load_scaler(engine, manifest: dict) -> None:
+    engine.skipped_steps = int(manifest.get("skipped_steps", 0))
+    if engine.loss_scaler is not None and manifest.get("loss_scaler"):
+        engine.loss_scaler.load_state_dict(manifest["loss_scaler"])

@@ -1,0 +1,208 @@
+"""Atomic sharded save: every rank writes its fragments, all agree, rank 0 writes the manifest and publishes.
+
+Sequence (each arrow is a collective that every rank reaches, even after a local failure):
+1. rank 0 picks a hidden temporary sibling directory and creates it  -> agree
+2. every rank writes and fsyncs its shard file (rank 0 also the replicated and client state)  -> agree
+3. the per-rank descriptions are gathered; rank 0 writes manifest.json last, fsyncs, and renames the directory
+   into place (an atomic swap when replacing an earlier checkpoint)  -> agree
+A rank that dies anywhere before 3 leaves only the hidden directory, which has no manifest and is never loaded.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import shutil
+from collections import defaultdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from .collective import gather_json, run_agreed, shared_token
+from .files import check_replaceable, publish, remove_stale_temps, temp_sibling, write_safetensors
+from .format import (
+    FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
+    tensor_key, write_json,
+)
+from .model_info import persistent_replicated_state, tied_aliases
+from .values import encode_hyperparameters, encode_value, save_client_state
+
+
+def save_checkpoint(engine, path: PathLike, client_state: Optional[Any] = None) -> Path:
+    """Save ``engine``'s model and optimizer state as a sharded checkpoint directory at ``path``. A collective.
+
+    ``client_state`` (rank 0's is kept: loop counters, scheduler and RNG state...) is saved beside it and
+    returned by :func:`load_checkpoint`. An earlier checkpoint at ``path`` is replaced only once the new one
+    is complete; see docs/checkpoints.md.
+    """
+    path = Path(path).absolute()
+    leader = engine.topology.rank == 0
+    temp = temp_sibling(path, shared_token(engine))
+    run_agreed(engine, _prepare, path, temp, leader)
+    replicated = persistent_replicated_state(engine)  # on every rank: a collective in stage 3
+    try:
+        report = run_agreed(engine, _write_rank, engine, temp, client_state, replicated if leader else None)
+        reports = gather_json(engine, report)
+        run_agreed(engine, _finish, engine, reports, temp, path, leader)
+    except BaseException:
+        if leader:
+            shutil.rmtree(temp, ignore_errors=True)
+        raise
+    return path
+
+
+def _prepare(path: Path, temp: Path, leader: bool) -> None:
+    if leader:
+        check_replaceable(path)
+        remove_stale_temps(path)
+        temp.mkdir(parents=True)
+
+
+def _write_rank(engine, temp: Path, client_state: Any, replicated: Optional[dict]) -> dict:
+    """Write this rank's shard file (and on rank 0 the replicated and client state); describe what was written."""
+    name = shard_file(engine.topology.rank, engine.topology.world_size)
+    entries, fragments = _fragment_entries(engine, name)
+    info = write_safetensors(temp / name, entries, {"format": "pt"})
+    _add_crcs(fragments, info["crc32"])
+    report = {"fragments": fragments, "files": {name: _file_entry(info)}}
+    if replicated is not None:  # rank 0
+        report["replicated"], report["files"][REPLICATED] = _write_replicated(replicated, temp)
+        if client_state is not None:
+            report["files"].update(save_client_state(temp, client_state))
+    return report
+
+
+def _fragment_entries(engine, file: str) -> tuple[list, list]:
+    """(key, tensor view) pairs to write, and the manifest's description of each fragment."""
+    entries, fragments = [], []
+    state = engine.optimizer.state
+    for fragment in engine.fragments():
+        per_element, scalars = _split_state(state.get(fragment.master, {}), fragment)
+        start, end = fragment.param_range.start, fragment.param_range.end
+        tensors = {}
+        for kind, full in [(MASTER_KIND, fragment.master.detach())] + sorted(per_element.items()):
+            key = tensor_key(fragment.name, start, end, kind)
+            entries.append((key, full.detach()[fragment.local.as_slice()]))
+            tensors[kind] = {"key": key}
+        fragments.append({"name": fragment.name, "shape": list(fragment.shape), "dtype": dtype_name(fragment.dtype),
+                          "file": file, "param_range": [start, end], "tensors": tensors, "scalars": scalars})
+    return entries, fragments
+
+
+def _split_state(state: dict, fragment) -> tuple[dict, dict]:
+    """A master's optimizer state: per-element tensors (the master's shape) apart from JSON scalars."""
+    per_element, scalars = {}, {}
+    for key, value in state.items():
+        if torch.is_tensor(value) and value.shape == fragment.master.shape:
+            per_element[key] = value
+            continue
+        try:
+            scalars[key] = encode_value(value)
+        except TypeError as error:
+            raise CheckpointError(
+                f"optimizer state {key!r} of parameter '{fragment.name}' is neither per-element (the shape "
+                f"{tuple(fragment.master.shape)} of its master shard) nor a scalar ({error}); this optimizer's "
+                "state cannot be sharded") from None
+    return per_element, scalars
+
+
+def _add_crcs(fragments: list, crcs: dict) -> None:
+    for fragment in fragments:
+        for entry in fragment["tensors"].values():
+            entry["crc32"] = crcs[entry["key"]]
+
+
+def _file_entry(info: dict) -> dict:
+    return {"bytes": info["bytes"], "sha256": info["sha256"]}
+
+
+def _write_replicated(state: dict, temp: Path) -> tuple[list, dict]:
+    info = write_safetensors(temp / REPLICATED, list(state.items()), {"format": "pt"})
+    described = [{"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "key": name,
+                  "crc32": info["crc32"][name]} for name, t in state.items()]
+    return described, _file_entry(info)
+
+
+def _finish(engine, reports: list, temp: Path, path: Path, leader: bool) -> None:
+    if leader:
+        write_json(temp / MANIFEST, build_manifest(engine, reports))
+        publish(temp, path)
+
+
+def build_manifest(engine, reports: list) -> dict:
+    files = {}
+    for report in reports:
+        files.update(report["files"])
+    inner = engine.optimizer.inner
+    scaler = engine.loss_scaler
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "run": _run_info(engine),
+        "files": files,
+        "parameters": _parameters(engine, reports),
+        "replicated": reports[0]["replicated"],
+        "aliases": tied_aliases(engine.module),
+        "optimizer": {
+            "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
+            "per_element_keys": sorted({k for r in reports for f in r["fragments"] for k in f["tensors"]}
+                                       - {MASTER_KIND}),
+            "param_groups": [{"param_names": list(names), "hyperparameters": encode_hyperparameters(group, i)}
+                             for i, (names, group) in enumerate(zip(engine.group_param_names, inner.param_groups))],
+        },
+        "loss_scaler": scaler.state_dict() if scaler is not None else None,
+        "skipped_steps": int(engine.skipped_steps),
+    }
+
+
+def _parameters(engine, reports: list) -> list:
+    """One entry per trainable parameter, in the optimizer's order, with its fragments sorted by range."""
+    pieces = defaultdict(list)
+    for report in reports:
+        for fragment in report["fragments"]:
+            pieces[fragment["name"]].append(fragment)
+    group_of = {n: i for i, names in enumerate(engine.group_param_names) for n in names}
+    ordered = [n for names in engine.group_param_names for n in names if n in pieces]
+    ordered += sorted(set(pieces) - set(ordered))
+    out = []
+    for name in ordered:
+        found = sorted(pieces[name], key=lambda f: f["param_range"][0])
+        first = found[0]
+        _check_coverage(name, first["shape"], [f["param_range"] for f in found])
+        keep = ("file", "param_range", "tensors", "scalars")
+        out.append({"name": name, "shape": first["shape"], "dtype": first["dtype"], "group": group_of.get(name),
+                    "fragments": [{k: f[k] for k in keep} for f in found]})
+    return out
+
+
+def _check_coverage(name: str, shape: list, ranges: list) -> None:
+    numel, cursor = 1, 0
+    for dim in shape:
+        numel *= dim
+    for start, end in ranges:
+        if start != cursor:
+            break
+        cursor = end
+    if cursor != numel:
+        raise CheckpointError(f"the engine's fragments of '{name}' do not cover it exactly once: {ranges} for "
+                              f"{numel} elements (a bug in the engine's fragments(); please report it)")
+
+
+def _run_info(engine) -> dict:
+    try:
+        library = importlib.metadata.version("lightning-zero")
+    except importlib.metadata.PackageNotFoundError:
+        library = "unknown (not installed)"
+    import safetensors
+
+    return {
+        "stage": engine.config.stage,
+        "world_size": engine.topology.world_size,
+        "zero_config": json.loads(json.dumps(engine.config.to_dict(), default=str)),
+        "versions": {"lightning-zero": library, "torch": torch.__version__, "safetensors": safetensors.__version__,
+                     "python": platform.python_version()},
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    }
