@@ -393,7 +393,8 @@ def test_field_status_classification():
     honoured = {"stage", "reduce_scatter", "reduce_bucket_size", "allgather_partitions", "allgather_bucket_size",
                 "overlap_comm", "ignore_unused_parameters", "fp16", "bf16", "gradient_clipping",
                 "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
-                "max_live_parameters", "max_reuse_distance", "override_module_apply"}
+                "max_live_parameters", "max_reuse_distance", "override_module_apply",
+                "load_from_fp32_weights", "gather_16bit_weights_on_model_save"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
               "sub_group_size", "memory_efficient_linear"}
     assert list(FIELD_STATUS) == [f.name for f in dataclasses.fields(ZeroConfig)]

@@ -5,6 +5,14 @@
 See docs/core-api.md for the engine and docs/config.md for every configuration field.
 """
 
+from .checkpoint import (
+    CheckpointError,
+    consolidate,
+    load_checkpoint,
+    load_full_state_dict,
+    save_16bit_model,
+    save_checkpoint,
+)
 from .config import ZeroConfig, ZeroConfigError
 from .debug_access import (
     safe_get_full_fp32_param,
@@ -20,6 +28,12 @@ from .init_context import Init
 from .layout import FlatLayout, Range, compute_layout
 
 __all__ = [
+    "CheckpointError",
+    "consolidate",
+    "load_checkpoint",
+    "load_full_state_dict",
+    "save_16bit_model",
+    "save_checkpoint",
     "ZeroConfig",
     "ZeroConfigError",
     "ZeroEngine",

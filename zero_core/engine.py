@@ -231,7 +231,8 @@ class ZeroEngine:
         self.runtime.after_step()
 
     def replicated_state(self) -> dict[str, torch.Tensor]:
-        """Model state that ZeRO does not shard: buffers and parameters outside every optimizer group."""
+        """Buffers and parameters outside every optimizer group, whole. A collective in stage 3, where frozen
+        parameters are partitioned and get gathered (all of them at once) into copies."""
         return self.runtime.replicated_state()
 
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -258,6 +259,25 @@ class ZeroEngine:
         release = getattr(self.runtime, "release_all", None)
         if release is not None:
             release()
+
+    # -- checkpoints (zero_core.checkpoint; every rank calls these) -----------------------------------------
+    def save_checkpoint(self, path, client_state: Optional[dict] = None):
+        """Write a sharded checkpoint directory atomically (docs/checkpoints.md)."""
+        from .checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, client_state)
+
+    def load_checkpoint(self, path, strict: bool = True, load_optimizer_states: bool = True) -> Optional[dict]:
+        """Load a checkpoint saved at any world size and stage (or a plain state dict); returns client_state."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
+
+    def save_16bit_model(self, out_dir, **kwargs) -> bool:
+        """16-bit safetensors of the whole model, streamed one parameter (unit) at a time."""
+        from .checkpoint import save_16bit_model
+
+        return save_16bit_model(self, out_dir, **kwargs)
 
     # -- introspection -------------------------------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
