@@ -1,0 +1,52 @@
+"""Turn a ``ZeroAccelerator.save_state`` directory into one plain Accelerate can ``load_state``."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Union
+
+from safetensors.torch import load_file, save_file
+
+from .state_io import ZERO_STATE_FILE, suffix
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def export_accelerate_state(checkpoint: PathLike, out: PathLike) -> Path:
+    """Write ``out``: Accelerate's own files copied from ``checkpoint``, plus for each ZeRO model a full fp32
+    ``model[_i].safetensors`` and a plain ``optimizer[_i].bin``, named as Accelerate's ``save_state`` names
+    them (it saves the unwrapped model, so DDP and single-process runs read the same files).
+
+    Runs offline, in one process; the whole model and optimizer state are held in memory once.
+    """
+    from zero_core.checkpoint import consolidate, export_optimizer_state
+
+    source, out = Path(checkpoint), Path(out)
+    info_file = source / ZERO_STATE_FILE
+    if not info_file.is_file():
+        raise FileNotFoundError(f"{source} has no {ZERO_STATE_FILE}: it is not a ZeroAccelerator.save_state directory")
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"{out} exists and is not empty: choose a new directory")
+    out.mkdir(parents=True, exist_ok=True)
+    for item in source.iterdir():
+        if item.is_file() and item.name != ZERO_STATE_FILE:
+            shutil.copy2(item, out / item.name)
+    for entry in json.loads(info_file.read_text())["models"]:
+        sharded = source / entry["dir"]
+        _write_weights(sharded, out / f"model{suffix(entry['model_index'])}.safetensors", consolidate)
+        if entry.get("optimizer_index") is not None:
+            export_optimizer_state(sharded, out / f"optimizer{suffix(entry['optimizer_index'])}.bin")
+    return out
+
+
+def _write_weights(sharded: Path, target: Path, consolidate) -> None:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".export-") as temp:
+        consolidated = Path(temp) / "model"
+        consolidate(sharded, consolidated, dtype="fp32", max_shard_size=2**62, progress=False)
+        tensors = {}
+        for shard in sorted(consolidated.glob("*.safetensors")):
+            tensors.update(load_file(str(shard)))
+        save_file(tensors, str(target), metadata={"format": "pt"})

@@ -1,0 +1,97 @@
+"""``save_state``/``load_state`` for ZeRO models, beside what Accelerate saves itself.
+
+A ``save_state`` directory holds Accelerate's usual files (schedulers, samplers, RNG states, custom objects,
+and any model that is not under ZeRO) plus, for the prepared model at position ``i`` of
+``accelerator._models``, a sharded ``zero_core`` checkpoint directory ``zero_model`` (``zero_model_<i>`` for
+``i > 0``) with that model's weights, fp32 master weights, optimizer state and fp16 loss scale, written
+atomically by every rank. ``zero_state.json`` records which model and optimizer each directory belongs to.
+
+``load_state`` also reads a directory written by plain Accelerate (DDP or one process): ``model.safetensors``
+(or ``pytorch_model.bin``) and ``optimizer.bin`` go into the engine, each rank keeping its own shard.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+ZERO_STATE_FILE = "zero_state.json"
+
+
+def zero_dir_name(model_index: int) -> str:
+    return "zero_model" if model_index == 0 else f"zero_model_{model_index}"
+
+
+def suffix(index: int) -> str:
+    return "" if index == 0 else f"_{index}"
+
+
+def _positions(accelerator) -> list[tuple[object, int, Optional[int]]]:
+    """(managed model, its index in accelerator._models, its optimizer's index in accelerator._optimizers)."""
+    out = []
+    for managed in accelerator._managed:
+        model_index = next(i for i, m in enumerate(accelerator._models) if m is managed.module)
+        opt = managed.optimizer
+        opt_index = next((i for i, o in enumerate(accelerator._optimizers) if o is opt), None) if opt else None
+        out.append((managed, model_index, opt_index))
+    return out
+
+
+def save_engines(accelerator, directory) -> None:
+    """Every rank: one sharded checkpoint per ZeRO model, then rank 0 writes ``zero_state.json``."""
+    from zero_core.checkpoint import save_checkpoint
+
+    directory = Path(directory)
+    entries = []
+    for managed, model_index, opt_index in _positions(accelerator):
+        name = zero_dir_name(model_index)
+        save_checkpoint(managed.engine, directory / name)
+        entries.append({"dir": name, "model_index": model_index, "optimizer_index": opt_index,
+                        "stage": managed.engine.config.stage})
+    if accelerator.is_main_process:
+        (directory / ZERO_STATE_FILE).write_text(json.dumps({"models": entries}, indent=2) + "\n")
+    accelerator.wait_for_everyone()
+
+
+def load_engines(accelerator, directory) -> None:
+    """Every rank: each ZeRO model from its sharded checkpoint, or from plain Accelerate files if there is none."""
+    from zero_core.checkpoint import load_checkpoint
+
+    directory = Path(directory)
+    for managed, model_index, opt_index in _positions(accelerator):
+        sharded = directory / zero_dir_name(model_index)
+        if sharded.is_dir():
+            load_checkpoint(managed.engine, sharded, load_optimizer_states=managed.has_optimizer)
+        else:
+            _load_accelerate_files(managed, directory, model_index, opt_index)
+
+
+def _load_accelerate_files(managed, directory: Path, model_index: int, opt_index: Optional[int]) -> None:
+    """A checkpoint written by plain Accelerate: full weights (``module.`` prefixes from DDP are stripped by
+    the loader) and the full ``optimizer.state_dict()``; each rank keeps its own ranges."""
+    from zero_core.checkpoint import load_full_state_dict
+
+    model_file = _model_file(directory, model_index)
+    optimizer_file = None
+    if managed.has_optimizer and opt_index is not None:
+        optimizer_file = directory / f"optimizer{suffix(opt_index)}.bin"
+        if not optimizer_file.is_file():
+            raise FileNotFoundError(
+                f"{directory} has model weights but no {optimizer_file.name}: it is not a complete save_state "
+                "directory (a ZeRO save_state has a zero_model directory instead)"
+            )
+    load_full_state_dict(managed.engine, model_file, optimizer_state=optimizer_file)
+
+
+def _model_file(directory: Path, model_index: int) -> Path:
+    candidates = [directory / f"model{suffix(model_index)}.safetensors",
+                  directory / f"pytorch_model{suffix(model_index)}.bin"]
+    found = next((c for c in candidates if c.is_file()), None)
+    if found is None:
+        raise FileNotFoundError(
+            f"{directory} holds no state for prepared model {model_index}: expected a {zero_dir_name(model_index)}/ "
+            f"directory (written by ZeroAccelerator.save_state) or {candidates[0].name} / {candidates[1].name} "
+            "(written by plain Accelerate)"
+        )
+    return found

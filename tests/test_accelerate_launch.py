@@ -1,0 +1,184 @@
+"""ZeroAccelerator through a real ``accelerate launch`` (CPU, 2 processes, gloo), compared with plain
+Accelerate DDP in the same launch. Each launch runs several checks in sequence and writes one JSON file
+(the scripts are in tests/accelerate_scripts/); the tests below read it.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "accelerate_scripts"
+TOLERANCE = 1e-5
+MAX_NORM = 0.3  # parity.py clips at this norm
+
+ACCELERATE_YAML = """\
+compute_environment: LOCAL_MACHINE
+distributed_type: MULTI_GPU
+num_processes: 2
+num_machines: 1
+mixed_precision: 'no'
+main_process_port: 0
+"""
+
+ZERO_YAML = ACCELERATE_YAML + """\
+zero_optimization:
+  stage: 2
+  overlap_comm: true
+  allgather_bucket_size: 300
+"""
+
+
+def clean_env(**extra) -> dict:
+    """The parent's environment without ZeRO/Accelerate settings that would change what is tested."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("ACCELERATE_ZERO_", "ACCELERATE_USE_", "ACCELERATE_MIXED_PRECISION"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""), **extra)
+    return env
+
+
+def run(cmd: list, cwd: Path, env: dict, timeout: int = 240) -> str:
+    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
+    return done.stdout
+
+
+def accelerate_launch(tmp: Path, script: str, *args, env: dict) -> None:
+    config = tmp / "accelerate.yaml"
+    config.write_text(ACCELERATE_YAML)
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, SCRIPTS / script, *args],
+        cwd=tmp, env=env)
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert sorted(a) == sorted(b)
+    return max(max(abs(x - y) for x, y in zip(a[k], b[k])) for k in a)
+
+
+# -- the example against DDP, launched by `accelerate-zero launch --config zero.yaml` ------------------------
+@pytest.fixture(scope="module")
+def parity(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("parity")
+    (tmp / "zero.yaml").write_text(ZERO_YAML)
+    run([sys.executable, "-m", "accelerate_zero", "launch", "--config", tmp / "zero.yaml",
+         SCRIPTS / "parity.py", tmp / "out.json"], cwd=tmp, env=clean_env())
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.mark.parametrize("run_name", ["zero1", "zero2", "zero3", "env"])
+def test_example_ends_with_ddps_weights_and_global_norms(parity, run_name):
+    ddp, zero = parity["ddp"], parity[run_name]
+    assert any(n > MAX_NORM for n in ddp["norms"]), "clipping should act in some steps"
+    assert max_diff(zero["weights"], ddp["weights"]) <= TOLERANCE
+    assert max(abs(a - b) for a, b in zip(zero["norms"], ddp["norms"])) <= TOLERANCE
+    assert zero["norms_agree_across_ranks"]
+
+
+def test_prepare_keeps_the_users_module_and_zero_yaml_reaches_the_workers(parity):
+    assert parity["ddp"]["wrapped"] == "DistributedDataParallel"
+    for name in ("zero1", "zero2", "zero3", "env"):
+        assert parity[name]["wrapped"] == "Sequential" and parity[name]["unwrapped_is_model"]
+    assert [parity[n]["stage"] for n in ("zero1", "zero2", "zero3", "env")] == [1, 2, 3, 2]
+
+
+def test_mixed_precision_from_accelerate_runs_in_the_engine(parity):
+    for name, dtype in (("bf16", "torch.bfloat16"), ("fp16", "torch.float16")):
+        result = parity[name]
+        assert (result["param_dtype"], result["master_dtype"]) == (dtype, "torch.float32")
+        assert len(result["losses"]) == 4 and all(0 < loss < 10 for loss in result["losses"])
+    assert parity["fp16"]["loss_scale"] > 1 and parity["bf16"]["loss_scale"] == 1.0
+
+
+def test_api_errors_overflow_and_models_without_optimizer(parity):
+    api = parity["api"]
+    assert set(api["errors"].values()) - {"Sequential"} == {"ok"} and api["errors"]["not_ddp"] == "Sequential"
+    assert api["stage3"] == {"state_keys": [4, 0], "save_model_needs_flag": "ok"}
+    assert api["alone"] == {"engine": 1, "grads_agree": True}
+    overflow = api["overflow"]
+    assert overflow["skipped"] and overflow["params_unchanged"] and overflow["lr"] == 0.1
+    assert api["two_fp16_models"] == "ok" and api["late_backward_refused"] == "ok"
+
+
+def test_zero_core_counts_a_backward_that_follows_reduce_gradients(parity):
+    """Fails today (a zero_core bug): after engine.reduce_gradients() (clip_grad_norm_ calls it), a further
+    backward before step() is silently not reduced at stage 1, and a no_sync backward is dropped at stage 2.
+    ZeroAccelerator raises where its own early reduction (stage 1, reduce_scatter: false) would meet it."""
+    assert parity["api"]["late_backward"] == pytest.approx({"stage1": 0.0, "stage2": 0.0}, abs=TOLERANCE)
+
+
+# -- checkpoints, launched by plain `accelerate launch`, ZeRO settings from a file named in the environment -
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("checkpoints")
+    (tmp / "work").mkdir()
+    (tmp / "z3.json").write_text(json.dumps({"zero_optimization": {
+        "stage": 3, "stage3_param_persistence_threshold": 0, "stage3_gather_16bit_weights_on_model_save": True}}))
+    env = clean_env(ACCELERATE_ZERO_CONFIG_FILE=str(tmp / "z3.json"))  # no ACCELERATE_USE_CPU: detected
+    accelerate_launch(tmp, "checkpoints.py", tmp / "out.json", tmp / "work", env=env)
+    return json.loads((tmp / "out.json").read_text())
+
+
+def test_save_state_is_sharded_and_resumes_exactly(checkpoints):
+    assert checkpoints["z3_stage"] == 3
+    files = checkpoints["zero_ckpt_files"]
+    assert {"zero_model/shard-00000-of-00002.safetensors", "zero_model/shard-00001-of-00002.safetensors",
+            "zero_model/manifest.json", "scheduler.bin", "custom_checkpoint_0.pkl", "zero_state.json"} <= set(files)
+    assert not any(f.startswith(("model", "optimizer")) for f in files)  # no unsharded copy beside it
+    assert max_diff(checkpoints["z3_resumed"], checkpoints["z3"]) == 0.0
+
+
+def test_ddp_checkpoint_loads_into_zero_and_back(checkpoints):
+    assert max_diff(checkpoints["z3"], checkpoints["ddp"]) <= TOLERANCE
+    assert max_diff(checkpoints["z2_from_ddp"], checkpoints["ddp"]) <= TOLERANCE
+    assert max_diff(checkpoints["ddp_from_zero"], checkpoints["ddp"]) <= TOLERANCE
+
+
+def test_save_model_loads_into_a_fresh_model_with_identical_outputs(checkpoints):
+    single, sharded = checkpoints["save_model"]["single"], checkpoints["save_model"]["sharded"]
+    assert single["files"] == ["model.safetensors"] and single["max_abs_diff"] == 0.0
+    assert "model.safetensors.index.json" in sharded["files"] and len(sharded["files"]) > 2
+    assert sharded["max_abs_diff"] == 0.0
+
+
+# -- Accelerate's own scripts from the wheel, unmodified, with ZeroAccelerator swapped in --------------------
+STOCK_RUNS = [
+    *(f'test_script.py:{{"ACCELERATE_ZERO_STAGE": "{s}", "ACCELERATE_ZERO_AUTOCAST": "true"}}' for s in (1, 2, 3)),
+    'test_sync.py:{"ACCELERATE_ZERO_CONFIG": "{\\"stage\\": 1, \\"reduce_scatter\\": false}"}',
+]
+
+
+@pytest.fixture(scope="module")
+def stock(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("stock")
+    accelerate_launch(tmp, "stock_scripts.py", tmp / "out.json", *STOCK_RUNS, env=clean_env())
+    runs = json.loads((tmp / "out.json").read_text())["runs"]
+    return {r["run"]: r for r in runs}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_accelerates_test_script_passes_at_every_stage(stock, stage):
+    result = stock[STOCK_RUNS[stage - 1]]
+    assert result["ok"], result["error"]
+    assert result["engines"] and set(result["engines"]) == {stage}, "ZeroAccelerator must have built the engines"
+
+
+def test_accelerates_test_sync_passes_at_stage_1(stock):
+    """Fails today: zero_core's step() zeroes the gradients, but test_sync.py reads them after
+    optimizer.step() (DDP keeps them until zero_grad). See docs/accelerate.md, "Known limits"."""
+    result = stock[STOCK_RUNS[3]]
+    assert result["engines"] and set(result["engines"]) == {1}
+    assert result["ok"], result["error"]
+
+
+# -- one process, no launcher, an unmodified Accelerate script ---------------------------------------------
+def test_swap_runs_a_plain_accelerate_script_in_one_process(tmp_path):
+    out = run([sys.executable, "-m", "accelerate_zero.swap", SCRIPTS / "plain_loop.py", "--flag"], cwd=tmp_path,
+              env=clean_env(ACCELERATE_ZERO_STAGE="3"), timeout=120)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert (result["class"], result["stage"], result["processes"], result["argv"]) == ("ZeroAccelerator", 3, 1, ["--flag"])
+    assert result["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"] and result["losses"][-1] < result["losses"][0]
