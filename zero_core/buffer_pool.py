@@ -1,31 +1,29 @@
 """Constant-size scratch buffers (ZeRO-R "CB"): bucket staging and reduce-scatter outputs.
 
-Buffers come in a few fixed sizes (say, the largest bucket and the largest shard), are allocated at that size
-and reused across buckets and steps, so scratch memory depends on the bucket size and on how many buckets are
-in flight, never on the model.
+Requests are rounded up to a power of two (capped at the largest size the pool serves), so a buffer is at most
+twice what was asked, and buffers are reused across buckets and steps: scratch memory depends on the bucket
+size and on how many buckets are in flight, never on the model.
 """
 
 from __future__ import annotations
-
-from typing import Sequence
 
 import torch
 
 
 class BufferPool:
-    """Hands out zeroed scratch tensors of a few fixed sizes and takes them back for reuse."""
+    """Hands out zeroed scratch tensors in power-of-two size classes and takes them back for reuse."""
 
-    def __init__(self, device: torch.device, capacities: Sequence[int]) -> None:
+    def __init__(self, device: torch.device, largest: int) -> None:
         self.device = device
-        self.capacities = sorted({max(int(c), 1) for c in capacities})
+        self.largest = max(int(largest), 1)
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._all: list[torch.Tensor] = []
 
     def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed buffer of at least ``numel`` elements; slice it, then ``release`` the whole buffer."""
-        capacity = next((c for c in self.capacities if c >= numel), None)
-        if capacity is None:
-            raise ValueError(f"scratch request of {numel} elements exceeds the largest pool size {self.capacities[-1]}")
+        if numel > self.largest:
+            raise ValueError(f"scratch request of {numel} elements exceeds the largest pool size {self.largest}")
+        capacity = min(1 << max(int(numel) - 1, 0).bit_length(), self.largest)
         free = self._free.get((dtype, capacity))
         if free:
             buffer = free.pop()

@@ -71,7 +71,7 @@ class ZeroEngine:
         masters = [[m for part in self.runtime.parts if part.group_index == i for m in part.masters]
                    for i in range(len(optimizer.param_groups))]
         narrow_param_groups(optimizer, masters)
-        self.optimizer = ShardedOptimizer(optimizer, self.step, self.zero_grad)
+        self.optimizer = ShardedOptimizer(optimizer, self._step, self.zero_grad)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
 
     # -- setup ---------------------------------------------------------------------------------------------
@@ -170,6 +170,9 @@ class ZeroEngine:
 
     def step(self) -> None:
         """Sharded optimizer step over the fp32 masters, then the parameters are refreshed; grads are zeroed."""
+        self.optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
+
+    def _step(self) -> None:
         if not self._saw_grad:
             self.zero_grad()  # nothing to apply: every rank ran the same (empty) step
             return

@@ -55,6 +55,7 @@ class GradReducer:
         overlap: bool,
         use_reduce_scatter: bool,
         ignore_unused: bool,
+        model_position: dict,
     ) -> None:
         self.groups = groups
         self.comm = comm
@@ -65,8 +66,12 @@ class GradReducer:
         self.ignore_unused = ignore_unused
         self.world_size = comm.topology.world_size
         self.rank = comm.topology.rank
-        # Global bucket order: position i is (group, bucket index); reduction runs from the end.
-        self.order = [(g, b.index) for g in groups for b in g.layout.buckets]
+        # Global bucket order: position i is (group, bucket index); reduction runs from the end. Buckets are
+        # sorted by where their parameters sit in the model, since backward produces gradients in roughly
+        # reverse model order, across optimizer groups; so a completed bucket rarely waits for another.
+        buckets = [(g, b.index) for g in groups for b in g.layout.buckets]
+        self.order = sorted(buckets, key=lambda gb: min(
+            (model_position[gb[0].params[i]] for i in gb[0].layout.buckets[gb[1]].param_indices), default=-1))
         self.sync = True
         self._handles = []
         self._reset_backward_state()

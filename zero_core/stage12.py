@@ -37,8 +37,7 @@ class ReplicatedParamsRuntime:
         for part in self.parts:
             part.build_masters(torch.float32)
         device = self.parts[0].device if self.parts else torch.device("cpu")
-        largest = max((b.range.size for g in self.parts for b in g.layout.buckets), default=1)
-        self.pool = BufferPool(device, [largest, -(-largest // comm.topology.world_size)])
+        self.pool = BufferPool(device, max((b.range.size for g in self.parts for b in g.layout.buckets), default=1))
         self.reducer = GradReducer(
             self.parts,
             comm,
@@ -47,6 +46,7 @@ class ReplicatedParamsRuntime:
             overlap=config.resolved_overlap_comm,
             use_reduce_scatter=config.reduce_scatter,
             ignore_unused=config.ignore_unused_parameters,
+            model_position={p: i for i, p in enumerate(module.parameters())},
         )
 
     def _build_groups(self, trainable_by_group, names) -> list[FlatParamGroup]:

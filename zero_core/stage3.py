@@ -48,8 +48,7 @@ class PartitionedParamsRuntime:
         self._build_units(trainable_by_group)
         self.parts = [u for u in self.units if u.trainable]
         device = self.units[0].device if self.units else torch.device("cpu")
-        largest = max(self.parts, key=lambda u: u.numel, default=None)
-        self.pool = BufferPool(device, [largest.numel, largest.layout.shard_numel] if largest else [1])
+        self.pool = BufferPool(device, max((u.numel for u in self.parts), default=1))
         module_names = {m: n for n, m in module.named_modules() if m in self._own or m in self._externals}
         self.trace = ExecutionTrace(module_names, comm)
         self.comm.check = True  # verify collectives while the first trace is recorded
