@@ -128,6 +128,12 @@ class ZeroEngine:
             self.runtime.set_sync(self._no_sync_depth == 0)
 
     def _note_grad(self, param: torch.Tensor) -> None:
+        if self._reduced:
+            raise RuntimeError(
+                f"a backward produced a gradient for '{self._names.get(param, '?')}' after this step's gradients were "
+                "already reduced (by clip_grad_norm_, reduce_gradients or a safe_get_full_grad call), so it would be "
+                "lost: run every backward of the step first, then clip, then step()"
+            )
         self._saw_grad = True
 
     def reduce_gradients(self) -> None:
@@ -192,7 +198,15 @@ class ZeroEngine:
         self.runtime.after_step()
         if self._scaler is not None:
             self._scaler.update(overflow=False)
-        self.zero_grad()
+        self._finish_step()
+
+    def _finish_step(self) -> None:
+        """Gradients are consumed, as DeepSpeed's step does; except stage 1 with ``reduce_scatter: false``, which
+        all-reduces whole gradients like DDP and so, like a torch optimizer, leaves them for ``zero_grad()``."""
+        if self.config.stage == 1 and not self.config.reduce_scatter:
+            self._clip_coef, self._reduced, self._saw_grad = None, False, False
+        else:
+            self.zero_grad()
 
     def _attach_master_grads(self) -> None:
         """Give each master shard its gradient in fp32, unscaled and clipped."""
