@@ -324,13 +324,8 @@ def _after_backward(managed: ManagedModel, step_follows: bool) -> None:
     before a step, as DDP leaves it. (With reduce-scatter each rank would hold only its own slice averaged, so
     gradients stay local until the step; stages 2 and 3 reduce inside backward anyway.)"""
     cfg = managed.engine.config
-    if cfg.stage != 1 or cfg.reduce_scatter:
-        return
-    if managed.reduced_early:
-        managed.late_grads = True  # the engine reduces once per step: these would never be; the step refuses
-    elif step_follows:
-        managed.engine.reduce_gradients()
-        managed.reduced_early = True
+    if cfg.stage == 1 and not cfg.reduce_scatter and step_follows:
+        managed.engine.reduce_gradients()  # a later backward re-arms it: averaged grads average again exactly
 
 
 def _convert_io(model: nn.Module, cfg) -> None:

@@ -29,8 +29,6 @@ class ManagedModel:
         self.no_sync_depth = 0
         self.forced_sync = 0
         self.forward_synced = True
-        self.reduced_early = False  # stage 1 with all-reduce: reduced right after a backward, before the step
-        self.late_grads = False  # and another backward reached the model after that
         self.grads_arrived = False  # set by any gradient reaching this model in the current backward
         self._hooks = [module.register_forward_pre_hook(self._on_forward)]
         self._hooks += [p.register_post_accumulate_grad_hook(self._on_grad)
@@ -69,14 +67,4 @@ class ManagedModel:
         mine = {id(p) for p in self.module.parameters()}
         return any(id(p) in mine for p in params)
 
-    def check_step(self) -> None:
-        if self.late_grads:
-            raise RuntimeError(
-                "a backward reached the model after its gradients were all-reduced for this step (ZeRO stage 1 with "
-                "reduce_scatter: false reduces right after the synchronising backward), so its gradients would be "
-                "lost: run every backward but the last of a step inside accelerator.no_sync(model) or "
-                "accelerator.accumulate(model), or use reduce_scatter: true"
-            )
 
-    def after_step(self) -> None:
-        self.reduced_early = self.late_grads = False

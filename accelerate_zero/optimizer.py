@@ -30,15 +30,12 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     def step(self, closure=None):
         if not self.gradient_state.sync_gradients:
             return None
-        self.managed.check_step()
         engine = self.managed.engine
         skipped_before = engine.skipped_steps
         loss = self.optimizer.step(closure)
         self._is_overflow = engine.skipped_steps > skipped_before
-        self.managed.after_step()
         return loss
 
     def zero_grad(self, set_to_none=None):
         if self.gradient_state.sync_gradients:
             self.optimizer.zero_grad()
-            self.managed.after_step()
