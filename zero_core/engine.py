@@ -128,7 +128,9 @@ class ZeroEngine:
             self.runtime.set_sync(self._no_sync_depth == 0)
 
     def _note_grad(self, param: torch.Tensor) -> None:
-        if self._reduced:
+        if self._reduced and self._averages_whole_grads() and self._clip_coef is None:
+            self._reduced = False  # averaged gradients plus new local ones average again to the right sum
+        elif self._reduced:
             raise RuntimeError(
                 f"a backward produced a gradient for '{self._names.get(param, '?')}' after this step's gradients were "
                 "already reduced (by clip_grad_norm_, reduce_gradients or a safe_get_full_grad call), so it would be "
@@ -200,10 +202,14 @@ class ZeroEngine:
             self._scaler.update(overflow=False)
         self._finish_step()
 
+    def _averages_whole_grads(self) -> bool:
+        """Stage 1 with ``reduce_scatter: false`` all-reduces whole gradients, exactly as DDP does."""
+        return self.config.stage == 1 and not self.config.reduce_scatter
+
     def _finish_step(self) -> None:
-        """Gradients are consumed, as DeepSpeed's step does; except stage 1 with ``reduce_scatter: false``, which
-        all-reduces whole gradients like DDP and so, like a torch optimizer, leaves them for ``zero_grad()``."""
-        if self.config.stage == 1 and not self.config.reduce_scatter:
+        """Gradients are consumed, as DeepSpeed's step does; except when they are averaged whole like DDP's
+        (see ``_averages_whole_grads``): then, like a torch optimizer, the step leaves them for ``zero_grad()``."""
+        if self._averages_whole_grads():
             self._clip_coef, self._reduced, self._saw_grad = None, False, False
         else:
             self.zero_grad()
