@@ -1,0 +1,100 @@
+"""Lightning checkpoints <-> the core's sharded checkpoints (``zero_core.checkpoint``).
+
+A Lightning checkpoint is a dict: the model (``state_dict``), the optimizers (``optimizer_states``) and
+everything else (loops, callbacks, schedulers, hyper-parameters). The engine saves the first two itself, sharded
+and resumable at any world size; the rest rides along as the checkpoint's ``client_state``. Loading returns that
+rest, so Lightning restores loops, callbacks and schedulers as usual.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import zero_core.checkpoint as zero_checkpoint
+
+ENGINE_KEYS = ("state_dict", "optimizer_states")
+MANIFEST = "manifest.json"
+
+
+def is_sharded_checkpoint(path: Path) -> bool:
+    return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def missing_checkpoint_error(path: Path) -> FileNotFoundError:
+    if path.is_dir():
+        return FileNotFoundError(
+            f"'{path}' is a directory but not a ZeRO checkpoint (it has no {MANIFEST}); give a directory written "
+            "by Trainer.save_checkpoint / ModelCheckpoint under ZeroStrategy, or a single-file checkpoint"
+        )
+    return FileNotFoundError(
+        f"no checkpoint at '{path}': ZeroStrategy loads a sharded checkpoint directory or a single-file "
+        "checkpoint (e.g. one written by DDP or by `python -m lightning_zero.convert`)"
+    )
+
+
+def client_state_of(checkpoint: dict) -> dict:
+    """Everything the engine does not save itself."""
+    return {k: v for k, v in checkpoint.items() if k not in ENGINE_KEYS}
+
+
+def save_sharded(engine, checkpoint: dict, path: Path) -> None:
+    """Every rank calls; the directory appears at ``path`` when complete."""
+    zero_checkpoint.save_checkpoint(engine, path, client_state=client_state_of(checkpoint))
+
+
+def load_sharded(engine, path: Path, load_optimizer: bool, strict: bool) -> dict:
+    """Weights (and optimizer state when ``load_optimizer``) into the engine; returns the Lightning rest."""
+    client_state = zero_checkpoint.load_checkpoint(engine, path, strict=strict, load_optimizer_states=load_optimizer)
+    if not isinstance(client_state, dict):
+        raise RuntimeError(
+            f"'{path}' is a ZeRO checkpoint without Lightning's state (it was not written by a Lightning "
+            "Trainer); load it with zero_core.checkpoint.load_checkpoint or convert it first"
+        )
+    return client_state
+
+
+def load_full(engine, checkpoint: dict, optimizer_count: Optional[int], strict: bool) -> dict:
+    """A single-file Lightning checkpoint (DDP's, or a converted one) into the engine.
+
+    ``optimizer_count`` is the number of optimizers to restore (None: weights only).
+    """
+    if "state_dict" not in checkpoint:
+        raise KeyError("the checkpoint has no 'state_dict': it is not a Lightning checkpoint")
+    optimizer_state = _single_optimizer_state(checkpoint, optimizer_count)
+    zero_checkpoint.load_full_state_dict(engine, checkpoint["state_dict"], optimizer_state=optimizer_state,
+                                         strict=strict)
+    return client_state_of(checkpoint)
+
+
+def _single_optimizer_state(checkpoint: dict, optimizer_count: Optional[int]) -> Optional[dict]:
+    if optimizer_count is None:
+        return None
+    states = checkpoint.get("optimizer_states")
+    if not states:
+        warnings.warn(
+            "the single-file checkpoint holds no optimizer state, so only the weights are restored; the optimizer "
+            "starts fresh (resume from the sharded checkpoint directory to restore it)",
+            stacklevel=3,
+        )
+        return None
+    if len(states) != optimizer_count:
+        raise RuntimeError(
+            f"You have configured {optimizer_count} optimizers but the checkpoint contains {len(states)} optimizers "
+            "to load. Please resume training with the same number of optimizers or edit the checkpoint manually "
+            "to remove states."
+        )
+    return states[0]
+
+
+def restore_into(state: dict, client_state: dict, keys) -> dict:
+    """Fabric's contract: objects in ``state`` get their saved values in place; the rest is returned."""
+    for key in keys:
+        target, value = state[key], client_state.pop(key)
+        if hasattr(target, "load_state_dict"):
+            target.load_state_dict(value)
+        else:
+            state[key] = value
+    return client_state
+

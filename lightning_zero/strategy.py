@@ -1,0 +1,380 @@
+"""``ZeroStrategy``: the Lightning Trainer on top of the ZeRO engine (``zero_core``).
+
+The strategy translates and holds no ZeRO logic: at setup it hands the LightningModule and the optimizer from
+``configure_optimizers`` to ``zero_core.setup``, and afterwards it routes Lightning's calls to the engine
+(backward, ``no_sync`` for accumulation, clipping, the step) and checkpoints to ``zero_core.checkpoint``.
+Processes, ranks and collectives for logging are DDP's (launchers, cluster environments, samplers).
+docs/lightning.md is the user's guide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers
+from lightning.pytorch.plugins import TorchCheckpointIO
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies.strategy import _ForwardRedirection
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import WarningCache
+
+import zero_core
+import zero_core.checkpoint as zero_checkpoint
+from zero_core import registry
+from zero_core.sharded_optimizer import ShardedOptimizer
+
+from . import checkpoint_io
+from .config import base_config, run_config
+from .precision import ZeroPrecision, as_zero_precision
+
+_warnings = WarningCache()
+SUPPORTED_ACCELERATORS = ("CPUAccelerator", "CUDAAccelerator")
+
+
+class ZeroOptimizer(ShardedOptimizer):
+    """The engine's optimizer facade as Lightning sees it; ``.optimizer`` is the user's (as with DeepSpeed)."""
+
+    def __init__(self, engine: zero_core.ZeroEngine) -> None:
+        facade = engine.optimizer
+        super().__init__(facade.inner, facade.step, facade.zero_grad)
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        return self.inner
+
+
+def is_partitioned(module: torch.nn.Module) -> bool:
+    """Built under ``zero_core.Init`` (or already under an engine): its parameters cannot be used whole."""
+    return any(registry.owner_of(p) is not None for p in module.parameters())
+
+
+def engine_of(module: torch.nn.Module) -> Optional[zero_core.ZeroEngine]:
+    owner = next((registry.owner_of(p) for p in module.parameters()), None)
+    return owner if isinstance(owner, zero_core.ZeroEngine) else None
+
+
+class ZeroStrategy(DDPStrategy):
+    """ZeRO data parallelism for the Trainer: ``Trainer(strategy="zero3")`` or ``ZeroStrategy(stage=3, config=...)``.
+
+    Args:
+        stage: ZeRO stage 1, 2 or 3; default: the config's stage, else 3.
+        config: a ``zero_core.ZeroConfig``, a dict or a DeepSpeed-style JSON/YAML path (a whole DeepSpeed config or
+            its ``zero_optimization`` block); default ``$LIGHTNING_ZERO_CONFIG``. Precision and gradient
+            accumulation come from the Trainer ("auto" in the config takes them).
+        start_method: "popen" (Lightning re-runs the script per process; torchrun and cluster launchers work
+            too). "spawn"/"fork"/"forkserver" only for stages 1-2 in 32-true (see docs/lightning.md).
+        The other arguments are DDP's.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: Optional[int] = None,
+        config: Optional[Union[str, dict[str, Any]]] = None,
+        accelerator=None,
+        parallel_devices: Optional[list[torch.device]] = None,
+        cluster_environment: Optional[ClusterEnvironment] = None,
+        checkpoint_io: Optional[CheckpointIO] = None,
+        precision_plugin: Optional[Precision] = None,
+        process_group_backend: Optional[str] = None,
+        timeout: Optional[timedelta] = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+        )
+        self.zero_config = base_config(stage, config)
+        self._forward_redirection = _ForwardRedirection()
+        self._engine: Optional[zero_core.ZeroEngine] = None
+
+    # -- what Lightning reads ------------------------------------------------------------------------------
+    @property
+    def stage(self) -> int:
+        return self.zero_config.stage
+
+    @property
+    def engine(self) -> Optional[zero_core.ZeroEngine]:
+        """The ZeRO engine, once ``fit`` (or a sharded load) set it up."""
+        return self._engine
+
+    @property
+    def is_distributed(self) -> bool:
+        return True  # Lightning adds the DistributedSampler and reduces sync_dist logging only when this is True
+
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        if self._precision_plugin is None:
+            self._precision_plugin = ZeroPrecision("32-true")
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Optional[Precision]) -> None:
+        self._precision_plugin = as_zero_precision(plugin, ZeroPrecision)
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine must exist to receive the sharded state
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # the engine restores its own optimizer shards
+
+    # -- processes -----------------------------------------------------------------------------------------
+    def _configure_launcher(self) -> None:
+        if self._start_method != "popen":
+            self._check_spawn_gives_right_results()
+        super()._configure_launcher()
+
+    def _check_spawn_gives_right_results(self) -> None:
+        """The spawn launcher returns rank 0's ``state_dict()`` to the main process; that is the trained model
+        only when parameters are whole and fp32."""
+        precision = self.precision_plugin.precision
+        if self.stage == 3 or precision != "32-true":
+            raise ValueError(
+                f"ZeroStrategy(start_method={self._start_method!r}) cannot work with stage {self.stage} and "
+                f"precision={precision!r}: this launcher sends rank 0's module.state_dict() back to the main "
+                "process, and under ZeRO stage 3 that state is partitioned, under 16-bit precision it is the "
+                "16-bit copy, not the fp32 master weights. Use start_method='popen' (the default: Lightning "
+                "re-runs your script per process), torchrun, or a cluster launcher."
+            )
+
+    def setup_environment(self) -> None:
+        name = type(self.accelerator).__name__
+        if name not in SUPPORTED_ACCELERATORS:
+            raise RuntimeError(
+                f"ZeroStrategy runs on CPUs (gloo) or CUDA GPUs (nccl), not on the {name}; "
+                "use Trainer(accelerator='cpu') or accelerator='gpu'"
+            )
+        super().setup_environment()
+
+    # -- model and optimizer -------------------------------------------------------------------------------
+    def setup(self, trainer) -> None:
+        self.accelerator.setup(trainer)
+        self.precision_plugin.device_type = self.root_device.type
+        _evaluate_without_inference_mode(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        existing = engine_of(self.lightning_module)
+        if existing is not None:
+            self._adopt_engine(existing, fitting)
+        elif fitting:
+            if self._layer_sync:
+                self.model = self._layer_sync.apply(self.model)
+            self._module_to_device()
+            self._setup_for_fit(trainer)
+        elif is_partitioned(self.lightning_module):
+            self._start_engine(_placeholder_optimizer(self.lightning_module), self._resolved_config(trainer))
+        else:
+            self._setup_plain_for_inference()
+        self.setup_precision_plugin()
+
+    def _resolved_config(self, trainer) -> zero_core.ZeroConfig:
+        return run_config(self.zero_config, self.precision_plugin.precision, trainer.accumulate_grad_batches)
+
+    def _setup_for_fit(self, trainer) -> None:
+        optimizers, scheduler_configs = _init_optimizers_and_lr_schedulers(self.lightning_module)
+        if len(optimizers) != 1:
+            raise ValueError(
+                f"ZeroStrategy trains with one optimizer, but configure_optimizers returned {len(optimizers)}. "
+                "The ZeRO engine steps, clips and zeroes all of a model's gradients at once; put the parameters "
+                "in one optimizer with several param_groups (per-group lr and weight decay keep working), or use "
+                "strategy='ddp'"
+            )
+        if isinstance(optimizers[0], torch.optim.LBFGS):
+            raise TypeError("LBFGS re-evaluates the model inside step(); the ZeRO engine steps once over its "
+                            "shards. Use another optimizer with ZeroStrategy")
+        self._start_engine(optimizers[0], self._resolved_config(trainer))
+        self.optimizers = [ZeroOptimizer(self._engine)]
+        self.lr_scheduler_configs = scheduler_configs
+
+    def _start_engine(self, optimizer: torch.optim.Optimizer, config: zero_core.ZeroConfig) -> None:
+        self._engine = zero_core.setup(self.lightning_module, optimizer, config)
+        self.precision_plugin.engine = self._engine
+
+    def _adopt_engine(self, engine: zero_core.ZeroEngine, fitting: bool) -> None:
+        if fitting:
+            raise RuntimeError(
+                "this LightningModule is already under a ZeRO engine (from an earlier fit, or from validate/test/"
+                "predict of a model built in configure_model or loaded from a sharded checkpoint), and an engine "
+                "cannot be set up twice on one module. Fit a fresh instance (resume with fit(ckpt_path=...)), or "
+                "call fit before validate/test/predict"
+            )
+        self._engine = engine
+        self.precision_plugin.engine = engine
+
+    def _module_to_device(self) -> None:
+        if not is_partitioned(self.lightning_module):  # zero_core.Init already placed partitioned ones
+            self.lightning_module.to(self.root_device)
+
+    def _setup_plain_for_inference(self) -> None:
+        """validate/test/predict of a whole model without an engine: cast like the engine would, sync rank 0."""
+        module = self.lightning_module
+        module.to(self.root_device)
+        if self.precision_plugin.dtype != torch.float32:
+            module.to(self.precision_plugin.dtype)
+        if dist.is_initialized():
+            for tensor in list(module.parameters()) + list(module.buffers()):
+                dist.broadcast(tensor.data, src=0)
+
+    def model_to_device(self) -> None:
+        self._module_to_device()
+
+    @contextlib.contextmanager
+    def model_sharded_context(self):
+        """``configure_model`` at stage 3 builds the model already partitioned (zero_core.Init)."""
+        if self.stage != 3:
+            yield
+            return
+        with zero_core.Init(config=self.zero_config):
+            yield
+
+    # -- steps ---------------------------------------------------------------------------------------------
+    def _step(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        if self._engine is not None and self._engine.config.stage == 3:
+            # Through the module's own __call__: stage 3's root hooks mark where each step's forward starts.
+            return self._forward_redirection(module, module, name, *args, **kwargs)
+        return getattr(module, name)(*args, **kwargs)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._step("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._step("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._step("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._step("predict_step", *args, **kwargs)
+
+    @contextlib.contextmanager
+    def block_backward_sync(self):
+        """Accumulation: micro-batches but the last keep their gradients local (``engine.no_sync``)."""
+        if self._engine is None:
+            yield
+            return
+        with self._engine.no_sync():
+            yield
+
+    def pre_backward(self, closure_loss: torch.Tensor) -> None:
+        pass  # no DDP reducer to prepare
+
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        pass
+
+    # -- checkpoints ---------------------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Empty under an engine: its sharded checkpoint holds the weights (stage 3 has no whole copy)."""
+        if self._engine is None:
+            return self.lightning_module.state_dict()
+        return {}
+
+    def optimizer_state(self, optimizer) -> dict[str, torch.Tensor]:
+        return {}  # saved by the engine, sharded
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath, storage_options: Optional[Any] = None) -> None:
+        if storage_options is not None:
+            raise TypeError(
+                "Trainer.save_checkpoint(..., storage_options=...) is not supported by ZeroStrategy: it writes "
+                "the ZeRO sharded checkpoint format itself and does not use a CheckpointIO plugin"
+            )
+        if self._engine is None:
+            return super().save_checkpoint(checkpoint, filepath)
+        path = Path(self.broadcast(str(filepath)))
+        if self.is_global_zero and self.world_size > 1:
+            _warnings.warn(
+                "ZeroStrategy saves each checkpoint as a sharded directory. For one file that load_from_checkpoint "
+                "or a DDP run can read: python -m lightning_zero.convert <dir> <file.ckpt>"
+            )
+        checkpoint_io.save_sharded(self._engine, checkpoint, path)
+
+    def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        sharded = checkpoint_io.is_sharded_checkpoint(path)
+        if not sharded and not path.is_file():
+            raise checkpoint_io.missing_checkpoint_error(path)
+        module = self.lightning_module
+        if self._engine is None and not sharded:
+            return super().load_checkpoint(path, weights_only)  # a whole model without engine: Lightning loads
+        if self._engine is None:  # validate/test/predict from a sharded checkpoint: the engine reads it
+            self._start_engine(_placeholder_optimizer(module), self._resolved_config(module.trainer))
+        fitting = module.trainer.state.fn == TrainerFn.FITTING
+        if sharded:
+            return checkpoint_io.load_sharded(self._engine, path, fitting, module.strict_loading)
+        checkpoint = self._read_file(path, weights_only)
+        return checkpoint_io.load_full(self._engine, checkpoint, len(self.optimizers) if fitting else None,
+                                       module.strict_loading)
+
+    def _read_file(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
+        """A single-file checkpoint; with the default CheckpointIO it is memory-mapped, so each rank reads only
+        the tensors it keeps instead of holding the whole model."""
+        if type(self.checkpoint_io) is TorchCheckpointIO:
+            return torch.load(path, map_location="cpu", mmap=True, weights_only=weights_only)
+        return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint, strict: bool = True) -> None:
+        if self._engine is None:
+            super().load_model_state_dict(checkpoint, strict=strict)
+        # under an engine, load_checkpoint already put the weights in place
+
+    def load_optimizer_state_dict(self, checkpoint) -> None:
+        pass  # the engine loaded its shards in load_checkpoint
+
+    def save_16bit_model(self, out_dir, dtype: Optional[str] = None, max_shard_size: Union[int, str] = "5GB") -> bool:
+        """Every rank calls: the live weights as Hugging Face-style safetensors shards in ``out_dir``; ``dtype``
+        "bf16"/"fp16"/"fp32" casts, None keeps the training dtype. At stage 3 the config needs
+        ``stage3_gather_16bit_weights_on_model_save: true`` (as in DeepSpeed), else nothing is written (a
+        warning) and this returns False."""
+        if self._engine is None:
+            raise RuntimeError("save_16bit_model needs the ZeRO engine: call it after (or during) fit")
+        out = Path(self.broadcast(str(out_dir)))
+        return zero_checkpoint.save_16bit_model(self._engine, out, dtype=dtype, max_shard_size=max_shard_size)
+
+    # -- end -----------------------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        # Unlike DDP, the module stays where the engine placed it (partitioned parameters cannot move) and the
+        # engine stays attached, so test/predict after fit reuse it.
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+        self.checkpoint_io.teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        for stage in (1, 2, 3):
+            name = f"zero{stage}"
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"ZeRO stage {stage} (lightning_zero)", stage=stage)
+
+
+def _placeholder_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:
+    """The engine needs an optimizer; evaluation never steps this one (lr 0, no state)."""
+    return torch.optim.SGD([{"params": [p for p in module.parameters() if p.requires_grad]}], lr=0.0)
+
+
+def _evaluate_without_inference_mode(trainer) -> None:
+    """Evaluation loops run under no_grad instead of inference_mode: stage 3 gathers parameters into buffers
+    during evaluation, and buffers made under inference_mode would later cut those parameters off from autograd."""
+    for loop in (trainer.validate_loop, trainer.test_loop, trainer.predict_loop, trainer.fit_loop.epoch_loop.val_loop):
+        loop.inference_mode = False
