@@ -145,6 +145,8 @@ def meta_matches_reset_parameters(rank: int) -> dict:
     for name in ("transformer", "mlp"):
         with torch.device("meta"):
             model = build(name)
+        for buffer_name, buffer in build(name).named_buffers():  # a buffer no reset_parameters() sets is the user's
+            model.get_submodule(buffer_name.rpartition(".")[0]).register_buffer(buffer_name.rpartition(".")[2], buffer)
         torch.manual_seed(11)
         zero_core.setup(model, make_optimizer(model), {"stage": 3, "param_persistence_threshold": 0})
         plain = build(name)

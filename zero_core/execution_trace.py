@@ -93,14 +93,14 @@ class ExecutionTrace:
             "code path through the model in a step (data-dependent branches must agree across ranks)."
         )
 
-    def reuse_distance(self, position: int, unit, units_for: Callable) -> float:
+    def reuse_distance(self, position: int, unit, units_for: Callable, backward_follows: bool) -> float:
         """Elements gathered between the forward at ``position`` and the next use of ``unit`` (this forward's
-        remaining modules, then backward in reverse order); infinity if it is not used again."""
-        key = (position, id(unit))
+        remaining modules, then, when a backward follows, backward in reverse order); infinity if none."""
+        key = (position, id(unit), backward_follows)
         if key not in self._distances:
             distance = 0
             self._distances[key] = float("inf")
-            for module in self.order[position + 1 :] + self.order[::-1]:
+            for module in self.order[position + 1 :] + (self.order[::-1] if backward_follows else []):
                 units = units_for(module)
                 if unit in units:
                     self._distances[key] = distance

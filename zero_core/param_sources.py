@@ -15,20 +15,24 @@ from . import registry
 
 
 def materialize_meta(module: nn.Module, module_name: str, device: torch.device) -> None:
-    """Give ``module``'s own meta parameters real storage (same Parameter objects) and initialise them."""
+    """Give ``module``'s own meta parameters and buffers real storage (same Parameter objects) and initialise
+    them with the module's ``reset_parameters()``."""
     metas = [(n, p) for n, p in module.named_parameters(recurse=False) if p.is_meta]
-    if not metas:
+    meta_buffers = [(n, b) for n, b in module.named_buffers(recurse=False) if b.is_meta]
+    if not metas and not meta_buffers:
         return
     if not hasattr(module, "reset_parameters"):
-        names = ", ".join(f"{module_name}.{n}" if module_name else n for n, _ in metas)
+        names = ", ".join(f"{module_name}.{n}" if module_name else n for n, _ in metas + meta_buffers)
         raise ValueError(
-            f"parameters {names} are on the meta device and their module '{module_name or type(module).__name__}' "
+            f"{names} are on the meta device and their module '{module_name or type(module).__name__}' "
             "has no reset_parameters() to initialise them: define reset_parameters(), build the model under "
             "zero_core.Init(), or materialise it before zero_core.setup"
         )
     for _, param in metas:
         real = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device=device), param.requires_grad)
         torch.utils.swap_tensors(param, real)
+    for name, buffer in meta_buffers:
+        module._buffers[name] = torch.zeros(buffer.shape, dtype=buffer.dtype, device=device)
     module.reset_parameters()
 
 

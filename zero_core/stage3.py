@@ -80,6 +80,8 @@ class PartitionedParamsRuntime:
         for mod, params in registered_externals(self.module):
             for param in params:
                 self._add_external(mod, self.unit_of[param])
+        for buffer in self.module.buffers():
+            self.comm.broadcast(buffer, src=0)  # every rank starts from rank 0's buffers, as with DDP
 
     def _add_unit(self, module_name, mod, params, group_index, persistent_budget) -> int:
         bucket_numel = self.config.reduce_bucket_size
@@ -144,30 +146,34 @@ class PartitionedParamsRuntime:
             self.trace.start_forward()
 
     def _root_post_forward(self, module, args, output) -> None:
-        if not torch.is_grad_enabled():
-            self._release_held()
+        if not torch.is_grad_enabled() and not self._in_backward:
+            self.release_all()  # no backward follows: nothing needs to stay gathered
 
     def _pre_forward(self, mod, _hook_module, args, kwargs):
-        position = None if self._in_backward else self.trace.visit(mod)
-        self._positions[mod].append(position)
         units = self._units_for(mod)
         for unit in units:
             self._gather(unit)
+        if self._in_backward:
+            # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
+            # hook never runs; nothing is counted here and backward releases what it gathered.
+            return args, kwargs
+        position = self.trace.visit(mod)
+        self._positions[mod].append(position)
         for unit in units:
             self._active[unit] += 1
         if position is not None and self.trace.following:
             self._prefetch(position, backward=False)
-        if torch.is_grad_enabled() and not self._in_backward:
+        if torch.is_grad_enabled():
             (args, kwargs), _ = attach(PostBackward, functools.partial(self._post_backward, mod), (args, kwargs))
         return args, kwargs
 
     def _post_forward(self, mod, _hook_module, args, output):
+        if self._in_backward:
+            return output  # recomputation under activation checkpointing: backward releases these
         units = self._units_for(mod)
         for unit in units:
             self._active[unit] -= 1
         position = self._positions[mod].pop() if self._positions[mod] else None
-        if self._in_backward:
-            return output  # recomputation under activation checkpointing: backward releases these
         returned = self._returned_units(output)
         wrapped = 0
         if torch.is_grad_enabled():
@@ -183,7 +189,8 @@ class PartitionedParamsRuntime:
         """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting."""
         if position is None or not self.trace.following or self.live_elements > self.config.max_live_parameters:
             return False
-        return self.trace.reuse_distance(position, unit, self._units_for) <= self.config.max_reuse_distance
+        distance = self.trace.reuse_distance(position, unit, self._units_for, torch.is_grad_enabled())
+        return distance <= self.config.max_reuse_distance
 
     def _returned_units(self, output) -> set:
         leaves = output if isinstance(output, (tuple, list)) else [output]
@@ -301,17 +308,18 @@ class PartitionedParamsRuntime:
             self.pool.release(scratch)
 
     def _finish_backward(self) -> None:
-        """End of backward: reduce what no hook completed (fixed order), wait, release every gathered unit."""
-        unused = []
-        for unit in reversed(self.parts):
-            if unit not in self._reduced:
-                unused += self._reduce(unit)
-        self._complete_inflight()
-        self._release_held()
-        for unit in self.units:
-            if self._active[unit] == 0:
-                self._release(unit)
+        """End of backward: reduce what no hook completed (fixed order), wait, release every gathered unit.
+        Under no_sync nothing is reduced: the gradients wait in ``param.grad`` for the next synced backward."""
+        unused, pending = [], self.unsynced_grads and not self.sync
+        if self.sync:
+            for unit in reversed(self.parts):
+                if unit not in self._reduced:
+                    unused += self._reduce(unit)
+            self._complete_inflight()
+        self._active.clear()  # a recomputation that stopped early left no open forward behind
+        self.release_all()
         self._reset_backward_state()
+        self.unsynced_grads = pending
         if unused and not self.config.ignore_unused_parameters:
             raise RuntimeError(
                 f"parameters got no gradient in this backward: {', '.join(unused)}. Set "
@@ -327,12 +335,14 @@ class PartitionedParamsRuntime:
             self._finish_backward()
 
     def after_step(self) -> None:
-        """Updated masters go back into the 16-bit shards; persistent units are gathered again."""
+        """Updated masters go back into the 16-bit shards; persistent units are gathered again, and any other
+        gathered copy, now stale, is dropped."""
         for unit in self.parts:
             unit.write_back_masters()
             if unit.persistent:
                 unit.state = UnitState.SHARDED  # its full copy is stale: gather the new values
                 unit.gather()
+        self._active.clear()
         self.release_all()
         self.trace.end_step()
         self.comm.check = self.comm.always_check or self.trace.state.value == "recording"
