@@ -22,7 +22,7 @@ import torch
 from safetensors.torch import load_file
 
 import zero_core.checkpoint as zero_checkpoint
-from zero_core.checkpoint.values import load_client_state
+from zero_core.checkpoint import load_client_state
 
 from .checkpoint_io import is_sharded_checkpoint, missing_checkpoint_error
 

@@ -14,6 +14,7 @@ from .format import CheckpointError, CheckpointMismatchError, read_manifest
 from .load import load_checkpoint, load_full_state_dict
 from .save import save_checkpoint
 from .summary import describe
+from .values import load_client_state
 
 __all__ = [
     "CheckpointError",
@@ -22,6 +23,7 @@ __all__ = [
     "describe",
     "export_optimizer_state",
     "load_checkpoint",
+    "load_client_state",
     "load_full_state_dict",
     "read_manifest",
     "save_16bit_model",

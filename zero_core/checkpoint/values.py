@@ -108,5 +108,8 @@ def _file_info(path: Path) -> dict:
 
 
 def load_client_state(directory: Path) -> Any:
+    """A checkpoint's client_state alone, read without a process group (tensors from safetensors, the rest
+    with weights_only=True); e.g. to convert a checkpoint into another framework's file."""
+    directory = Path(directory)
     skeleton = torch.load(directory / CLIENT_STATE, weights_only=True)
     return _merge(skeleton, load_file(directory / CLIENT_TENSORS))
