@@ -96,6 +96,8 @@ class EngineDriver:
 
     def step(self):
         self.engine.step()
+        if not self.engine.step_zeroes_grads:
+            self.engine.zero_grad()  # whole averaged gradients stay after step(), as with a torch optimizer
 
 
 def train_loop(driver, scheduler, batches, steps, accumulation=1, clip=None, no_sync=True):

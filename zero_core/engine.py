@@ -206,10 +206,15 @@ class ZeroEngine:
         """Stage 1 with ``reduce_scatter: false`` all-reduces whole gradients, exactly as DDP does."""
         return self.config.stage == 1 and not self.config.reduce_scatter
 
+    @property
+    def step_zeroes_grads(self) -> bool:
+        """Whether ``step()`` consumes the gradients (DeepSpeed's rule) or leaves them for ``zero_grad()``."""
+        return not self._averages_whole_grads()
+
     def _finish_step(self) -> None:
         """Gradients are consumed, as DeepSpeed's step does; except when they are averaged whole like DDP's
         (see ``_averages_whole_grads``): then, like a torch optimizer, the step leaves them for ``zero_grad()``."""
-        if self._averages_whole_grads():
+        if not self.step_zeroes_grads:
             self._clip_coef, self._reduced, self._saw_grad = None, False, False
         else:
             self.zero_grad()
