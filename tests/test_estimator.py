@@ -1,0 +1,165 @@
+"""zero_core.estimator against the ZeRO paper's table, hand-computed padding, and a real 2-rank engine."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from models import build_model, make_batch
+from zero_core.estimate_cli import run as cli
+from zero_core.estimator import (
+    ModelInfo,
+    ParamInfo,
+    estimate_memory,
+    estimate_stage,
+    model_info,
+    paper_bytes_per_param,
+)
+
+GB = 1e9
+# The paper (section 5, figure 1): 7.5B parameters, Nd = 64, mixed-precision Adam (K = 12).
+PAPER_TABLE_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+MEASURED_TOLERANCE = 0.05
+
+
+def test_reproduces_the_papers_table():
+    estimates = estimate_memory(7.5e9, world_size=64, precision="fp16")
+    assert [e.stage for e in estimates] == [0, 1, 2, 3]
+    for e in estimates:
+        assert round(e.model_states / GB, 1) == PAPER_TABLE_GB[e.stage], e
+
+
+def test_paper_formulas_fp32_and_mixed():
+    assert [paper_bytes_per_param(s, 2, "fp32") for s in range(4)] == [16, 12, 10, 8]
+    assert [paper_bytes_per_param(s, 64, "bf16") for s in range(4)] == [16, 4 + 12 / 64, 2 + 14 / 64, 16 / 64]
+    for stage in range(4):
+        e = estimate_stage(640, {"stage": stage}, 64, precision="fp32")
+        assert e.per_param() == paper_bytes_per_param(stage, 64, "fp32")
+
+
+def test_padding_follows_the_flat_layout():
+    # 5 + 7 elements in one bucket on 4 ranks: the bucket pads to 12, each rank owns 3.
+    info = ModelInfo((ParamInfo(5, 4, module="a"), ParamInfo(7, 4, module="b")))
+    s1, s2, s3 = estimate_memory(info, {"reduce_bucket_size": 100, "allgather_bucket_size": 100}, 4,
+                                 stages=[1, 2, 3], precision="fp32")
+    assert (s1.params, s1.grads, s1.optimizer_state) == (12 * 4, 12 * 4, 3 * 8)
+    assert (s2.params, s2.grads, s2.optimizer_state) == (12 * 4, 3 * 4, 3 * 8)
+    # Stage 3 pads each unit (one module's parameters): 5 -> 8 and 7 -> 8, 2 + 2 elements per rank; both units
+    # are under param_persistence_threshold, so they also stay gathered (8 + 8 elements).
+    assert (s3.params, s3.grads, s3.fp32_master) == ((4 + 16) * 4, 4 * 4, 0)
+    no_persistence = {"stage": 3, "param_persistence_threshold": 0}
+    assert estimate_stage(info, no_persistence, 4, precision="fp32").params == 4 * 4
+    budget = {"stage": 3, "model_persistence_threshold": 6}  # room for the first unit (5 elements) only
+    assert estimate_stage(info, budget, 4, precision="fp32").params == (4 + 8) * 4
+    # Buckets of 6 elements: [5] pads to 8 and [7] to 8, so 16 in all and 4 per rank.
+    small = estimate_stage(info, {"stage": 2, "reduce_bucket_size": 6, "allgather_bucket_size": 6}, 4,
+                           precision="fp32")
+    assert (small.params, small.grads) == (16 * 4, 4 * 4)
+
+
+def test_mixed_precision_classes():
+    e = estimate_stage(1000, {"stage": 2, "bf16": {"enabled": True}}, 4)
+    assert e.precision == "bf16"
+    assert (e.params, e.grads, e.fp32_master, e.optimizer_state) == (2000, 500, 1000, 2000)
+
+
+def test_meta_model_and_live_parameters():
+    from models import TinyTransformer, trainable_numel
+
+    with torch.device("meta"):
+        model = TinyTransformer()
+    info = model_info(model)
+    assert all(p.is_meta for p in model.parameters())
+    assert info.trainable_numel == trainable_numel(TinyTransformer())
+    config = {"stage": 3, "max_live_parameters": 1000, "param_persistence_threshold": 0}
+    stage3 = estimate_stage(info, config, 8, precision="fp32")
+    # At least the largest unit is gathered at once: one module's own parameters, padded to a multiple of 8.
+    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
+    assert stage3.live_params == -(-largest // 8) * 8 * 4
+
+
+@pytest.mark.parametrize("bad, error", [
+    (dict(world_size=0), ValueError), (dict(stages=[4]), ValueError), (dict(precision="fp8"), ValueError),
+    (dict(optimizer_state_bytes=-1), ValueError),
+])
+def test_bad_input_raises(bad, error):
+    kwargs = dict(world_size=2)
+    kwargs.update(bad)
+    with pytest.raises(error):
+        estimate_memory(100, None, **kwargs)
+
+
+def test_bad_subject_raises():
+    with pytest.raises(ValueError):
+        estimate_memory(-5)
+    with pytest.raises(TypeError):
+        estimate_memory("7.5e9")
+
+
+def test_cli_prints_the_papers_table():
+    out = cli(["--num-params", "7.5e9", "--world-size", "64"])
+    assert "fp16" in out
+    for value in ("120.0", "31.4", "16.6", "1.88"):
+        assert f"| {value} |" in out
+
+
+def test_cli_model_config_and_errors(tmp_path):
+    config = tmp_path / "zero.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}))
+    out = cli(["--model", "models:TinyTransformer", "--world-size", "2", "8", "--config", str(config),
+               "--stages", "2", "--unit", "MiB"])
+    assert out.count("| 2 | ") == 2 and "bf16" in out and "MiB" in out
+    with pytest.raises(ValueError):
+        cli(["--world-size", "2"])  # neither --num-params nor --model
+    with pytest.raises(ValueError):
+        cli(["--model", "no_colon_here"])
+
+
+# -- against the engine ----------------------------------------------------------------------------------
+
+SMALL_BUCKETS = {"reduce_bucket_size": 100, "allgather_bucket_size": 100}
+CASES = [(stage, precision) for stage in (1, 2, 3) for precision in ("fp32", "bf16")]
+
+
+def _measure(rank: int, world_size: int) -> dict:
+    import zero_core
+
+    measured = {}
+    for stage, precision in CASES:
+        model = build_model("transformer")
+        config = {"stage": stage, **SMALL_BUCKETS}
+        if precision == "bf16":
+            config["bf16"] = {"enabled": True}
+        try:
+            engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
+        except NotImplementedError:
+            measured[(stage, precision)] = None
+            continue
+        dtype = next(model.parameters()).dtype
+        loss = engine.module(*make_batch("transformer", rank, 0, 0, dtype))
+        engine.backward(loss)
+        engine.step()  # optimizer state exists from the first step on
+        measured[(stage, precision)] = engine.memory_stats()
+    return measured
+
+
+@pytest.mark.timeout(180)
+def test_matches_the_engine_on_two_ranks():
+    results = run_distributed(_measure, 2, timeout=150)
+    info = model_info(build_model("transformer"))
+    missing = []
+    for (stage, precision), stats in results[0].items():
+        if stats is None:
+            missing.append(stage)
+            continue
+        estimate = estimate_stage(info, {"stage": stage, **SMALL_BUCKETS}, 2, precision=precision)
+        measured = max(sum(r[(stage, precision)][c] for c in ("params", "grads", "fp32_master", "optimizer_state"))
+                       for r in results)
+        assert abs(measured / estimate.model_states - 1) <= MEASURED_TOLERANCE, (stage, precision, stats, estimate)
+        scratch = max(r[(stage, precision)]["buffers"] for r in results)
+        assert abs(scratch / estimate.buffers - 1) <= MEASURED_TOLERANCE, (stage, precision, scratch, estimate)
+    if missing:
+        pytest.skip(f"stage(s) {sorted(set(missing))} not available in this zero_core yet; stages 1-2 matched")
