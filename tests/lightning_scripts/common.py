@@ -20,29 +20,13 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for lightning_zero/zero_core
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared model pieces
 
 import zero_core  # noqa: E402
+from models import D_MODEL, SEQ, VOCAB, Block  # noqa: E402
 
-VOCAB, D_MODEL, SEQ, FFN = 37, 22, 9, 45
 # No zero_core persistence: every parameter is partitioned at stage 3 (small models are otherwise whole).
 STAGE3 = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 700}
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1 = nn.LayerNorm(D_MODEL)
-        self.qkv = nn.Linear(D_MODEL, 3 * D_MODEL, bias=False)  # a key bias has an exactly-zero gradient
-        self.proj = nn.Linear(D_MODEL, D_MODEL)
-        self.ln2 = nn.LayerNorm(D_MODEL)
-        self.fc1 = nn.Linear(D_MODEL, FFN)
-        self.fc2 = nn.Linear(FFN, D_MODEL)
-
-    def forward(self, x):
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, 2, D_MODEL // 2).permute(2, 0, 3, 1, 4)
-        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, -1))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class TinyGPT(nn.Module):
