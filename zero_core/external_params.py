@@ -50,7 +50,8 @@ class GatheredParameters:
     """Gather partitioned parameters for the duration of a ``with`` block (a collective: every rank enters).
 
     With ``modifier_rank=r``, rank ``r``'s values at the end of the block are broadcast and written back into
-    every shard (and the fp32 masters). Parameters not managed by ZeRO pass through untouched.
+    every shard (and the fp32 masters). Parameters not managed by ZeRO pass through untouched. ``fwd_module`` is
+    accepted for DeepSpeed compatibility and not needed here (external use is registered per module instead).
     """
 
     def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module: Optional[nn.Module] = None,
