@@ -9,6 +9,7 @@ master shards, statistics — is here, once. docs/core-api.md is the user's guid
 from __future__ import annotations
 
 import contextlib
+import os
 import math
 import warnings
 from typing import Iterator, Optional, Union

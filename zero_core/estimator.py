@@ -19,7 +19,7 @@ docs/estimator.md explains every class and the CLI (`zero-estimate`).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from .config import ZeroConfig
@@ -93,11 +93,6 @@ class MemoryEstimate:
     def per_param(self) -> float:
         """Model-state bytes divided by Ψ (the paper's unit: 16 for DDP)."""
         return self.model_states / self.numel if self.numel else 0.0
-
-    def as_dict(self) -> dict:
-        out = {f.name: getattr(self, f.name) for f in fields(self)}
-        out.update(model_states=self.model_states, total=self.total)
-        return out
 
 
 def paper_bytes_per_param(stage: int, world_size: int, precision: str = "fp16",

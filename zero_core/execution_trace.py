@@ -12,7 +12,6 @@ from __future__ import annotations
 import enum
 from typing import Callable, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 

@@ -9,7 +9,7 @@ returns one of its own parameters (kept gathered until the end of that backward)
 from __future__ import annotations
 
 import weakref
-from typing import Iterable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn

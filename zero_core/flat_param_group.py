@@ -110,11 +110,6 @@ class FlatParamGroup:
             for param in self.params:
                 param.grad = None
 
-    def grad_nbytes(self) -> int:
-        if self.full_grads:
-            return self.flat_grad.numel() * self.flat_grad.element_size()
-        return sum(s.numel() for s in self._grad_shards) * self.flat.element_size()
-
     # -- parameters ----------------------------------------------------------------------------------------
     def shard_of_params(self, bucket: int) -> torch.Tensor:
         """This rank's slice of the parameters in ``bucket`` (a view of ``flat``)."""

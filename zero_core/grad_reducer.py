@@ -73,7 +73,6 @@ class GradReducer:
         self.order = sorted(buckets, key=lambda gb: min(
             (model_position[gb[0].params[i]] for i in gb[0].layout.buckets[gb[1]].param_indices), default=-1))
         self.sync = True
-        self._handles = []
         self._reset_backward_state()
         if partition_grads:
             self._register_hooks()
@@ -90,7 +89,7 @@ class GradReducer:
         for position, (group, bucket) in enumerate(self.order):
             for index in group.layout.buckets[bucket].param_indices:
                 hook = functools.partial(self._on_grad_ready, position, index)
-                self._handles.append(group.params[index].register_post_accumulate_grad_hook(hook))
+                group.params[index].register_post_accumulate_grad_hook(hook)
 
     def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
         if not self.sync:
@@ -216,4 +215,3 @@ class GradReducer:
     def remove_hooks(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles = []

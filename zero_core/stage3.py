@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from . import param_sources, registry
+from . import param_sources
 from .backward_hooks import PostBackward, PreBackward, attach
 from .buffer_pool import BufferPool
 from .comm import Communicator
@@ -56,7 +56,6 @@ class PartitionedParamsRuntime:
         self._active: dict[ParamUnit, int] = defaultdict(int)
         self._positions: dict[nn.Module, list] = defaultdict(list)  # trace position of each open forward call
         self._held: set[ParamUnit] = set()
-        self._hooks = []
         self._reset_backward_state()
         self._register_hooks(module_names)
 
@@ -117,8 +116,8 @@ class PartitionedParamsRuntime:
         if not hooked:
             self.trace.module_names[mod] = type(mod).__name__
             self.trace.reset()
-            self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, mod), with_kwargs=True))
-            self._hooks.append(mod.register_forward_hook(functools.partial(self._post_forward, mod)))
+            mod.register_forward_pre_hook(functools.partial(self._pre_forward, mod), with_kwargs=True)
+            mod.register_forward_hook(functools.partial(self._post_forward, mod))
 
     def managed_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params]
@@ -129,14 +128,14 @@ class PartitionedParamsRuntime:
     # -- hooks ---------------------------------------------------------------------------------------------
     def _register_hooks(self, module_names) -> None:
         root = self.module
-        self._hooks.append(root.register_forward_pre_hook(self._root_pre_forward))
-        self._hooks.append(root.register_forward_hook(self._root_post_forward))
+        root.register_forward_pre_hook(self._root_pre_forward)
+        root.register_forward_hook(self._root_post_forward)
         for mod in module_names:
-            self._hooks.append(mod.register_forward_pre_hook(functools.partial(self._pre_forward, mod), with_kwargs=True))
-            self._hooks.append(mod.register_forward_hook(functools.partial(self._post_forward, mod)))
+            mod.register_forward_pre_hook(functools.partial(self._pre_forward, mod), with_kwargs=True)
+            mod.register_forward_hook(functools.partial(self._post_forward, mod))
         for unit in self.parts:
             for param in unit.params:
-                self._hooks.append(param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit)))
+                param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
 
     def _units_for(self, mod: nn.Module) -> list[ParamUnit]:
         return self._own.get(mod, []) + self._externals.get(mod, [])
@@ -234,12 +233,6 @@ class PartitionedParamsRuntime:
         if unit.state is not UnitState.SHARDED and not unit.persistent:
             unit.release()
             self._note_live(-unit.numel)
-
-    def _release_held(self) -> None:
-        for unit in list(self._held):
-            if self._active[unit] == 0:
-                self._release(unit)
-        self._held.clear()
 
     def release_all(self) -> None:
         """Release every gathered, non-persistent unit (``engine.empty_partition_cache()``)."""
