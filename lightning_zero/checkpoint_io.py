@@ -62,13 +62,13 @@ def load_full(engine, checkpoint: dict, optimizer_count: Optional[int], strict: 
     """
     if "state_dict" not in checkpoint:
         raise KeyError("the checkpoint has no 'state_dict': it is not a Lightning checkpoint")
-    optimizer_state = _single_optimizer_state(checkpoint, optimizer_count)
+    optimizer_state = _optimizer_states(checkpoint, optimizer_count)
     zero_checkpoint.load_full_state_dict(engine, checkpoint["state_dict"], optimizer_state=optimizer_state,
                                          strict=strict)
     return client_state_of(checkpoint)
 
 
-def _single_optimizer_state(checkpoint: dict, optimizer_count: Optional[int]) -> Optional[dict]:
+def _optimizer_states(checkpoint: dict, optimizer_count: Optional[int]) -> Optional[list]:
     if optimizer_count is None:
         return None
     states = checkpoint.get("optimizer_states")
@@ -85,7 +85,7 @@ def _single_optimizer_state(checkpoint: dict, optimizer_count: Optional[int]) ->
             "to load. Please resume training with the same number of optimizers or edit the checkpoint manually "
             "to remove states."
         )
-    return states[0]
+    return list(states)
 
 
 def restore_into(state: dict, client_state: dict, keys) -> dict:

@@ -48,6 +48,27 @@ def base_config(stage: Optional[int], config: ConfigInput) -> ZeroConfig:
     return cfg
 
 
+# Fields a second fit of the same module may change: the Trainer drives them per step.
+_PER_RUN_FIELDS = {"gradient_accumulation_steps", "gradient_clipping"}
+
+
+def differing_fields(engine_config: ZeroConfig, config: ZeroConfig) -> list[str]:
+    """Config paths (e.g. ``zero_optimization.stage``) where ``config`` would set the engine up differently."""
+    if config.auto_fields:
+        config = config.resolve_auto()
+    before, after = dict(_flatten(engine_config.to_dict())), dict(_flatten(config.to_dict()))
+    return sorted(path for path in before.keys() | after.keys()
+                  if before.get(path) != after.get(path) and path not in _PER_RUN_FIELDS)
+
+
+def _flatten(tree: Mapping, prefix: str = ""):
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            yield from _flatten(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 def run_config(base: ZeroConfig, precision: str, accumulate_grad_batches: int = 1) -> ZeroConfig:
     """``base`` completed with the Trainer's values; "auto" fields take them, contradictions raise."""
     if precision not in PRECISION_BLOCKS:

@@ -3,7 +3,7 @@
     python -m lightning_zero.convert checkpoints/epoch=1-step=100.ckpt model.ckpt
 
 The file has what a DDP run writes: ``state_dict`` (fp32 master weights, tied weights under every name),
-``optimizer_states`` (a plain ``optimizer.state_dict()``) and the Lightning state saved beside the shards (loops,
+``optimizer_states`` (a plain ``optimizer.state_dict()`` per optimizer) and the Lightning state saved beside the shards (loops,
 callbacks, schedulers, hyper-parameters). So ``MyModule.load_from_checkpoint(file)`` works, and so does
 ``Trainer(strategy="ddp").fit(model, ckpt_path=file)``. No process group is needed; the whole model and
 optimizer state are held in memory once.
@@ -45,8 +45,9 @@ def convert_to_single_file(checkpoint_dir: PathLike, output_file: PathLike,
     try:
         checkpoint["state_dict"] = _model_state(source, scratch / "model", dtype)
         if optimizer:
-            state = zero_checkpoint.export_optimizer_state(source, scratch / "optimizer.pt")
-            checkpoint["optimizer_states"] = [torch.load(state, weights_only=True)]
+            state = torch.load(zero_checkpoint.export_optimizer_state(source, scratch / "optimizer.pt"),
+                               weights_only=True)
+            checkpoint["optimizer_states"] = state if isinstance(state, list) else [state]  # one per optimizer
         partial = scratch / "checkpoint.ckpt"
         torch.save(checkpoint, partial)
         os.replace(partial, out)  # never a half-written file at ``out``

@@ -47,8 +47,9 @@ class _EngineSyncControl(_BackwardSyncControl):
 class ZeroFabricStrategy(DDPStrategy, _Sharded):
     """ZeRO data parallelism for Fabric; ``stage`` and ``config`` as for :class:`lightning_zero.ZeroStrategy`.
 
-    One model and one optimizer per strategy, set up together (``fabric.setup(model, optimizer)``), or the
-    model alone for evaluation (``fabric.setup_module``).
+    One model per strategy, set up together with its optimizers (``fabric.setup(model, optimizer)``, or several:
+    ``fabric.setup(model, opt_g, opt_d)``, each stepping its own parameters), or alone for evaluation
+    (``fabric.setup_module``).
     """
 
     def __init__(
@@ -97,13 +98,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     # -- model and optimizer -------------------------------------------------------------------------------
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler=None):
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"ZeroFabricStrategy sets up one optimizer with the model, got {len(optimizers)}; put the parameters "
-                "in one optimizer with several param_groups"
-            )
-        self._start_engine(module, optimizers[0])
-        return module, [self._engine.optimizer], scheduler
+        self._start_engine(module, optimizers)
+        return module, list(self._engine.optimizers), scheduler
 
     def setup_module(self, module: Module) -> Module:
         """Evaluation only: the engine gets an optimizer that never steps."""
@@ -113,7 +109,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         raise NotImplementedError(self._err_msg_joint_setup_required())
 
-    def _start_engine(self, module: Module, optimizer: Optimizer) -> None:
+    def _start_engine(self, module: Module, optimizer) -> None:
         if self._engine is not None:
             raise RuntimeError("ZeroFabricStrategy manages one model; this strategy already set one up")
         config = run_config(self.zero_config, self.precision.precision)
@@ -141,14 +137,14 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite: bool = True):
         engine = self._require_engine()
-        norm = engine.clip_grad_norm_(float(max_norm), float(norm_type))
+        norm = engine.clip_grad_norm_(float(max_norm), float(norm_type), optimizer=optimizer)
         if error_if_nonfinite and engine.loss_scaler is None and not torch.isfinite(norm):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({norm.item()}); "
                                "pass error_if_nonfinite=False to clip anyway")
         return norm
 
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
-        clip_grad_value(self._require_engine(), clip_val)
+        clip_grad_value(self._require_engine(), clip_val, optimizer)
 
     def _require_engine(self) -> zero_core.ZeroEngine:
         if self._engine is None:
@@ -191,17 +187,21 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         """A Fabric checkpoint file saved by DDP: the module's and the optimizer's entries go to the engine."""
         checkpoint = self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
         model_key = next((k for k, v in state.items() if v is engine.module), None)
-        optim_key = next((k for k, v in state.items() if isinstance(v, Optimizer) and self._is_engine_object(v)), None)
         if model_key is None or model_key not in checkpoint:
             raise KeyError(f"pass the model in state under the key it was saved with "
                            f"(checkpoint keys: {list(checkpoint)})")
-        optimizer_state = checkpoint.pop(optim_key, None) if with_optimizer and optim_key else None
+        optimizer_state = None
+        if with_optimizer:  # every optimizer of the engine, in its order, or none
+            keys = [next((k for k, v in state.items() if v is o), None) for o in engine.optimizers]
+            states = [checkpoint.pop(k, None) if k is not None else None for k in keys]
+            if all(s is not None for s in states):
+                optimizer_state = states[0] if len(states) == 1 else states
         zero_checkpoint.load_full_state_dict(engine, checkpoint.pop(model_key), optimizer_state, strict=strict)
         return checkpoint
 
     def _is_engine_object(self, value: Any) -> bool:
         engine = self._engine
-        return engine is not None and (value is engine.module or value is engine.optimizer
+        return engine is not None and (value is engine.module or any(value is o for o in engine.optimizers)
                                        or getattr(value, "_forward_module", None) is engine.module)
 
     @classmethod

@@ -84,11 +84,12 @@ class _ZeroPrecisionMixin:
         return self.engine
 
 
-def clip_grad_value(engine, clip_val: float) -> None:
-    """Clamp every reduced gradient element to ±clip_val (as torch's clip_grad_value_ after DDP's all-reduce)."""
-    engine.reduce_gradients()
+def clip_grad_value(engine, clip_val: float, optimizer=None) -> None:
+    """Clamp every reduced gradient element (of ``optimizer``'s parameters, default all) to ±clip_val, as
+    torch's clip_grad_value_ after DDP's all-reduce."""
+    engine.reduce_gradients(optimizer)
     limit = float(clip_val) * engine.loss_scale  # shards hold loss-scaled gradients under fp16
-    for fragment in engine.fragments():
+    for fragment in engine.fragments(optimizer):
         fragment.grad_values().clamp_(-limit, limit)
 
 
@@ -113,7 +114,7 @@ class ZeroPrecision(_ZeroPrecisionMixin, Precision):
         engine = self._require_engine()
         if model.automatic_optimization and closure_result is None:
             # training_step returned None: Lightning skips this batch; every rank must return None for it.
-            engine.zero_grad()
+            engine.optimizers[engine.optimizer_indices(optimizer)[0]].zero_grad()
             return None
         return optimizer.step(**kwargs)
 
@@ -127,9 +128,9 @@ class ZeroPrecision(_ZeroPrecisionMixin, Precision):
             return
         engine = self._require_engine()
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-            clip_grad_value(engine, clip_val)
+            clip_grad_value(engine, clip_val, optimizer)
         else:
-            engine.clip_grad_norm_(clip_val, 2.0)
+            engine.clip_grad_norm_(clip_val, 2.0, optimizer=optimizer)
 
 
 class ZeroFabricPrecision(_ZeroPrecisionMixin, FabricPrecision):

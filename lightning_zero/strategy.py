@@ -10,6 +10,7 @@ docs/lightning.md is the user's guide.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -33,23 +34,57 @@ from zero_core import registry
 from zero_core.sharded_optimizer import ShardedOptimizer
 
 from . import checkpoint_io
-from .config import base_config, run_config
+from .config import base_config, differing_fields, run_config
 from .precision import ZeroPrecision, as_zero_precision
 
 _warnings = WarningCache()
 SUPPORTED_ACCELERATORS = ("CPUAccelerator", "CUDAAccelerator")
 
 
-class ZeroOptimizer(ShardedOptimizer):
-    """The engine's optimizer facade as Lightning sees it; ``.optimizer`` is the user's (as with DeepSpeed)."""
+class ParamGroupView(MutableMapping):
+    """An optimizer group as Lightning sees it: the user's hyper-parameters (the engine's group dict itself,
+    so LR schedulers and monitors work as usual), but ``"params"`` are the model's parameters rather than this
+    rank's master shards, so ``toggle_optimizer`` freezes the right tensors."""
 
-    def __init__(self, engine: zero_core.ZeroEngine) -> None:
-        facade = engine.optimizer
+    def __init__(self, group: dict, params: list) -> None:
+        self._group = group
+        self._params = params
+
+    def __getitem__(self, key):
+        return self._params if key == "params" else self._group[key]
+
+    def __setitem__(self, key, value) -> None:
+        if key == "params":
+            raise ValueError("the parameters of an optimizer group are fixed once the ZeRO engine is set up")
+        self._group[key] = value
+
+    def __delitem__(self, key) -> None:
+        del self._group[key]
+
+    def __iter__(self):
+        return iter(self._group)
+
+    def __len__(self) -> int:
+        return len(self._group)
+
+
+class ZeroOptimizer(ShardedOptimizer):
+    """Optimizer ``index`` of the engine as Lightning sees it; ``.optimizer`` is the user's (as with DeepSpeed).
+    ``step``/``zero_grad`` act on this optimizer's parameters only."""
+
+    def __init__(self, engine: zero_core.ZeroEngine, index: int = 0) -> None:
+        facade = engine.optimizers[index]
         super().__init__(facade.inner, facade.step, facade.zero_grad)
+        first = sum(len(o.param_groups) for o in engine.inner_optimizers[:index])
+        self._group_params = engine.group_params[first : first + len(facade.inner.param_groups)]
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
         return self.inner
+
+    @property
+    def param_groups(self) -> list:
+        return [ParamGroupView(g, p) for g, p in zip(self.inner.param_groups, self._group_params)]
 
 
 def is_partitioned(module: torch.nn.Module) -> bool:
@@ -171,8 +206,10 @@ class ZeroStrategy(DDPStrategy):
         _evaluate_without_inference_mode(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
         existing = engine_of(self.lightning_module)
-        if existing is not None:
-            self._adopt_engine(existing, fitting)
+        if existing is not None and fitting:
+            self._refit(existing, trainer)
+        elif existing is not None:
+            self._adopt_engine(existing)
         elif fitting:
             if self._layer_sync:
                 self.model = self._layer_sync.apply(self.model)
@@ -188,35 +225,48 @@ class ZeroStrategy(DDPStrategy):
         return run_config(self.zero_config, self.precision_plugin.precision, trainer.accumulate_grad_batches)
 
     def _setup_for_fit(self, trainer) -> None:
+        optimizers, scheduler_configs = self._configure_optimizers()
+        self._start_engine(optimizers, self._resolved_config(trainer))
+        self._use_optimizers(scheduler_configs)
+
+    def _configure_optimizers(self) -> tuple[list, list]:
         optimizers, scheduler_configs = _init_optimizers_and_lr_schedulers(self.lightning_module)
-        if len(optimizers) != 1:
-            raise ValueError(
-                f"ZeroStrategy trains with one optimizer, but configure_optimizers returned {len(optimizers)}. "
-                "The ZeRO engine steps, clips and zeroes all of a model's gradients at once; put the parameters "
-                "in one optimizer with several param_groups (per-group lr and weight decay keep working), or use "
-                "strategy='ddp'"
-            )
-        if isinstance(optimizers[0], torch.optim.LBFGS):
+        if any(isinstance(o, torch.optim.LBFGS) for o in optimizers):
             raise TypeError("LBFGS re-evaluates the model inside step(); the ZeRO engine steps once over its "
                             "shards. Use another optimizer with ZeroStrategy")
-        self._start_engine(optimizers[0], self._resolved_config(trainer))
-        self.optimizers = [ZeroOptimizer(self._engine)]
+        return optimizers, scheduler_configs
+
+    def _use_optimizers(self, scheduler_configs: list) -> None:
+        """Lightning steps the engine's optimizers, each over its own parameters."""
+        self.optimizers = [ZeroOptimizer(self._engine, k) for k in range(len(self._engine.optimizers))]
         self.lr_scheduler_configs = scheduler_configs
 
-    def _start_engine(self, optimizer: torch.optim.Optimizer, config: zero_core.ZeroConfig) -> None:
-        self._engine = zero_core.setup(self.lightning_module, optimizer, config)
+    def _start_engine(self, optimizers, config: zero_core.ZeroConfig) -> None:
+        self._engine = zero_core.setup(self.lightning_module, optimizers, config)
         self.precision_plugin.engine = self._engine
 
-    def _adopt_engine(self, engine: zero_core.ZeroEngine, fitting: bool) -> None:
-        if fitting:
-            raise RuntimeError(
-                "this LightningModule is already under a ZeRO engine (from an earlier fit, or from validate/test/"
-                "predict of a model built in configure_model or loaded from a sharded checkpoint), and an engine "
-                "cannot be set up twice on one module. Fit a fresh instance (resume with fit(ckpt_path=...)), or "
-                "call fit before validate/test/predict"
-            )
+    def _adopt_engine(self, engine: zero_core.ZeroEngine) -> None:
+        """validate/test/predict of a module already under an engine (after fit, or built partitioned)."""
         self._engine = engine
         self.precision_plugin.engine = engine
+
+    def _refit(self, engine: zero_core.ZeroEngine, trainer) -> None:
+        """Another fit of a module already under an engine (an earlier fit, or a partitioned build): the
+        partitioning and the fp32 master weights stay; the optimizers and schedulers are built fresh from
+        configure_optimizers, as a DDP run's second fit does."""
+        config = self._resolved_config(trainer)
+        changed = differing_fields(engine.config, config)
+        if changed:
+            raise ValueError(
+                "this LightningModule is already under a ZeRO engine whose config differs from this Trainer's in "
+                f"{', '.join(changed)} (stage, precision and the partitioning settings are fixed once a module is "
+                "set up). Fit with the same strategy config and precision, or fit a fresh instance (resume it "
+                "with fit(ckpt_path=...))"
+            )
+        optimizers, scheduler_configs = self._configure_optimizers()
+        engine.replace_optimizers(optimizers)
+        self._adopt_engine(engine)
+        self._use_optimizers(scheduler_configs)
 
     def _module_to_device(self) -> None:
         if not is_partitioned(self.lightning_module):  # zero_core.Init already placed partitioned ones

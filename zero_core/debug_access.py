@@ -37,14 +37,14 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor:
 
 
 def _state_slice(engine, fragment, key: str) -> Optional[torch.Tensor]:
-    value = engine.optimizer.state.get(fragment.master, {}).get(key)
+    value = engine.optimizer_state_of(fragment.master).get(key)
     if torch.is_tensor(value) and value.numel() == fragment.master.numel():
         return value[fragment.local.as_slice()]
     return None
 
 
 def _require_state(engine, key: str) -> None:
-    states = list(engine.optimizer.state.values())
+    states = [s for inner in engine.inner_optimizers for s in inner.state.values()]
     if not states:
         raise RuntimeError("the optimizer has no state yet: optimizer state exists after the first step()")
     if not any(key in s for s in states):

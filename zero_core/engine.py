@@ -9,10 +9,12 @@ master shards, statistics — is here, once. docs/core-api.md is the user's guid
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import math
 import warnings
-from typing import Iterator, Optional, Union
+from dataclasses import dataclass
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -30,6 +32,16 @@ from .stage12 import ReplicatedParamsRuntime
 from .topology import Topology
 
 ConfigLike = Union[ZeroConfig, dict, str, "os.PathLike[str]", None]
+OptimizerRef = Union[int, torch.optim.Optimizer, None]
+
+
+@dataclass
+class _PendingGrads:
+    """One optimizer's gradients since its last step or zero_grad."""
+
+    saw_grad: bool = False  # a backward produced a gradient for one of its parameters
+    reduced: bool = False  # they were reduced (by clipping, reduce_gradients or the step)
+    clip_coef: Optional[torch.Tensor] = None
 
 
 def _runtime_class(stage: int):
@@ -43,43 +55,83 @@ def _runtime_class(stage: int):
 class ZeroEngine:
     """A model and its optimizer under ZeRO. Build it with :func:`zero_core.setup`."""
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, config: ZeroConfig, topology: Topology):
+    def __init__(self, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer], config: ZeroConfig,
+                 topology: Topology):
         self.module = module
         self.config = config
         self.topology = topology
         self.comm = Communicator(topology)
         self.skipped_steps = 0
-        self._clip_coef: Optional[torch.Tensor] = None
-        self._reduced = False
         self._no_sync_depth = 0
         self._scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else None
+        self._scaler_overflow: Optional[bool] = None  # a step's verdict waiting for the other optimizers
         if config.param_dtype != torch.float32:
             # stage 3 casts each unit as it partitions it: a whole-model cast would touch partitioned parameters
             (cast_buffers if config.stage == 3 else cast_module)(module, config.param_dtype)
         if config.fp16.enabled and config.fp16.auto_cast:
             module.register_forward_pre_hook(cast_floating_inputs(config.param_dtype), with_kwargs=True)
         self._names = {param: name for name, param in module.named_parameters()}
-        self.group_param_names = [[self._names[p] for p in g["params"]] for g in optimizer.param_groups]
-        trainable = self._trainable_by_group(optimizer)
+        groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+        self._record_groups(groups)
+        trainable = self._trainable_by_group(groups)
         self.runtime = _runtime_class(config.stage)(module, trainable, self._names, config, self.comm)
         registry.register(self.runtime.managed_params(), self)
-        # Like a torch optimizer skipping parameters whose .grad is None, a step with no backward since the
-        # last zero_grad changes nothing (no weight decay, no moment update).
-        self._saw_grad = False
         for param in self.runtime.managed_params():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._note_grad)
-        masters = [[m for part in self.runtime.parts if part.group_index == i for m in part.masters]
-                   for i in range(len(optimizer.param_groups))]
-        narrow_param_groups(optimizer, masters)
-        self.optimizer = ShardedOptimizer(optimizer, self._step, self.zero_grad)
+        self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
 
     # -- setup ---------------------------------------------------------------------------------------------
-    def _trainable_by_group(self, optimizer: torch.optim.Optimizer) -> list[list[nn.Parameter]]:
-        """Each optimizer group's trainable parameters, checked to belong to the model."""
-        by_group, seen = [], set()
-        for index, group in enumerate(optimizer.param_groups):
+    def _bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        """Narrow each optimizer to this rank's master shards and give it a facade that steps through here."""
+        self.inner_optimizers = list(optimizers)
+        self.group_optimizer = [k for k, opt in enumerate(optimizers) for _ in opt.param_groups]
+        self._parts_of = [[part for part in self.runtime.parts if self.group_optimizer[part.group_index] == k]
+                          for k in range(len(optimizers))]
+        self._optimizer_of = {p: k for k, parts in enumerate(self._parts_of) for part in parts for p in part.params}
+        start = 0
+        for optimizer in optimizers:
+            indices = range(start, start + len(optimizer.param_groups))
+            narrow_param_groups(optimizer, [[m for part in self.runtime.parts if part.group_index == i
+                                             for m in part.masters] for i in indices])
+            start += len(optimizer.param_groups)
+        self.optimizers = [ShardedOptimizer(opt, functools.partial(self._step, k), functools.partial(self._zero, [k]))
+                           for k, opt in enumerate(optimizers)]
+        # Like a torch optimizer skipping parameters whose .grad is None, a step with no backward since the
+        # last zero_grad changes nothing (no weight decay, no moment update).
+        self._pending = [_PendingGrads() for _ in optimizers]
+
+    def replace_optimizers(self, optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]) -> None:
+        """Train on with fresh optimizers (a second ``fit``): the partitioning and the fp32 master weights stay.
+
+        The new optimizers must hold the same trainable parameters in the same groups as the ones given to
+        :func:`setup`; their state starts empty. Gradients are cleared.
+        """
+        optimizers = _as_optimizer_list(optimizers)
+        groups = [group for optimizer in optimizers for group in optimizer.param_groups]
+        names = [[self._names.get(p, "?") for p in g["params"] if p.requires_grad] for g in groups]
+        before = [[n for n in group if n in self._trainable_names] for group in self.group_param_names]
+        if names != before:
+            raise ValueError(
+                "the new optimizers group the trainable parameters differently from the ones this engine was set "
+                f"up with ({len(names)} groups, first names {[g[:2] for g in names]}; before: {len(before)} groups, "
+                f"{[g[:2] for g in before]}). The engine's flat buffers follow the optimizer groups: build the "
+                "optimizers the same way, or set up a fresh model"
+            )
+        self.zero_grad()
+        self._record_groups(groups)
+        self._bind_optimizers(optimizers)
+
+    def _record_groups(self, groups: list[dict]) -> None:
+        """Each optimizer group's own parameters (frozen ones included), before narrowing to master shards."""
+        self.group_params = [list(g["params"]) for g in groups]
+        self.group_param_names = [[self._names.get(p, "?") for p in params] for params in self.group_params]
+
+    def _trainable_by_group(self, groups: list[dict]) -> list[list[nn.Parameter]]:
+        """Each optimizer group's trainable parameters, checked to belong to the model and to one group only."""
+        by_group, seen = [], {}
+        for index, group in enumerate(groups):
             trainable = [p for p in group["params"] if p.requires_grad]
             for param in trainable:
                 if param not in self._names:
@@ -87,16 +139,53 @@ class ZeroEngine:
                         f"optimizer param_groups[{index}] holds a parameter of shape {tuple(param.shape)} that is not "
                         "in the model passed to zero_core.setup; build the optimizer from model.parameters()"
                     )
-                seen.add(param)
+                if param in seen:
+                    raise ValueError(
+                        f"parameter '{self._names[param]}' is in two optimizer groups ({seen[param]} and {index}, "
+                        "counted across all optimizers); give each parameter to one optimizer group only"
+                    )
+                seen[param] = index
             by_group.append(trainable)
+        self._trainable_names = {self._names[p] for p in seen}
         orphans = [n for p, n in self._names.items() if p.requires_grad and p not in seen]
         if orphans:
             warnings.warn(
                 f"these trainable parameters are in no optimizer group, so ZeRO neither reduces nor updates them: "
                 f"{', '.join(orphans)}. Add them to the optimizer or set requires_grad=False.",
-                stacklevel=3,
+                stacklevel=4,
             )
         return by_group
+
+    @property
+    def optimizer(self) -> ShardedOptimizer:
+        """The optimizer facade to step (an ``torch.optim.Optimizer``); with several optimizers use ``optimizers``."""
+        if len(self.optimizers) != 1:
+            raise RuntimeError(
+                f"this engine trains {len(self.optimizers)} optimizers: use engine.optimizers[k] (in the order given "
+                "to zero_core.setup) instead of engine.optimizer"
+            )
+        return self.optimizers[0]
+
+    def optimizer_indices(self, optimizer: OptimizerRef = None) -> list[int]:
+        """Which optimizers ``optimizer`` means: None is all; else an index, a facade or the user's optimizer."""
+        if optimizer is None:
+            return list(range(len(self.optimizers)))
+        if isinstance(optimizer, int):
+            if not 0 <= optimizer < len(self.optimizers):
+                raise IndexError(f"optimizer index {optimizer} is out of range: this engine has "
+                                 f"{len(self.optimizers)} optimizers")
+            return [optimizer]
+        for _ in range(4):  # unwrap facades: ours (.inner), Lightning's and Fabric's (.optimizer, ._optimizer)
+            for k, candidate in enumerate(self.inner_optimizers):
+                if optimizer is candidate or optimizer is self.optimizers[k]:
+                    return [k]
+            optimizer = next((getattr(optimizer, a) for a in ("inner", "optimizer", "_optimizer")
+                              if hasattr(optimizer, a)), optimizer)
+        raise ValueError(f"{type(optimizer).__name__} is not one of this engine's optimizers: pass one given to "
+                         "zero_core.setup, its facade from engine.optimizers, or its index")
+
+    def _parts(self, indices: list[int]) -> list:
+        return [part for k in indices for part in self._parts_of[k]]
 
     @property
     def device(self) -> torch.device:
@@ -129,34 +218,42 @@ class ZeroEngine:
             self.runtime.set_sync(self._no_sync_depth == 0)
 
     def _note_grad(self, param: torch.Tensor) -> None:
-        if self._reduced and self._averages_whole_grads() and self._clip_coef is None:
-            self._reduced = False  # averaged gradients plus new local ones average again to the right sum
-        elif self._reduced:
+        pending = self._pending[self._optimizer_of[param]]
+        if pending.reduced and self._averages_whole_grads() and pending.clip_coef is None:
+            pending.reduced = False  # averaged gradients plus new local ones average again to the right sum
+        elif pending.reduced:
             raise RuntimeError(
                 f"a backward produced a gradient for '{self._names.get(param, '?')}' after this step's gradients were "
                 "already reduced (by clip_grad_norm_, reduce_gradients or a safe_get_full_grad call), so it would be "
                 "lost: run every backward of the step first, then clip, then step()"
             )
-        self._saw_grad = True
+        pending.saw_grad = True
 
-    def reduce_gradients(self) -> None:
-        """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective."""
-        if not self._reduced:
-            self.runtime.reduce_gradients()
-            self._reduced = True
+    def reduce_gradients(self, optimizer: OptimizerRef = None) -> None:
+        """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective.
+        ``optimizer`` limits it to one optimizer's parameters (see :meth:`optimizer_indices`)."""
+        indices = [k for k in self.optimizer_indices(optimizer) if not self._pending[k].reduced]
+        if indices:
+            self.runtime.reduce_gradients(self._parts(indices))
+            for k in indices:
+                self._pending[k].reduced = True
 
-    def _grad_shards(self) -> list[torch.Tensor]:
-        return [s for part in self.runtime.parts for s in part.grad_shards()]
+    def _grad_shards(self, indices: list[int]) -> list[torch.Tensor]:
+        return [s for part in self._parts(indices) for s in part.grad_shards()]
 
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip by the global gradient norm over every shard (each element counted once); returns that norm."""
-        self.reduce_gradients()
-        norm = self._global_norm(float(norm_type))
-        self._clip_coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0, optimizer: OptimizerRef = None) -> torch.Tensor:
+        """Clip by the global gradient norm over every shard (each element counted once); returns that norm.
+        ``optimizer`` limits the norm and the clipping to one optimizer's parameters (default: all)."""
+        indices = self.optimizer_indices(optimizer)
+        self.reduce_gradients(optimizer)
+        norm = self._global_norm(float(norm_type), self._grad_shards(indices))
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for k in indices:
+            self._pending[k].clip_coef = coef
         return norm
 
-    def _global_norm(self, norm_type: float) -> torch.Tensor:
-        shards = [s.float() for s in self._grad_shards()]
+    def _global_norm(self, norm_type: float, grad_shards: list[torch.Tensor]) -> torch.Tensor:
+        shards = [s.float() for s in grad_shards]
         local = torch.zeros((), device=self.device)
         if math.isinf(norm_type):
             for shard in shards:
@@ -168,40 +265,54 @@ class ZeroEngine:
         self.comm.all_reduce(local)
         return local.pow(1.0 / norm_type) / self.loss_scale
 
-    def _overflow_on_any_rank(self) -> bool:
+    def _overflow_on_any_rank(self, grad_shards: list[torch.Tensor]) -> bool:
         if self._scaler is None:
             return False
         local = torch.zeros((), device=self.device)
-        if any(not torch.isfinite(shard).all() for shard in self._grad_shards()):
+        if any(not torch.isfinite(shard).all() for shard in grad_shards):
             local.fill_(1.0)
         self.comm.all_reduce(local, op=dist.ReduceOp.MAX)
         return bool(local.item())
 
     def step(self) -> None:
-        """Sharded optimizer step over the fp32 masters, then the parameters are refreshed; grads are zeroed."""
-        self.optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
+        """Sharded optimizer step over the fp32 masters, then the parameters are refreshed; grads are zeroed.
+        With several optimizers, each steps in turn (``engine.optimizers[k].step()`` steps one)."""
+        for optimizer in self.optimizers:
+            optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
 
-    def _step(self) -> None:
-        if not self._saw_grad:
-            self.zero_grad()  # nothing to apply: every rank ran the same (empty) step
+    def _step(self, k: int) -> None:
+        pending = self._pending[k]
+        if not pending.saw_grad:
+            self._zero([k])  # nothing to apply: every rank ran the same (empty) step
             return
-        self.reduce_gradients()
-        if self._overflow_on_any_rank():
+        self.reduce_gradients(k)
+        if self._overflow_on_any_rank(self._grad_shards([k])):
             self.skipped_steps += 1
-            self._scaler.update(overflow=True)
-            self.zero_grad()
+            self._record_overflow(True)
+            self._zero([k])
             return
-        if self._clip_coef is None and self.config.gradient_clipping > 0:
-            self.clip_grad_norm_(self.config.gradient_clipping)
-        self._attach_master_grads()
-        self.optimizer.inner.step()
-        for part in self.runtime.parts:
+        if pending.clip_coef is None and self.config.gradient_clipping > 0:
+            self.clip_grad_norm_(self.config.gradient_clipping, optimizer=k)
+        self._attach_master_grads(k)
+        self.inner_optimizers[k].step()
+        parts = self._parts_of[k]
+        for part in parts:
             for master in part.masters:
                 master.grad = None
-        self.runtime.after_step()
+        self.runtime.after_step(parts)
+        self._record_overflow(False)
+        self._finish_step(k)
+
+    def _record_overflow(self, overflow: bool) -> None:
+        """The fp16 scale changes only once no optimizer holds gradients made with the current scale, so that
+        every step unscales by the scale its gradients were made with (as GradScaler.update once per iteration)."""
         if self._scaler is not None:
-            self._scaler.update(overflow=False)
-        self._finish_step()
+            self._scaler_overflow = bool(self._scaler_overflow) or overflow
+
+    def _maybe_update_scale(self) -> None:
+        if self._scaler_overflow is not None and not any(p.saw_grad for p in self._pending):
+            self._scaler.update(overflow=self._scaler_overflow)
+            self._scaler_overflow = None
 
     def _averages_whole_grads(self) -> bool:
         """Stage 1 with ``reduce_scatter: false`` all-reduces whole gradients, exactly as DDP does."""
@@ -212,42 +323,49 @@ class ZeroEngine:
         """Whether ``step()`` consumes the gradients (DeepSpeed's rule) or leaves them for ``zero_grad()``."""
         return not self._averages_whole_grads()
 
-    def _finish_step(self) -> None:
+    def _finish_step(self, k: int) -> None:
         """Gradients are consumed, as DeepSpeed's step does; except when they are averaged whole like DDP's
         (see ``_averages_whole_grads``): then, like a torch optimizer, the step leaves them for ``zero_grad()``."""
-        if not self.step_zeroes_grads:
-            self._clip_coef, self._reduced, self._saw_grad = None, False, False
-        else:
-            self.zero_grad()
+        if self.step_zeroes_grads:
+            self._zero([k])
+            return
+        self._pending[k] = _PendingGrads()
+        self._maybe_update_scale()
 
-    def _attach_master_grads(self) -> None:
+    def _attach_master_grads(self, k: int) -> None:
         """Give each master shard its gradient in fp32, unscaled and clipped."""
         inv_scale = 1.0 / self.loss_scale
-        for part in self.runtime.parts:
+        clip_coef = self._pending[k].clip_coef
+        for part in self._parts_of[k]:
             for master, grad in zip(part.masters, part.grad_shards()):
                 if grad.dtype != master.dtype:
                     grad = grad.to(master.dtype)
                 if inv_scale != 1.0:
                     grad.mul_(inv_scale)
-                if self._clip_coef is not None:
-                    grad.mul_(self._clip_coef)
+                if clip_coef is not None:
+                    grad.mul_(clip_coef)
                 master.grad = grad
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient: the shards, stage 1's full buffers, and unmanaged parameters' ``.grad``."""
-        self.runtime.zero_grads()
-        managed = {id(p) for p in self.runtime.managed_params()}
-        for param in self.module.parameters():
-            if id(param) not in managed:
-                param.grad = None
-        self._clip_coef = None
-        self._reduced = False
-        self._saw_grad = False
+        self._zero(list(range(len(self.optimizers))))
+
+    def _zero(self, indices: list[int]) -> None:
+        self.runtime.zero_grads(self._parts(indices))
+        if len(indices) == len(self.optimizers):
+            managed = {id(p) for p in self.runtime.managed_params()}
+            for param in self.module.parameters():
+                if id(param) not in managed:
+                    param.grad = None
+        for k in indices:
+            self._pending[k] = _PendingGrads()
+        self._maybe_update_scale()
 
     # -- state access (checkpoints, debugging API) ---------------------------------------------------------
-    def fragments(self) -> list[Fragment]:
-        """This rank's fp32 master (and gradient) pieces of every trainable parameter; see zero_core.fragments."""
-        return [f for part in self.runtime.parts for f in part.fragments()]
+    def fragments(self, optimizer: OptimizerRef = None) -> list[Fragment]:
+        """This rank's fp32 master (and gradient) pieces of every trainable parameter (or of one optimizer's);
+        see zero_core.fragments."""
+        return [f for part in self._parts(self.optimizer_indices(optimizer)) for f in part.fragments()]
 
     def fragments_of(self, name: str) -> list[Fragment]:
         return [f for f in self.fragments() if f.name == name]
@@ -257,7 +375,14 @@ class ZeroEngine:
 
     def refresh_params_from_masters(self) -> None:
         """Make the model's parameters equal the fp32 masters again (after masters were loaded). A collective."""
-        self.runtime.after_step()
+        self.runtime.after_step(self.runtime.parts)
+
+    def optimizer_state_of(self, master: torch.Tensor) -> dict:
+        """The optimizer state of one master shard (empty before its first step), whichever optimizer owns it."""
+        for optimizer in self.inner_optimizers:
+            if master in optimizer.state:
+                return optimizer.state[master]
+        return {}
 
     def replicated_state(self) -> dict[str, torch.Tensor]:
         """Buffers and parameters outside every optimizer group, whole. A collective in stage 3, where frozen
@@ -320,16 +445,30 @@ class ZeroEngine:
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes held on this rank now: params, grads, fp32_master, optimizer_state, buffers."""
-        return model_state_bytes(self.module, self.optimizer.inner, self.runtime)
+        return model_state_bytes(self.module, self.inner_optimizers, self.runtime)
+
+
+def _as_optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers:
+        raise ValueError("zero_core.setup needs at least one optimizer")
+    for index, candidate in enumerate(optimizers):
+        if not isinstance(candidate, torch.optim.Optimizer):
+            where = f"optimizer[{index}]" if len(optimizers) > 1 else "optimizer"
+            raise TypeError(f"{where} must be a torch.optim.Optimizer, got {type(candidate).__name__}")
+    return optimizers
 
 
 def setup(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]],
     config: ConfigLike = None,
     process_group: Optional[dist.ProcessGroup] = None,
 ) -> ZeroEngine:
-    """Put ``model`` and ``optimizer`` under ZeRO; ``config`` is a ZeroConfig, a dict, a JSON/YAML path or None."""
+    """Put ``model`` and ``optimizer`` under ZeRO; ``config`` is a ZeroConfig, a dict, a JSON/YAML path or None.
+
+    ``optimizer`` may be a list: each optimizer then steps, clips and zeroes only its own parameters
+    (``engine.optimizers[k]``), e.g. a generator's and a discriminator's."""
     config = ZeroConfig.coerce(config)
     if config.auto_fields:
         config = config.resolve_auto()  # front-ends resolve "auto" from their run first; the rest is reported
@@ -337,7 +476,6 @@ def setup(
         raise ValueError(
             "zero_optimization.stage=0 disables ZeRO: use torch's DistributedDataParallel, or pick stage 1, 2 or 3"
         )
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    optimizers = _as_optimizer_list(optimizer)
     config.warn_unimplemented()
-    return ZeroEngine(model, optimizer, config, Topology.from_process_group(process_group))
+    return ZeroEngine(model, optimizers, config, Topology.from_process_group(process_group))

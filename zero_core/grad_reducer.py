@@ -1,7 +1,9 @@
 """Gradient reduction for stages 1 and 2: buckets reduce-scattered into each rank's gradient shard.
 
 Every rank reduces the buckets in one fixed order, last bucket first (the order backward produces them), so
-the collectives match across ranks whatever the timing. Stage 2 launches a bucket from a post-accumulate-grad
+the collectives match across ranks whatever the timing. A bucket none of whose parameters requires a gradient
+at the time (frozen for this backward, e.g. the other optimizer's under Lightning's toggle_optimizer) is left
+out of that backward; its step reduces whatever it holds. Stage 2 launches a bucket from a post-accumulate-grad
 hook as soon as its gradients are in and every later bucket has been launched; a callback queued on the
 autograd engine flushes the rest once backward ends. Stage 1 reduces once, when the step needs the gradients.
 See docs/core-api.md for the full rules.
@@ -119,13 +121,18 @@ class GradReducer:
         target = state.staging[start : start + grad.numel()]
         target.add_(grad.reshape(-1)) if repeat else target.copy_(grad.reshape(-1))
 
-    def _is_complete(self, position: int) -> bool:
+    def _active_indices(self, position: int) -> list[int]:
+        """The bucket's parameters that take part in backward now (requires_grad is the same on every rank)."""
         group, bucket = self.order[position]
-        return len(self._states[position].seen) == len(group.layout.buckets[bucket].param_indices)
+        return [i for i in group.layout.buckets[bucket].param_indices if group.params[i].requires_grad]
+
+    def _is_complete(self, position: int) -> bool:
+        return self._states[position].seen.issuperset(self._active_indices(position))
 
     def _launch_ready(self) -> None:
         while self._next >= 0 and self._is_complete(self._next):
-            self._launch_staged(self._next)
+            if self._active_indices(self._next):
+                self._launch_staged(self._next)
             self._next -= 1
 
     def _launch_staged(self, position: int) -> None:
@@ -140,14 +147,22 @@ class GradReducer:
         # Overlap keeps a few buckets in flight; waiting for the oldest bounds scratch memory.
         self._complete_inflight(keep=self.MAX_IN_FLIGHT if self.overlap else 0)
 
-    def finish_backward(self) -> None:
-        """End of a backward: stage what no hook delivered, launch the remaining buckets in order, wait."""
+    def finish_backward(self, only: Optional[set] = None) -> None:
+        """End of a backward: stage what no hook delivered, launch the remaining buckets in order, wait.
+
+        ``only``: flush just these groups' buckets (one optimizer's step), whatever their requires_grad; the
+        others keep their local gradients in ``param.grad``. Without it, buckets frozen for this backward wait.
+        """
         unused = []
         for position in range(self._next, -1, -1):
+            if (only is not None and self.order[position][0] not in only) or \
+                    (only is None and not self._active_indices(position)):
+                continue
             unused += self._stage_leftovers(position)
             self._launch_staged(position)
         self._complete_inflight()
         self._reset_backward_state()
+        self.unsynced_grads = any(p.grad is not None for g in self.groups for p in g.params)
         if unused and not self.ignore_unused:
             raise RuntimeError(
                 f"parameters got no gradient in this backward: {', '.join(unused)}. Set "
@@ -163,22 +178,26 @@ class GradReducer:
             if index in state.seen:
                 continue
             if param.grad is None:
-                unused.append(group.names[index])
+                if param.requires_grad:
+                    unused.append(group.names[index])
                 continue
             self._stage(position, index, param.grad)
             param.grad = None
             state.seen.add(index)
         return unused
 
-    def flush_unsynced(self) -> None:
-        """Stage 2: reduce gradients left in ``param.grad`` by backward passes run entirely under no_sync."""
+    def flush_unsynced(self, only: set) -> None:
+        """Stage 2: reduce gradients of the groups ``only`` left in ``param.grad`` by backward passes run
+        entirely under no_sync (or while those parameters were frozen)."""
         if self.partition_grads and self.unsynced_grads:
-            self.finish_backward()
+            self.finish_backward(only)
 
     # -- stage 1: once per step ----------------------------------------------------------------------------
-    def reduce_full_grads(self) -> None:
-        """Stage 1: reduce every bucket of the full gradient buffers, last bucket first."""
+    def reduce_full_grads(self, only: set) -> None:
+        """Stage 1: reduce every bucket of the groups ``only`` from the full gradient buffers, last first."""
         for group, bucket in reversed(self.order):
+            if group not in only:
+                continue
             source = group.bucket_grad_input(group.layout.buckets[bucket])
             self._inflight.append(self._reduce(group, bucket, source, accumulate=False))
             self._complete_inflight(keep=self.MAX_IN_FLIGHT if self.overlap else 0)
@@ -211,7 +230,3 @@ class GradReducer:
                 target.copy_(job.result)
             for buffer in job.scratch:
                 self.pool.release(buffer)
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()

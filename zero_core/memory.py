@@ -24,14 +24,15 @@ class _StorageCounter:
         return total
 
 
-def _state_tensors(optimizer: torch.optim.Optimizer) -> Iterable[torch.Tensor]:
-    for state in optimizer.state.values():
-        for value in state.values():
-            if torch.is_tensor(value):
-                yield value
+def _state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterable[torch.Tensor]:
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    yield value
 
 
-def model_state_bytes(module, inner_optimizer, runtime) -> dict[str, int]:
+def model_state_bytes(module, inner_optimizers, runtime) -> dict[str, int]:
     """Parameters, gradients, fp32 master copies, optimizer state and buffers (module buffers and scratch).
 
     Counted in that order, so an fp32 master that is a view of the parameters counts as parameters only.
@@ -41,7 +42,7 @@ def model_state_bytes(module, inner_optimizer, runtime) -> dict[str, int]:
     grads = counter.nbytes(runtime.grad_tensors())
     grads += counter.nbytes([p.grad for p in module.parameters() if p.grad is not None])
     master = counter.nbytes([m for part in runtime.parts for m in part.masters])
-    optimizer_state = counter.nbytes(_state_tensors(inner_optimizer))
+    optimizer_state = counter.nbytes(_state_tensors(inner_optimizers))
     buffers = counter.nbytes(module.buffers()) + runtime.scratch_nbytes()
     return {
         "params": params,

@@ -66,6 +66,10 @@ class ParamUnit:
     def numel(self) -> int:
         return self.layout.total
 
+    def active_count(self) -> int:
+        """Parameters that take part in backward now (not frozen with requires_grad=False)."""
+        return sum(1 for p in self.params if p.requires_grad)
+
     def _bucket_shard(self, tensor: torch.Tensor, bucket: int) -> torch.Tensor:
         start = self._offsets[bucket]
         return tensor[start : start + self.layout.buckets[bucket].shard_size]
@@ -136,11 +140,13 @@ class ParamUnit:
         return [self._bucket_shard(self.grad_shard, b.index) for b in self.layout.buckets]
 
     def stage_grads(self, staging: torch.Tensor) -> list[str]:
-        """Copy each parameter's ``.grad`` into ``staging`` (unit layout) and free it; names with none."""
+        """Copy each parameter's ``.grad`` into ``staging`` (unit layout) and free it; names of trainable
+        parameters with none (a frozen one contributes zeros)."""
         missing = []
         for param, slot, name in zip(self.params, self.layout.slots, self.names):
-            if param.grad is None:
-                missing.append(name)
+            if param.grad is None:  # staging comes zeroed
+                if param.requires_grad:
+                    missing.append(name)
                 continue
             staging[slot.range.as_slice()].copy_(param.grad.reshape(-1))
             param.grad = None

@@ -73,16 +73,17 @@ class ReplicatedParamsRuntime:
     def set_sync(self, sync: bool) -> None:
         self.reducer.sync = sync
 
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, parts: list[FlatParamGroup]) -> None:
+        """Reduce what ``parts`` (one optimizer's groups, or all) hold locally into their gradient shards."""
         if self.config.stage == 1:
-            self.reducer.reduce_full_grads()
+            self.reducer.reduce_full_grads(set(parts))
         else:
-            self.reducer.flush_unsynced()
+            self.reducer.flush_unsynced(set(parts))
 
-    def after_step(self) -> None:
-        """Every rank updated its shards; all-gather them so each rank holds whole parameters again."""
+    def after_step(self, parts: list[FlatParamGroup]) -> None:
+        """Every rank updated its shards of ``parts``; all-gather them so each rank holds whole parameters again."""
         works = []
-        for group in self.parts:
+        for group in parts:
             group.write_back_masters()
             for bucket in group.layout.buckets:
                 works += self._gather_bucket(group, bucket)
@@ -96,8 +97,8 @@ class ReplicatedParamsRuntime:
             return [self.comm.broadcast(full[p.as_slice()], src=r, async_op=True) for r, p in enumerate(pieces)]
         return [self.comm.all_gather(full, group.shard_of_params(bucket.index), async_op=True)]
 
-    def zero_grads(self) -> None:
-        for group in self.parts:
+    def zero_grads(self, parts: list[FlatParamGroup]) -> None:
+        for group in parts:
             group.zero_grads()
 
     def replicated_state(self) -> dict[str, torch.Tensor]:

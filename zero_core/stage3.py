@@ -56,6 +56,10 @@ class PartitionedParamsRuntime:
         self._active: dict[ParamUnit, int] = defaultdict(int)
         self._positions: dict[nn.Module, list] = defaultdict(list)  # trace position of each open forward call
         self._held: set[ParamUnit] = set()
+        # A step ends the trace's step at the next root forward (a step can come in the middle of one: several
+        # optimizers in a Lightning training_step); without root forwards, at the step itself.
+        self._root_forwards_in_step = 0
+        self._trace_step_over = False
         self._reset_backward_state()
         self._register_hooks(module_names)
 
@@ -141,8 +145,12 @@ class PartitionedParamsRuntime:
         return self._own.get(mod, []) + self._externals.get(mod, [])
 
     def _root_pre_forward(self, module, args) -> None:
-        if not self._in_backward:
-            self.trace.start_forward()
+        if self._in_backward:
+            return
+        if self._trace_step_over:
+            self._end_trace_step()
+        self._root_forwards_in_step += 1
+        self.trace.start_forward()
 
     def _root_post_forward(self, module, args, output) -> None:
         if not torch.is_grad_enabled() and not self._in_backward:
@@ -275,7 +283,7 @@ class PartitionedParamsRuntime:
             return
         self._enter_backward()
         self._seen[unit] += 1
-        if self._seen[unit] == len(unit.params) and unit not in self._reduced:
+        if self._seen[unit] >= unit.active_count() and unit not in self._reduced:
             self._reduce(unit)
 
     def _reduce(self, unit: ParamUnit) -> list[str]:
@@ -300,19 +308,22 @@ class PartitionedParamsRuntime:
             self.pool.release(staging)
             self.pool.release(scratch)
 
-    def _finish_backward(self) -> None:
+    def _finish_backward(self, only: Optional[set] = None) -> None:
         """End of backward: reduce what no hook completed (fixed order), wait, release every gathered unit.
-        Under no_sync nothing is reduced: the gradients wait in ``param.grad`` for the next synced backward."""
+        Under no_sync nothing is reduced: the gradients wait in ``param.grad`` for the next synced backward.
+        Units none of whose parameters requires a gradient now (frozen for this backward) wait too.
+        ``only``: flush just these units (one optimizer's step), whatever their requires_grad."""
         unused, pending = [], self.unsynced_grads and not self.sync
         if self.sync:
             for unit in reversed(self.parts):
-                if unit not in self._reduced:
+                skip = unit not in only if only is not None else unit.active_count() == 0
+                if unit not in self._reduced and not skip:
                     unused += self._reduce(unit)
             self._complete_inflight()
         self._active.clear()  # a recomputation that stopped early left no open forward behind
         self.release_all()
         self._reset_backward_state()
-        self.unsynced_grads = pending
+        self.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
         if unused and not self.config.ignore_unused_parameters:
             raise RuntimeError(
                 f"parameters got no gradient in this backward: {', '.join(unused)}. Set "
@@ -323,26 +334,36 @@ class PartitionedParamsRuntime:
     def set_sync(self, sync: bool) -> None:
         self.sync = sync
 
-    def reduce_gradients(self) -> None:
+    def reduce_gradients(self, parts: list[ParamUnit]) -> None:
+        """Reduce what ``parts`` (one optimizer's units, or all) still hold in ``param.grad``."""
         if self.unsynced_grads:
-            self._finish_backward()
+            self._finish_backward(only=set(parts))
 
-    def after_step(self) -> None:
-        """Updated masters go back into the 16-bit shards; persistent units are gathered again, and any other
-        gathered copy, now stale, is dropped."""
-        for unit in self.parts:
+    def after_step(self, parts: list[ParamUnit]) -> None:
+        """Updated masters of ``parts`` go back into the 16-bit shards; persistent units are gathered again, and
+        any other gathered copy is dropped (stale, or no longer needed)."""
+        for unit in parts:
             unit.write_back_masters()
             if unit.persistent:
                 unit.state = UnitState.SHARDED  # its full copy is stale: gather the new values
                 unit.gather()
         self._active.clear()
         self.release_all()
+        if self._root_forwards_in_step:
+            self._trace_step_over = True
+        else:
+            self._end_trace_step()  # the model is driven through its submodules: the step is the trace's unit
+            self.trace.start_forward()
+
+    def _end_trace_step(self) -> None:
         self.trace.end_step()
         self.comm.check = self.comm.always_check or self.trace.state.value == "recording"
         self._bwd_cursor = len(self.trace.order) - 1
+        self._trace_step_over = False
+        self._root_forwards_in_step = 0
 
-    def zero_grads(self) -> None:
-        for unit in self.parts:
+    def zero_grads(self, parts: list[ParamUnit]) -> None:
+        for unit in parts:
             unit.zero_grads()
 
     def replicated_state(self) -> dict[str, torch.Tensor]:

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from zero_core.layout import Range
 
 from .files import check_replaceable, publish, remove_stale_temps, temp_sibling
-from .format import CheckpointError, PathLike, read_manifest
+from .format import CheckpointError, PathLike, group_optimizers, optimizer_classes, read_manifest
 from .hf_shards import INDEX, ShardedWriter, parse_size
 from .sources import ShardedSource
 from .verify import verify_files
@@ -76,24 +76,37 @@ def export_optimizer_state(path: PathLike, out: PathLike, verify: bool = True) -
 
     Its integer ids follow the original optimizer's groups (``param_names`` in the manifest), so
     ``optimizer.load_state_dict(torch.load(out, weights_only=True))`` works for an optimizer built over the
-    same parameters in the same order (e.g. for a DDP resume). The whole state is held in memory.
+    same parameters in the same order (e.g. for a DDP resume). A checkpoint of several optimizers gives a list
+    of state dicts, one per optimizer in their order. The whole state is held in memory.
     """
     path, out = Path(path), Path(out)
     manifest = read_manifest(path)
     verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
     with ShardedSource(path, manifest) as source:
-        state_dict = _plain_optimizer_state(source, manifest)
+        states = plain_optimizer_states(source, manifest)
+    state_dict = states[0] if len(states) == 1 else states
     partial = out.with_name(f".{out.name}.tmp-{secrets.token_hex(8)}")
     torch.save(state_dict, partial)
     os.replace(partial, out)  # never a half-written file at ``out``
     return out
 
 
-def _plain_optimizer_state(source: ShardedSource, manifest: dict) -> dict:
+def plain_optimizer_states(source: ShardedSource, manifest: dict) -> list[dict]:
+    """One plain ``optimizer.state_dict()`` per optimizer of the checkpoint."""
+    owners = group_optimizers(manifest)
+    states = []
+    for k in range(len(optimizer_classes(manifest))):
+        groups = [(g, h) for g, h, owner in zip(manifest["optimizer"]["param_groups"], source.hyperparameters(), owners)
+                  if owner == k]
+        states.append(_plain_optimizer_state(source, groups))
+    return states
+
+
+def _plain_optimizer_state(source: ShardedSource, saved_groups: list) -> dict:
     state, groups, param_id = {}, [], 0
     keys = source.state_keys()
     cpu = torch.device("cpu")
-    for group, hyperparameters in zip(manifest["optimizer"]["param_groups"], source.hyperparameters()):
+    for group, hyperparameters in saved_groups:
         ids = []
         for name in group["param_names"]:
             if source.has_state(name):

@@ -144,6 +144,17 @@ def _check_manifest(manifest: Any, where: Path) -> None:
         raise CheckpointError(f"'{where}' lacks the entries {missing}")
 
 
+def optimizer_classes(manifest: dict) -> list[str]:
+    """The class of each optimizer, in the order given to setup (checkpoints of one optimizer name one)."""
+    optimizer = manifest["optimizer"]
+    return list(optimizer.get("classes", [optimizer["class"]]))
+
+
+def group_optimizers(manifest: dict) -> list[int]:
+    """For each saved parameter group, the index of the optimizer it belongs to."""
+    return [group.get("optimizer", 0) for group in manifest["optimizer"]["param_groups"]]
+
+
 def write_json(path: Path, data: Any) -> None:
     """Write JSON and fsync it, so it is on disk before anything that points to it."""
     with open(path, "w") as f:

@@ -15,7 +15,7 @@ from typing import Any, Literal, Optional, Union
 import torch
 
 from .collective import agree, run_agreed
-from .format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, read_manifest
+from .format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
 from .model_info import persistent_replicated_state, tied_aliases, trainable_shapes
 from .sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
 from .values import load_client_state
@@ -50,13 +50,14 @@ def load_checkpoint(engine, path: PathLike, strict: bool = True, load_optimizer_
 
 
 def load_full_state_dict(engine, model_state: Union[dict, PathLike],
-                         optimizer_state: Optional[Union[dict, PathLike]] = None, strict: bool = True) -> None:
+                         optimizer_state: Optional[Union[dict, list, PathLike]] = None, strict: bool = True) -> None:
     """Load a plain model state dict (DDP or one process) and optionally a plain ``optimizer.state_dict()``.
 
     ``model_state`` is a dict, a ``.safetensors`` or torch file, or a directory of safetensors shards with
     ``model.safetensors.index.json`` (what ``consolidate`` writes). The optimizer state's integer ids map to
-    parameters through ``engine.group_param_names``, as for the optimizer the state dict came from. Each rank
-    keeps only its own ranges. A collective.
+    parameters through ``engine.group_param_names``, as for the optimizer the state dict came from; with
+    several optimizers give a list of their state dicts, in the engine's order. Each rank keeps only its own
+    ranges. A collective.
     """
     if optimizer_state is not None and not isinstance(optimizer_state, dict):
         optimizer_state = torch.load(optimizer_state, map_location="cpu", weights_only=True, mmap=True)
@@ -76,11 +77,11 @@ def _verify_my_share(engine, path: Path, manifest: dict, verify: Verify) -> None
 
 
 def _optimizer_matches(engine, manifest: dict, strict: bool) -> bool:
-    saved = manifest["optimizer"]["class"]
-    inner = type(engine.optimizer.inner)
-    current = f"{inner.__module__}.{inner.__qualname__}"
+    saved = optimizer_classes(manifest)
+    current = [f"{type(inner).__module__}.{type(inner).__qualname__}" for inner in engine.inner_optimizers]
     if saved == current:
         return True
+    saved, current = ", ".join(saved), ", ".join(current)
     message = f"the checkpoint's optimizer state is from {saved}, the engine's optimizer is {current}"
     if strict:
         raise CheckpointMismatchError(f"{message}; pass strict=False to load the model alone")
@@ -162,16 +163,17 @@ def _source_names(source, module) -> dict[str, str]:
 
 def _load_optimizer(engine, source, strict: bool) -> None:
     """Optimizer sources are keyed by the engine's own parameter names (the manifest's, group_param_names)."""
-    inner = engine.optimizer.inner
-    inner.state.clear()  # like Optimizer.load_state_dict: the checkpoint's state replaces the current one
-    group_of = {id(m): g for g in inner.param_groups for m in g["params"]}
+    inners = engine.inner_optimizers
+    for inner in inners:
+        inner.state.clear()  # like Optimizer.load_state_dict: the checkpoint's state replaces the current one
+    owner_of = {id(m): (g, inner) for inner in inners for g in inner.param_groups for m in g["params"]}
     keys = source.state_keys()
     for fragment in engine.fragments():
         name = fragment.name
         if not source.has_state(name):
             continue
         master = fragment.master
-        group = group_of[id(master)]
+        group, inner = owner_of[id(master)]
         on_device = group.get("capturable") or group.get("fused")  # else scalars stay on the CPU, as in torch
         state = inner.state[master]
         if not state:
@@ -181,17 +183,17 @@ def _load_optimizer(engine, source, strict: bool) -> None:
             values = source.read_state(name, fragment.param_range, key)
             if values is not None:
                 state[key][fragment.local.as_slice()] = values
-    _load_hyperparameters(inner, source.hyperparameters(), strict)
+    _load_hyperparameters([g for inner in inners for g in inner.param_groups], source.hyperparameters(), strict)
 
 
-def _load_hyperparameters(inner, saved: list[dict], strict: bool) -> None:
-    if len(saved) != len(inner.param_groups):
-        message = f"the checkpoint has {len(saved)} optimizer parameter groups, the optimizer {len(inner.param_groups)}"
+def _load_hyperparameters(groups: list[dict], saved: list[dict], strict: bool) -> None:
+    if len(saved) != len(groups):
+        message = f"the checkpoint has {len(saved)} optimizer parameter groups, the optimizers {len(groups)}"
         if strict:
             raise CheckpointMismatchError(message)
         warnings.warn(f"{message}: hyper-parameters not loaded", stacklevel=5)
         return
-    for group, values in zip(inner.param_groups, saved):
+    for group, values in zip(groups, saved):
         group.update({k: v for k, v in values.items() if k != "params"})
 
 

@@ -78,9 +78,8 @@ def _write_rank(engine, temp: Path, client_state: Any, replicated: Optional[dict
 def _fragment_entries(engine, file: str) -> tuple[list, list]:
     """(key, tensor view) pairs to write, and the manifest's description of each fragment."""
     entries, fragments = [], []
-    state = engine.optimizer.state
     for fragment in engine.fragments():
-        per_element, scalars = _split_state(state.get(fragment.master, {}), fragment)
+        per_element, scalars = _split_state(engine.optimizer_state_of(fragment.master), fragment)
         start, end = fragment.param_range.start, fragment.param_range.end
         tensors = {}
         for kind, full in [(MASTER_KIND, fragment.master.detach())] + sorted(per_element.items()):
@@ -136,7 +135,8 @@ def build_manifest(engine, reports: list) -> dict:
     files = {}
     for report in reports:
         files.update(report["files"])
-    inner = engine.optimizer.inner
+    groups = [group for inner in engine.inner_optimizers for group in inner.param_groups]
+    classes = [f"{type(inner).__module__}.{type(inner).__qualname__}" for inner in engine.inner_optimizers]
     scaler = engine.loss_scaler
     return {
         "format": FORMAT,
@@ -147,11 +147,14 @@ def build_manifest(engine, reports: list) -> dict:
         "replicated": reports[0]["replicated"],
         "aliases": tied_aliases(engine.module),
         "optimizer": {
-            "class": f"{type(inner).__module__}.{type(inner).__qualname__}",
+            "class": classes[0],
+            "classes": classes,  # one per optimizer; each group names its optimizer's index
             "per_element_keys": sorted({k for r in reports for f in r["fragments"] for k in f["tensors"]}
                                        - {MASTER_KIND}),
-            "param_groups": [{"param_names": list(names), "hyperparameters": encode_hyperparameters(group, i)}
-                             for i, (names, group) in enumerate(zip(engine.group_param_names, inner.param_groups))],
+            "param_groups": [{"param_names": list(names), "optimizer": owner,
+                              "hyperparameters": encode_hyperparameters(group, i)}
+                             for i, (names, group, owner) in enumerate(zip(engine.group_param_names, groups,
+                                                                           engine.group_optimizer))],
         },
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "skipped_steps": int(engine.skipped_steps),

@@ -15,7 +15,7 @@ import contextlib
 import json
 import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -215,24 +215,28 @@ class FullStateSource:
 
 
 class PlainOptimizerSource:
-    """A torch ``optimizer.state_dict()``; its integer ids map to names through the groups' parameter lists."""
+    """A torch ``optimizer.state_dict()`` (or a list of them, one per optimizer); integer ids map to names
+    through the groups' parameter lists, groups counted across the optimizers in order."""
 
-    def __init__(self, state_dict: dict, group_param_names: list[list[str]]):
-        groups = state_dict.get("param_groups")
-        if not isinstance(groups, list) or "state" not in state_dict:
-            raise CheckpointError("the optimizer state is not an optimizer.state_dict() (no state/param_groups)")
+    def __init__(self, state_dict: Union[dict, list], group_param_names: list[list[str]]):
+        state_dicts = state_dict if isinstance(state_dict, list) else [state_dict]
+        for candidate in state_dicts:
+            if not isinstance(candidate, dict) or not isinstance(candidate.get("param_groups"), list) \
+                    or "state" not in candidate:
+                raise CheckpointError("the optimizer state is not an optimizer.state_dict() (no state/param_groups)")
+        groups = [(sd, group) for sd in state_dicts for group in sd["param_groups"]]
         if len(groups) != len(group_param_names):
             raise CheckpointMismatchError(f"the optimizer state has {len(groups)} parameter groups, the engine's "
-                                          f"optimizer {len(group_param_names)}")
+                                          f"optimizers {len(group_param_names)}")
         self.by_name: dict[str, dict] = {}
-        for index, (group, names) in enumerate(zip(groups, group_param_names)):
+        for index, ((owner, group), names) in enumerate(zip(groups, group_param_names)):
             if len(group["params"]) != len(names):
                 raise CheckpointMismatchError(
                     f"optimizer param_groups[{index}] holds {len(group['params'])} parameters in the state dict "
                     f"and {len(names)} in the engine's optimizer ({names[:3]}...)")
             for param_id, name in zip(group["params"], names):
-                self.by_name[name] = state_dict["state"].get(param_id, {})
-        self.groups = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+                self.by_name[name] = owner["state"].get(param_id, {})
+        self.groups = [{k: v for k, v in g.items() if k != "params"} for _, g in groups]
 
     def state_keys(self) -> list[str]:
         return sorted({k for s in self.by_name.values() for k, v in s.items() if torch.is_tensor(v) and v.dim() > 0})

@@ -57,11 +57,13 @@ def describe(path: PathLike, verify: bool = False, tensors: bool = False) -> str
 def _optimizer_lines(optimizer: dict, params: list) -> list[str]:
     saved = next((f["scalars"] for p in params for f in p["fragments"] if f["scalars"]), {})
     scalars = {k: decode_value(v).tolist() if isinstance(v, dict) else v for k, v in saved.items()}
-    lines = [f"optimizer: {optimizer['class']}, per-element state {optimizer['per_element_keys'] or 'none yet'}, "
-             f"scalars {scalars or 'none'}"]
+    classes = optimizer.get("classes", [optimizer["class"]])
+    lines = [f"optimizer{'s' if len(classes) > 1 else ''}: {', '.join(classes)}, per-element state "
+             f"{optimizer['per_element_keys'] or 'none yet'}, scalars {scalars or 'none'}"]
     for index, group in enumerate(optimizer["param_groups"]):
         hyper = ", ".join(f"{k}={decode_value(v)}" for k, v in group["hyperparameters"].items())
-        lines.append(f"  group {index}: {len(group['param_names'])} parameters; {hyper}")
+        owner = f" (optimizer {group.get('optimizer', 0)})" if len(classes) > 1 else ""
+        lines.append(f"  group {index}{owner}: {len(group['param_names'])} parameters; {hyper}")
     return lines
 
 
