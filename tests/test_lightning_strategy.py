@@ -122,13 +122,14 @@ def test_unsupported_accelerator_and_storage_options_raise(tmp_path):
 
 
 def test_single_file_optimizer_state_count_and_absence():
-    from lightning_zero.checkpoint_io import _single_optimizer_state
+    from lightning_zero.checkpoint_io import _optimizer_states
 
     with pytest.warns(UserWarning, match="holds no optimizer state, so only the weights are restored"):
-        assert _single_optimizer_state({"state_dict": {}}, optimizer_count=1) is None
+        assert _optimizer_states({"state_dict": {}}, optimizer_count=1) is None
     with pytest.raises(RuntimeError, match="configured 1 optimizers but the checkpoint contains 2 optimizers"):
-        _single_optimizer_state({"optimizer_states": [{}, {}]}, optimizer_count=1)
-    assert _single_optimizer_state({"optimizer_states": [{"state": {}}]}, optimizer_count=None) is None
+        _optimizer_states({"optimizer_states": [{}, {}]}, optimizer_count=1)
+    assert _optimizer_states({"optimizer_states": [{}, {"state": {}}]}, optimizer_count=2) == [{}, {"state": {}}]
+    assert _optimizer_states({"optimizer_states": [{"state": {}}]}, optimizer_count=None) is None
 
 
 def test_fabric_names_and_joint_setup():

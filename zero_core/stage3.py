@@ -186,7 +186,7 @@ class PartitionedParamsRuntime:
         if torch.is_grad_enabled():
             output, wrapped = attach(PreBackward, functools.partial(self._pre_backward, mod), output)
         for unit in units:
-            if unit in returned or (torch.is_grad_enabled() and wrapped == 0 and unit.trainable):
+            if unit in returned or (torch.is_grad_enabled() and wrapped == 0 and unit.active_count()):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
             elif not self._reused_soon(position, unit):
                 self._release(unit)

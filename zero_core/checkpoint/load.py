@@ -59,7 +59,7 @@ def load_full_state_dict(engine, model_state: Union[dict, PathLike],
     several optimizers give a list of their state dicts, in the engine's order. Each rank keeps only its own
     ranges. A collective.
     """
-    if optimizer_state is not None and not isinstance(optimizer_state, dict):
+    if optimizer_state is not None and not isinstance(optimizer_state, (dict, list)):
         optimizer_state = torch.load(optimizer_state, map_location="cpu", weights_only=True, mmap=True)
     source = run_agreed(engine, FullStateSource, model_state)
     with source:
