@@ -179,6 +179,51 @@ def misuse() -> dict:
     return errors
 
 
+def fp16_overflow_in_one_optimizer() -> dict:
+    """fp16, no toggling: the generator's gradients overflow at step 1 while the discriminator's (made with the
+    same scale by the same backward) do not. The generator's step is skipped on every rank; the scale may only
+    drop after the discriminator stepped, or its update would be unscaled by the wrong scale."""
+    model = GanPair()
+    sgd = [torch.optim.SGD(model.generator.parameters(), lr=0.1), torch.optim.SGD(model.discriminator.parameters(), lr=0.1)]
+    fp16 = {"enabled": True, "initial_scale_power": 12, "loss_scale_window": 1000, "hysteresis": 1}
+    engine = zero_core.setup(model, sgd, {"stage": 2, "fp16": fp16})
+    rank, disc = dist.get_rank(), model.discriminator
+    masters = lambda: {n: zero_core.safe_get_full_fp32_param(p) for n, p in disc.named_parameters()}  # noqa: E731
+    scales, deltas = [], []
+    for step in range(2):
+        noise, real = (t.half() for t in batch(rank, step))
+        before = masters()
+        penalty = 1e5 * model.generator[0].weight.float().sum() if step == 1 else 0.0  # only the generator's
+        engine.backward(F.softplus(-disc(model.generator(noise)).float()).mean() + penalty)
+        engine.optimizers[0].step()
+        scales.append(engine.loss_scale)
+        fake = model.generator(noise).detach()
+        engine.backward((F.softplus(-disc(real).float()).mean() + F.softplus(disc(fake).float()).mean()))
+        engine.optimizers[1].step()
+        scales.append(engine.loss_scale)
+        after = masters()
+        deltas.append({n: (after[n] - before[n]) for n in after})
+    # the reference: fp32, both ranks' batches, the generator's step 1 skipped (its gradients dropped)
+    ref = GanPair()
+    ref_sgd = [torch.optim.SGD(ref.generator.parameters(), lr=0.1), torch.optim.SGD(ref.discriminator.parameters(), lr=0.1)]
+    ref_deltas = []
+    for step in range(2):
+        noise, real = whole_batch(step)
+        before = {n: p.detach().clone() for n, p in ref.discriminator.named_parameters()}
+        F.softplus(-ref.discriminator(ref.generator(noise))).mean().backward()
+        if step == 0:
+            ref_sgd[0].step()
+        ref_sgd[0].zero_grad()
+        fake = ref.generator(noise).detach()
+        (F.softplus(-ref.discriminator(real)).mean() + F.softplus(ref.discriminator(fake)).mean()).backward()
+        ref_sgd[1].step()
+        ref_sgd[1].zero_grad()
+        ref_deltas.append({n: p.detach() - before[n] for n, p in ref.discriminator.named_parameters()})
+    ratio = [sum(d[n].norm() ** 2 for n in d).sqrt().item() / sum(r[n].norm() ** 2 for n in r).sqrt().item()
+             for d, r in zip(deltas, ref_deltas)]
+    return {"scales": scales, "skipped": engine.skipped_steps, "ratio": ratio}
+
+
 def worker(rank: int, world_size: int, directory: str) -> dict:
     out = {f"parity-{stage}-{toggle}": capture(parity, stage, toggle) for stage, toggle in CASES}
     for stage in (2, 3):
@@ -186,6 +231,7 @@ def worker(rank: int, world_size: int, directory: str) -> dict:
     out["replace-3"] = capture(replace, 3)
     out["replace-1"] = capture(replace, 1)
     out["misuse"] = capture(misuse)
+    out["fp16"] = capture(fp16_overflow_in_one_optimizer)
     return out
 
 
@@ -270,3 +316,13 @@ def test_misuse_of_several_optimizers_is_named(tmp_path_factory):
     assert "'generator.0.weight' is in two optimizer groups" in errors["shared_param"]
     assert "engine.optimizers[k]" in errors["optimizer"]
     assert "not one of this engine's optimizers" in errors["foreign"]
+
+
+def test_fp16_scale_waits_for_every_optimizer_and_overflow_skips_only_its_own(tmp_path_factory):
+    for rank_result in results(tmp_path_factory)["main"]:
+        found = unwrap(rank_result["fp16"])
+        assert found["skipped"] == 1  # the generator's step 1, on every rank
+        # (generator, discriminator) after each step: the drop waits until the discriminator has stepped
+        assert found["scales"] == [4096.0, 4096.0, 4096.0, 2048.0]
+        for ratio in found["ratio"]:  # the discriminator's update as in fp32 (a wrong unscale gives 2.0)
+            assert ratio == pytest.approx(1.0, abs=0.02)
