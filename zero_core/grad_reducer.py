@@ -85,6 +85,7 @@ class GradReducer:
         self._next = len(self.order) - 1
         self._inflight: list[_InFlight] = []
         self._callback_queued = False
+        self._expected: list[int] = []  # per position: parameters taking part, counted when a backward starts
         self.unsynced_grads = False
 
     def _register_hooks(self) -> None:
@@ -100,6 +101,7 @@ class GradReducer:
         if not self._callback_queued:
             Variable._execution_engine.queue_callback(self.finish_backward)
             self._callback_queued = True
+            self._expected = [len(self._active_indices(position)) for position in range(len(self.order))]
         if position > self._next:
             group = self.order[position][0]
             raise RuntimeError(
@@ -127,11 +129,11 @@ class GradReducer:
         return [i for i in group.layout.buckets[bucket].param_indices if group.params[i].requires_grad]
 
     def _is_complete(self, position: int) -> bool:
-        return self._states[position].seen.issuperset(self._active_indices(position))
+        return len(self._states[position].seen) >= self._expected[position]
 
     def _launch_ready(self) -> None:
         while self._next >= 0 and self._is_complete(self._next):
-            if self._active_indices(self._next):
+            if self._expected[self._next]:
                 self._launch_staged(self._next)
             self._next -= 1
 
