@@ -89,17 +89,16 @@ class ZeroAccelerator(Accelerator):
         self.state.distributed_type  # a reset AcceleratorState raises Accelerate's own error here, first
         args = list(args)
         placements = device_placement or [None] * len(args)
-        for model_at, optimizer_at in _pair_models_with_optimizers(args, self._managed):
-            optimizer = args[optimizer_at] if optimizer_at is not None else None
-            managed = self._setup_zero(args[model_at], optimizer, placements[model_at])
-            if optimizer_at is not None:
-                args[optimizer_at] = managed.engine.optimizer
+        for model_at, optimizer_ats in _pair_models_with_optimizers(args, self._managed):
+            managed = self._setup_zero(args[model_at], [args[i] for i in optimizer_ats], placements[model_at])
+            for k, optimizer_at in enumerate(optimizer_ats):
+                args[optimizer_at] = managed.engine.optimizers[k]
         return super().prepare(*args, device_placement=device_placement)
 
     def prepare_model(self, model: nn.Module, device_placement=None, evaluation_mode: bool = False):
         managed = self._managed_for(model)
         if managed is None and not evaluation_mode and _trainable(model):
-            managed = self._setup_zero(model, None, device_placement)  # prepared without its optimizer
+            managed = self._setup_zero(model, [], device_placement)  # prepared without its optimizer
         if managed is None:
             return super().prepare_model(model, device_placement, evaluation_mode)  # frozen: nothing to shard
         if model not in self._models:
@@ -110,7 +109,7 @@ class ZeroAccelerator(Accelerator):
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         if getattr(optimizer, "_is_accelerate_prepared", False):
             return super().prepare_optimizer(optimizer, device_placement)
-        managed = next((m for m in self._managed if m.engine.optimizer is optimizer), None)
+        managed = next((m for m in self._managed if any(o is optimizer for o in m.engine.optimizers)), None)
         if managed is None:
             owner = next((m for m in self._managed if m.owns(_optimizer_params(optimizer))), None)
             where = "its model was prepared earlier without it" if owner else "no prepared model holds its parameters"
@@ -119,7 +118,7 @@ class ZeroAccelerator(Accelerator):
                 "optimizer to the same accelerator.prepare(...) call"
             )
         prepared = ZeroAcceleratedOptimizer(optimizer, managed)
-        managed.optimizer = prepared
+        managed.optimizers[managed.engine.optimizer_indices(optimizer)[0]] = prepared
         self._optimizers.append(prepared)
         return prepared
 
@@ -132,21 +131,21 @@ class ZeroAccelerator(Accelerator):
             prepared.optimizers = owner
         return prepared
 
-    def _setup_zero(self, model: nn.Module, optimizer, device_placement) -> ManagedModel:
+    def _setup_zero(self, model: nn.Module, optimizers: list, device_placement) -> ManagedModel:
         placement = self.device_placement if device_placement is None else device_placement
         if placement and not _built_in_place(model):
             model.to(self.device)
         _ensure_process_group(self.device)
-        has_optimizer = optimizer is not None
-        if optimizer is None:  # a model prepared alone still syncs (and at stage 3 partitions) like DDP would
-            optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)
+        has_optimizer = bool(optimizers)
+        if not optimizers:  # a model prepared alone still syncs (and at stage 3 partitions) like DDP would
+            optimizers = [torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.0)]
         cfg = run_config(self.zero_plugin.config, self._engine_precision, self.gradient_accumulation_steps, model)
         if cfg.fp16.enabled and any(m.engine.config.fp16.enabled for m in self._managed):
             raise NotImplementedError(
                 "fp16 with more than one prepared model is not supported (each engine has its own loss scale "
                 "and accelerator.backward cannot tell which model a loss comes from): use bf16"
             )
-        engine = zero_core.setup(model, optimizer, cfg)
+        engine = zero_core.setup(model, optimizers, cfg)
         _convert_io(model, cfg)
         if self.native_amp:
             _autocast_forward(model, get_mixed_precision_context_manager(self.native_amp, self.autocast_handler))
@@ -207,13 +206,17 @@ class ZeroAccelerator(Accelerator):
         managed = self._owner_of(params)
         if managed is None:
             return super().clip_grad_norm_(params, max_norm, norm_type)
-        missing = {id(p) for p in managed.module.parameters() if p.requires_grad} - {id(p) for p in params}
-        if missing:
-            raise ValueError(
-                "ZeRO clips by the norm of all of a model's gradients (they are sharded across ranks): pass "
-                f"model.parameters(); {len(missing)} trainable parameters of the model were left out"
-            )
-        return managed.engine.clip_grad_norm_(max_norm, norm_type)
+        given = {id(p) for p in params}
+        engine = managed.engine
+        for k in range(len(engine.optimizers)):  # one optimizer's parameters (e.g. a GAN's generator)
+            if given == {id(p) for p in engine.trainable_params(k)}:
+                return engine.clip_grad_norm_(max_norm, norm_type, optimizer=k)
+        if given >= {id(p) for p in engine.trainable_params()}:
+            return engine.clip_grad_norm_(max_norm, norm_type)
+        raise ValueError(
+            "ZeRO clips by the norm of whole optimizers' gradients (they are sharded across ranks): pass "
+            "model.parameters(), or all the parameters of one of the model's optimizers"
+        )
 
     def clip_grad_value_(self, parameters, clip_value):
         params = list(parameters)
@@ -281,8 +284,8 @@ class ZeroAccelerator(Accelerator):
         return super().free_memory(*objects)
 
 
-def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> list[tuple[int, Optional[int]]]:
-    """(model position, its optimizer's position or None) for every new trainable model in ``args``."""
+def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> list[tuple[int, list[int]]]:
+    """(model position, its optimizers' positions) for every new trainable model in ``args``."""
     known = {id(m.module) for m in managed}
     models = [i for i, a in enumerate(args) if isinstance(a, nn.Module) and id(a) not in known
               and not getattr(a, "_is_accelerate_prepared", False) and _trainable(a)]
@@ -293,14 +296,11 @@ def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> lis
         params = {id(p) for p in _optimizer_params(arg)}
         owners = [m for m in models if params & {id(p) for p in args[m].parameters()}]
         if len(owners) > 1:
-            raise ValueError(f"the optimizer at position {index} holds parameters of several models: ZeRO needs one "
-                             "optimizer per model (use parameter groups)")
-        if owners and owners[0] in owner_of:
-            raise ValueError(f"two optimizers (positions {owner_of[owners[0]]} and {index}) train the model at position "
-                             f"{owners[0]}: ZeRO needs one optimizer per model; merge them into parameter groups")
+            raise ValueError(f"the optimizer at position {index} holds parameters of several models: under ZeRO an "
+                             "optimizer belongs to one model (a model may have several optimizers)")
         if owners:
-            owner_of[owners[0]] = index
-    return [(m, owner_of.get(m)) for m in models]
+            owner_of.setdefault(owners[0], []).append(index)
+    return [(m, owner_of.get(m, [])) for m in models]
 
 
 def _built_in_place(model: nn.Module) -> bool:

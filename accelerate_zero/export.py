@@ -9,6 +9,7 @@ import tempfile
 from pathlib import Path
 from typing import Union
 
+import torch
 from safetensors.torch import load_file, save_file
 
 from .state_io import ZERO_STATE_FILE, suffix
@@ -23,7 +24,7 @@ def export_accelerate_state(checkpoint: PathLike, out: PathLike) -> Path:
 
     Runs offline, in one process; the whole model and optimizer state are held in memory once.
     """
-    from zero_core.checkpoint import consolidate, export_optimizer_state
+    from zero_core.checkpoint import consolidate, read_optimizer_states
 
     source, out = Path(checkpoint), Path(out)
     info_file = source / ZERO_STATE_FILE
@@ -38,8 +39,10 @@ def export_accelerate_state(checkpoint: PathLike, out: PathLike) -> Path:
     for entry in json.loads(info_file.read_text())["models"]:
         sharded = source / entry["dir"]
         _write_weights(sharded, out / f"model{suffix(entry['model_index'])}.safetensors", consolidate)
-        if entry.get("optimizer_index") is not None:
-            export_optimizer_state(sharded, out / f"optimizer{suffix(entry['optimizer_index'])}.bin")
+        indices = entry.get("optimizer_indices", [entry.get("optimizer_index")])
+        if all(i is not None for i in indices):
+            for index, state in zip(indices, read_optimizer_states(sharded)):
+                torch.save(state, out / f"optimizer{suffix(index)}.bin")
     return out
 
 

@@ -25,7 +25,7 @@ class ManagedModel:
         self.module = module
         self.engine = engine
         self.has_optimizer = has_optimizer
-        self.optimizer = None  # the ZeroAcceleratedOptimizer, once prepared
+        self.optimizers: dict = {}  # engine optimizer index -> its ZeroAcceleratedOptimizer, once prepared
         self.no_sync_depth = 0
         self.forced_sync = 0
         self.forward_synced = True

@@ -27,14 +27,18 @@ def suffix(index: int) -> str:
     return "" if index == 0 else f"_{index}"
 
 
-def _positions(accelerator) -> list[tuple[object, int, Optional[int]]]:
-    """(managed model, its index in accelerator._models, its optimizer's index in accelerator._optimizers)."""
+def _positions(accelerator) -> list[tuple[object, int, list[Optional[int]]]]:
+    """(managed model, its index in accelerator._models, for each of its engine's optimizers the index of the
+    prepared optimizer in accelerator._optimizers, None if it was not prepared)."""
     out = []
     for managed in accelerator._managed:
         model_index = next(i for i, m in enumerate(accelerator._models) if m is managed.module)
-        opt = managed.optimizer
-        opt_index = next((i for i, o in enumerate(accelerator._optimizers) if o is opt), None) if opt else None
-        out.append((managed, model_index, opt_index))
+        opt_indices = []
+        for k in range(len(managed.engine.optimizers)):
+            opt = managed.optimizers.get(k)
+            opt_indices.append(next((i for i, o in enumerate(accelerator._optimizers) if o is opt), None)
+                               if opt is not None else None)
+        out.append((managed, model_index, opt_indices))
     return out
 
 
@@ -44,11 +48,11 @@ def save_engines(accelerator, directory) -> None:
 
     directory = Path(directory)
     entries = []
-    for managed, model_index, opt_index in _positions(accelerator):
+    for managed, model_index, opt_indices in _positions(accelerator):
         name = zero_dir_name(model_index)
         save_checkpoint(managed.engine, directory / name)
-        entries.append({"dir": name, "model_index": model_index, "optimizer_index": opt_index,
-                        "stage": managed.engine.config.stage})
+        entries.append({"dir": name, "model_index": model_index, "optimizer_index": opt_indices[0],
+                        "optimizer_indices": opt_indices, "stage": managed.engine.config.stage})
     if accelerator.is_main_process:
         (directory / ZERO_STATE_FILE).write_text(json.dumps({"models": entries}, indent=2) + "\n")
     accelerator.wait_for_everyone()
@@ -59,29 +63,34 @@ def load_engines(accelerator, directory) -> None:
     from zero_core.checkpoint import load_checkpoint
 
     directory = Path(directory)
-    for managed, model_index, opt_index in _positions(accelerator):
+    for managed, model_index, opt_indices in _positions(accelerator):
         sharded = directory / zero_dir_name(model_index)
         if sharded.is_dir():
             load_checkpoint(managed.engine, sharded, load_optimizer_states=managed.has_optimizer)
         else:
-            _load_accelerate_files(managed, directory, model_index, opt_index)
+            _load_accelerate_files(managed, directory, model_index, opt_indices)
 
 
-def _load_accelerate_files(managed, directory: Path, model_index: int, opt_index: Optional[int]) -> None:
+def _load_accelerate_files(managed, directory: Path, model_index: int, opt_indices: list[Optional[int]]) -> None:
     """A checkpoint written by plain Accelerate: full weights (``module.`` prefixes from DDP are stripped by
-    the loader) and the full ``optimizer.state_dict()``; each rank keeps its own ranges."""
+    the loader) and each optimizer's full ``state_dict()``; each rank keeps its own ranges."""
+    import torch
+
     from zero_core.checkpoint import load_full_state_dict
 
     model_file = _model_file(directory, model_index)
-    optimizer_file = None
-    if managed.has_optimizer and opt_index is not None:
-        optimizer_file = directory / f"optimizer{suffix(opt_index)}.bin"
-        if not optimizer_file.is_file():
+    optimizer_state = None
+    if managed.has_optimizer and all(i is not None for i in opt_indices):
+        files = [directory / f"optimizer{suffix(i)}.bin" for i in opt_indices]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
             raise FileNotFoundError(
-                f"{directory} has model weights but no {optimizer_file.name}: it is not a complete save_state "
+                f"{directory} has model weights but no {', '.join(missing)}: it is not a complete save_state "
                 "directory (a ZeRO save_state has a zero_model directory instead)"
             )
-    load_full_state_dict(managed.engine, model_file, optimizer_state=optimizer_file)
+        optimizer_state = files[0] if len(files) == 1 else \
+            [torch.load(f, map_location="cpu", weights_only=True) for f in files]
+    load_full_state_dict(managed.engine, model_file, optimizer_state=optimizer_state)
 
 
 def _model_file(directory: Path, model_index: int) -> Path:

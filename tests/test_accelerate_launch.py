@@ -49,10 +49,13 @@ def run(cmd: list, cwd: Path, env: dict, timeout: int = 240) -> str:
 
 
 def accelerate_launch(tmp: Path, script: str, *args, env: dict) -> None:
+    """Plain ``accelerate launch`` of a MULTI_GPU config without GPUs: a script whose first Accelerator is a plain
+    one (a DDP reference) would believe it is alone (DistributedType.NO) unless ACCELERATE_USE_CPU is set, as
+    ``accelerate-zero launch`` does itself."""
     config = tmp / "accelerate.yaml"
     config.write_text(ACCELERATE_YAML)
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, SCRIPTS / script, *args],
-        cwd=tmp, env=env)
+        cwd=tmp, env={**env, "ACCELERATE_USE_CPU": "true"})
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -185,3 +188,16 @@ def test_swap_runs_a_plain_accelerate_script_in_one_process(tmp_path):
     result = json.loads(out.strip().splitlines()[-1])
     assert (result["class"], result["stage"], result["processes"], result["argv"]) == ("ZeroAccelerator", 3, 1, ["--flag"])
     assert result["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"] and result["losses"][-1] < result["losses"][0]
+
+
+# -- one model, two optimizers (a GAN), against DDP; save_state, resume, export -------------------------------
+@pytest.fixture(scope="module")
+def gan(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("gan")
+    accelerate_launch(tmp, "gan.py", tmp / "out.json", tmp / "work", env=clean_env())
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.mark.parametrize("run_name", ["zero2", "zero3", "zero3_resumed", "ddp_from_exported"])
+def test_two_optimizers_of_one_model_match_ddp(gan, run_name):
+    assert max_diff(gan["ddp"], gan[run_name]) <= TOLERANCE

@@ -184,6 +184,11 @@ class ZeroEngine:
         raise ValueError(f"{type(optimizer).__name__} is not one of this engine's optimizers: pass one given to "
                          "zero_core.setup, its facade from engine.optimizers, or its index")
 
+    def trainable_params(self, optimizer: OptimizerRef = None) -> list[nn.Parameter]:
+        """The model parameters the engine updates: one optimizer's, or all (fixed at setup, whatever
+        requires_grad says later)."""
+        return [p for part in self._parts(self.optimizer_indices(optimizer)) for p in part.params]
+
     def _parts(self, indices: list[int]) -> list:
         return [part for k in indices for part in self._parts_of[k]]
 

@@ -35,9 +35,9 @@ def error_checks() -> dict:
     checks = {
         "optimizer_alone": raises(lambda: accelerator.prepare(torch.optim.SGD(other.parameters(), lr=0.1)),
                                   ValueError, "same accelerator.prepare"),
-        "two_optimizers": raises(lambda: accelerator.prepare(model, torch.optim.SGD(model[0].parameters(), lr=0.1),
-                                                             torch.optim.SGD(model[2].parameters(), lr=0.1)),
-                                 ValueError, "one optimizer per model"),
+        "optimizer_of_two_models": raises(
+            lambda: accelerator.prepare(model, other, torch.optim.SGD([*model.parameters(), *other.parameters()])),
+            ValueError, "parameters of several models"),
     }
     model = small()
     model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

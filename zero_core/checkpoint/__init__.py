@@ -8,7 +8,7 @@
 docs/checkpoints.md is the user's guide; docs/checkpoint-format.md describes the files.
 """
 
-from .consolidate import consolidate, export_optimizer_state
+from .consolidate import consolidate, export_optimizer_state, read_optimizer_states
 from .export16 import save_16bit_model
 from .format import CheckpointError, CheckpointMismatchError, read_manifest
 from .load import load_checkpoint, load_full_state_dict
@@ -22,6 +22,7 @@ __all__ = [
     "consolidate",
     "describe",
     "export_optimizer_state",
+    "read_optimizer_states",
     "load_checkpoint",
     "load_client_state",
     "load_full_state_dict",

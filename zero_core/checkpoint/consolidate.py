@@ -79,16 +79,22 @@ def export_optimizer_state(path: PathLike, out: PathLike, verify: bool = True) -
     same parameters in the same order (e.g. for a DDP resume). A checkpoint of several optimizers gives a list
     of state dicts, one per optimizer in their order. The whole state is held in memory.
     """
-    path, out = Path(path), Path(out)
-    manifest = read_manifest(path)
-    verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
-    with ShardedSource(path, manifest) as source:
-        states = plain_optimizer_states(source, manifest)
+    states = read_optimizer_states(path, verify=verify)
     state_dict = states[0] if len(states) == 1 else states
+    out = Path(out)
     partial = out.with_name(f".{out.name}.tmp-{secrets.token_hex(8)}")
     torch.save(state_dict, partial)
     os.replace(partial, out)  # never a half-written file at ``out``
     return out
+
+
+def read_optimizer_states(path: PathLike, verify: bool = True) -> list[dict]:
+    """The checkpoint's optimizer state as plain ``optimizer.state_dict()`` dicts, one per optimizer."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
+    with ShardedSource(path, manifest) as source:
+        return plain_optimizer_states(source, manifest)
 
 
 def plain_optimizer_states(source: ShardedSource, manifest: dict) -> list[dict]:
