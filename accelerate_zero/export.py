@@ -39,7 +39,7 @@ def export_accelerate_state(checkpoint: PathLike, out: PathLike) -> Path:
     for entry in json.loads(info_file.read_text())["models"]:
         sharded = source / entry["dir"]
         _write_weights(sharded, out / f"model{suffix(entry['model_index'])}.safetensors", consolidate)
-        indices = entry.get("optimizer_indices", [entry.get("optimizer_index")])
+        indices = entry.get("optimizer_indices", [entry.get("optimizer_index")])  # older files: one optimizer
         if all(i is not None for i in indices):
             for index, state in zip(indices, read_optimizer_states(sharded)):
                 torch.save(state, out / f"optimizer{suffix(index)}.bin")

@@ -51,8 +51,8 @@ def save_engines(accelerator, directory) -> None:
     for managed, model_index, opt_indices in _positions(accelerator):
         name = zero_dir_name(model_index)
         save_checkpoint(managed.engine, directory / name)
-        entries.append({"dir": name, "model_index": model_index, "optimizer_index": opt_indices[0],
-                        "optimizer_indices": opt_indices, "stage": managed.engine.config.stage})
+        entries.append({"dir": name, "model_index": model_index, "optimizer_indices": opt_indices,
+                        "stage": managed.engine.config.stage})
     if accelerator.is_main_process:
         (directory / ZERO_STATE_FILE).write_text(json.dumps({"models": entries}, indent=2) + "\n")
     accelerator.wait_for_everyone()

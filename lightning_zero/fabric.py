@@ -109,11 +109,11 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
         raise NotImplementedError(self._err_msg_joint_setup_required())
 
-    def _start_engine(self, module: Module, optimizer) -> None:
+    def _start_engine(self, module: Module, optimizers) -> None:
         if self._engine is not None:
             raise RuntimeError("ZeroFabricStrategy manages one model; this strategy already set one up")
         config = run_config(self.zero_config, self.precision.precision)
-        self._engine = zero_core.setup(module, optimizer, config)
+        self._engine = zero_core.setup(module, optimizers, config)
         self.precision.engine = self._engine
 
     def module_to_device(self, module: Module) -> None:

@@ -111,10 +111,10 @@ class ZeroPrecision(_ZeroPrecisionMixin, Precision):
     def optimizer_step(self, optimizer, model, closure: Callable[[], Any], **kwargs: Any) -> Any:
         closure_result = closure()
         self._after_closure(model, optimizer)
-        engine = self._require_engine()
+        self._require_engine()
         if model.automatic_optimization and closure_result is None:
             # training_step returned None: Lightning skips this batch; every rank must return None for it.
-            engine.optimizers[engine.optimizer_indices(optimizer)[0]].zero_grad()
+            optimizer.zero_grad()  # the engine's, for this optimizer's parameters
             return None
         return optimizer.step(**kwargs)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import TensorDataset
 
 VOCAB, D_MODEL, HEADS, FFN, SEQ = 37, 22, 2, 45, 9
 MLP_SIZES = (13, 29, 17, 7)
@@ -125,3 +126,39 @@ def frozen_numel(model: nn.Module) -> int:
 
 def trainable_tensor_count(model: nn.Module) -> int:
     return sum(1 for p in model.parameters() if p.requires_grad)
+
+
+# -- a GAN: two networks, two optimizers ---------------------------------------------------------------------
+GAN_NOISE, GAN_DATA = 8, 13
+
+
+def generator_loss(generator: nn.Module, discriminator: nn.Module, noise: torch.Tensor) -> torch.Tensor:
+    return F.softplus(-discriminator(generator(noise)).float()).mean()
+
+
+def discriminator_loss(generator: nn.Module, discriminator: nn.Module, noise: torch.Tensor,
+                       real: torch.Tensor) -> torch.Tensor:
+    fake = generator(noise).detach()
+    return F.softplus(-discriminator(real).float()).mean() + F.softplus(discriminator(fake).float()).mean()
+
+
+class GanPair(nn.Module):
+    """A generator and a discriminator; ``forward(noise, real, which)`` is either network's loss, so that a
+    wrapper that must see every forward (DDP) sees it."""
+
+    def __init__(self, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.generator = nn.Sequential(nn.Linear(GAN_NOISE, 32), nn.Tanh(), nn.Linear(32, GAN_DATA))
+        self.discriminator = nn.Sequential(nn.Linear(GAN_DATA, 24), nn.LeakyReLU(0.2), nn.Linear(24, 1))
+
+    def forward(self, noise: torch.Tensor, real: torch.Tensor, which: str) -> torch.Tensor:
+        if which == "generator":
+            return generator_loss(self.generator, self.discriminator, noise)
+        return discriminator_loss(self.generator, self.discriminator, noise, real)
+
+
+def gan_dataset(count: int = 32) -> TensorDataset:
+    gen = torch.Generator().manual_seed(3)
+    noise, real = torch.randn(count, GAN_NOISE, generator=gen), torch.randn(count, GAN_DATA, generator=gen) + 1.0
+    return TensorDataset(noise, real)

@@ -3,7 +3,8 @@
 Each step runs the usual GAN sequence: the generator's loss, backward, clip and step of the generator's
 optimizer only; then the discriminator's. "toggle" freezes the other network's parameters (requires_grad=False)
 as Lightning's toggle_optimizer does; without it, the generator's backward also leaves gradients on the
-discriminator, which its own backward then adds to, as in plain torch. The reference is plain torch in one
+discriminator, which its own backward then adds to, as in plain torch; "no_sync" runs every backward under
+engine.no_sync(), so each step reduces what its own optimizer holds. The reference is plain torch in one
 process over the ranks' batches put together (mean losses, so its gradients are the ranks' average). One spawn
 runs every case; checkpoints saved with two optimizers are resumed at another world size and stage, exported as
 plain state dicts, and a second set of optimizers replaces the first (a second fit).
@@ -11,31 +12,26 @@ plain state dicts, and a second set of optimizers replaces the first (a second f
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 import zero_core
 from distributed import run_distributed
+from models import GAN_DATA, GAN_NOISE, GanPair, discriminator_loss, generator_loss
 from stage3_support import capture, full_params, max_abs_diff, unwrap
 
 WORLD = 2
 STEPS = 3
 MAX_NORM = 0.05  # small enough that the generator's gradients are really clipped
 TOLERANCE = 1e-5
-CASES = [(stage, toggle) for stage in (1, 2, 3) for toggle in (True, False)]
-
-
-class GanPair(nn.Module):
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.generator = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 13))
-        self.discriminator = nn.Sequential(nn.Linear(13, 24), nn.LeakyReLU(0.2), nn.Linear(24, 1))
+# (stage, toggle, every backward under no_sync: then each optimizer's step reduces only its own parameters)
+CASES = [(stage, toggle, False) for stage in (1, 2, 3) for toggle in (True, False)] + \
+    [(stage, False, True) for stage in (2, 3)]
 
 
 def make_optimizers(model: GanPair) -> tuple[torch.optim.Optimizer, torch.optim.Optimizer]:
@@ -48,7 +44,7 @@ def make_optimizers(model: GanPair) -> tuple[torch.optim.Optimizer, torch.optim.
 
 def batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(4, 8, generator=gen), torch.randn(4, 13, generator=gen) + 1.0
+    return torch.randn(4, GAN_NOISE, generator=gen), torch.randn(4, GAN_DATA, generator=gen) + 1.0
 
 
 def whole_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,20 +58,20 @@ def set_trainable(module: nn.Module, flag: bool) -> None:
 
 
 def gan_step(model, optimizers, backward, clip, noise, real, toggle: bool) -> float:
-    """One generator step then one discriminator step; returns the generator's norm before clipping."""
+    """One generator step then one discriminator step; returns the generator's norm before clipping. The
+    networks are called directly (no root forward): stage 3 then ends its trace at each step."""
     opt_g, opt_d = optimizers
     gen, disc = model.generator, model.discriminator
     if toggle:
         set_trainable(disc, False)
-    backward(F.softplus(-disc(gen(noise))).mean())
+    backward(generator_loss(gen, disc, noise))
     norm = float(clip())
     opt_g.step()
     opt_g.zero_grad()
     if toggle:
         set_trainable(disc, True)
         set_trainable(gen, False)
-    fake = gen(noise).detach()
-    backward(F.softplus(-disc(real)).mean() + F.softplus(disc(fake)).mean())
+    backward(discriminator_loss(gen, disc, noise, real))
     opt_d.step()
     opt_d.zero_grad()
     if toggle:
@@ -83,20 +79,26 @@ def gan_step(model, optimizers, backward, clip, noise, real, toggle: bool) -> fl
     return norm
 
 
-def train_reference(toggle: bool, steps: int, model=None, optimizers=None) -> tuple:
+def train_reference(toggle: bool, steps: range, model=None, optimizers=None) -> tuple:
+    """Plain torch over both ranks' batches; fresh optimizers unless given. Returns (model, optimizers, norms)."""
     model = model or GanPair()
     optimizers = optimizers or make_optimizers(model)
     norms = []
-    for step in range(steps):
+    for step in steps:
         clip = lambda: nn.utils.clip_grad_norm_(model.generator.parameters(), MAX_NORM)  # noqa: E731
         norms.append(gan_step(model, optimizers, lambda loss: loss.backward(), clip, *whole_batch(step), toggle))
     return model, optimizers, norms
 
 
-def train_engine(engine, toggle: bool, steps: range) -> list[float]:
+def train_engine(engine, toggle: bool, steps: range, unsynced: bool = False) -> list[float]:
     rank = dist.get_rank()
     clip = lambda: engine.clip_grad_norm_(MAX_NORM, optimizer=0)  # noqa: E731
-    return [gan_step(engine.module, engine.optimizers, engine.backward, clip, *batch(rank, step), toggle)
+
+    def backward(loss):
+        with engine.no_sync() if unsynced else contextlib.nullcontext():
+            engine.backward(loss)
+
+    return [gan_step(engine.module, engine.optimizers, backward, clip, *batch(rank, step), toggle)
             for step in steps]
 
 
@@ -112,12 +114,11 @@ def snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 # -- the sections ------------------------------------------------------------------------------------------
-def parity(stage: int, toggle: bool) -> dict:
+def parity(stage: int, toggle: bool, unsynced: bool) -> dict:
     engine = setup(stage)
-    norms = train_engine(engine, toggle, range(STEPS))
-    _, _, expected_norms = train_reference(toggle, STEPS)
-    reference = snapshot(train_reference(toggle, STEPS)[0])
-    return {"diff": max_abs_diff(full_params(engine.module), reference),
+    norms = train_engine(engine, toggle, range(STEPS), unsynced)
+    model, _, expected_norms = train_reference(toggle, range(STEPS))
+    return {"diff": max_abs_diff(full_params(engine.module), snapshot(model)),
             "norm_diff": max(abs(a - b) for a, b in zip(norms, expected_norms)),
             "clipped": min(expected_norms) > MAX_NORM}
 
@@ -141,21 +142,14 @@ def replace(stage: int) -> dict:
     train_engine(engine, True, range(2))
     engine.replace_optimizers(list(make_optimizers(engine.module)))
     train_engine(engine, True, range(2, 4))
-    model, _, _ = train_reference(True, 2)
-    train_reference_from(model, range(2, 4))
+    model, _, _ = train_reference(True, range(2))
+    train_reference(True, range(2, 4), model)  # fresh optimizers, as replace_optimizers
     errors = {}
     try:
         engine.replace_optimizers(torch.optim.SGD(engine.module.parameters(), lr=0.1))
     except ValueError as error:
         errors["regrouped"] = str(error)
     return {"diff": max_abs_diff(full_params(engine.module), snapshot(model)), **errors}
-
-
-def train_reference_from(model, steps: range, optimizers=None) -> None:
-    optimizers = optimizers or make_optimizers(model)
-    for step in steps:
-        clip = lambda: nn.utils.clip_grad_norm_(model.generator.parameters(), MAX_NORM)  # noqa: E731
-        gan_step(model, optimizers, lambda loss: loss.backward(), clip, *whole_batch(step), True)
 
 
 def misuse() -> dict:
@@ -194,11 +188,10 @@ def fp16_overflow_in_one_optimizer() -> dict:
         noise, real = (t.half() for t in batch(rank, step))
         before = masters()
         penalty = 1e5 * model.generator[0].weight.float().sum() if step == 1 else 0.0  # only the generator's
-        engine.backward(F.softplus(-disc(model.generator(noise)).float()).mean() + penalty)
+        engine.backward(generator_loss(model.generator, disc, noise) + penalty)
         engine.optimizers[0].step()
         scales.append(engine.loss_scale)
-        fake = model.generator(noise).detach()
-        engine.backward((F.softplus(-disc(real).float()).mean() + F.softplus(disc(fake).float()).mean()))
+        engine.backward(discriminator_loss(model.generator, disc, noise, real))
         engine.optimizers[1].step()
         scales.append(engine.loss_scale)
         after = masters()
@@ -210,12 +203,11 @@ def fp16_overflow_in_one_optimizer() -> dict:
     for step in range(2):
         noise, real = whole_batch(step)
         before = {n: p.detach().clone() for n, p in ref.discriminator.named_parameters()}
-        F.softplus(-ref.discriminator(ref.generator(noise))).mean().backward()
+        generator_loss(ref.generator, ref.discriminator, noise).backward()
         if step == 0:
             ref_sgd[0].step()
         ref_sgd[0].zero_grad()
-        fake = ref.generator(noise).detach()
-        (F.softplus(-ref.discriminator(real)).mean() + F.softplus(ref.discriminator(fake)).mean()).backward()
+        discriminator_loss(ref.generator, ref.discriminator, noise, real).backward()
         ref_sgd[1].step()
         ref_sgd[1].zero_grad()
         ref_deltas.append({n: p.detach() - before[n] for n, p in ref.discriminator.named_parameters()})
@@ -225,7 +217,7 @@ def fp16_overflow_in_one_optimizer() -> dict:
 
 
 def worker(rank: int, world_size: int, directory: str) -> dict:
-    out = {f"parity-{stage}-{toggle}": capture(parity, stage, toggle) for stage, toggle in CASES}
+    out = {f"parity-{case}": capture(parity, *case) for case in CASES}
     for stage in (2, 3):
         out[f"save-{stage}"] = capture(resume_elsewhere, Path(directory) / f"ckpt-{stage}", stage)
     out["replace-3"] = capture(replace, 3)
@@ -248,9 +240,9 @@ def resume(directory: Path, stage: int) -> dict:
     clip = lambda: engine.clip_grad_norm_(MAX_NORM, optimizer=0)  # noqa: E731
     for step in range(2, 4):  # this single rank sees both ranks' batches, as the reference does
         gan_step(engine.module, engine.optimizers, engine.backward, clip, *whole_batch(step), True)
-    model, optimizers, _ = train_reference(True, 2)
+    model, optimizers, _ = train_reference(True, range(2))
     exported = _compare_exported(torch.load(directory / f"plain-{stage}.pt", weights_only=True), optimizers)
-    train_reference_from(model, range(2, 4), optimizers)
+    train_reference(True, range(2, 4), model, optimizers)
     return {"classes": [type(o).__name__ for o in engine.inner_optimizers], "exported": exported,
             "diff": max_abs_diff(full_params(engine.module), snapshot(model))}
 
@@ -283,10 +275,10 @@ def results(tmp_path_factory) -> dict:
     return _RESULTS
 
 
-@pytest.mark.parametrize("stage,toggle", CASES)
-def test_two_optimizers_match_one_process(tmp_path_factory, stage, toggle):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"stage{c[0]}{'-toggle' * c[1]}{'-no_sync' * c[2]}")
+def test_two_optimizers_match_one_process(tmp_path_factory, case):
     for rank_result in results(tmp_path_factory)["main"]:
-        found = unwrap(rank_result[f"parity-{stage}-{toggle}"])
+        found = unwrap(rank_result[f"parity-{case}"])
         assert found["clipped"], "the test's max norm no longer clips: lower MAX_NORM"
         assert found["diff"] <= TOLERANCE, f"weights differ from the reference by {found['diff']}"
         assert found["norm_diff"] <= 1e-5, f"the generator's gradient norm differs by {found['norm_diff']}"

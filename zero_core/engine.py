@@ -111,7 +111,8 @@ class ZeroEngine:
         optimizers = _as_optimizer_list(optimizers)
         groups = [group for optimizer in optimizers for group in optimizer.param_groups]
         names = [[self._names.get(p, "?") for p in g["params"] if p.requires_grad] for g in groups]
-        before = [[n for n in group if n in self._trainable_names] for group in self.group_param_names]
+        trainable = {self._names[p] for p in self._optimizer_of}
+        before = [[n for n in group if n in trainable] for group in self.group_param_names]
         if names != before:
             raise ValueError(
                 "the new optimizers group the trainable parameters differently from the ones this engine was set "
@@ -146,7 +147,6 @@ class ZeroEngine:
                     )
                 seen[param] = index
             by_group.append(trainable)
-        self._trainable_names = {self._names[p] for p in seen}
         orphans = [n for p, n in self._names.items() if p.requires_grad and p not in seen]
         if orphans:
             warnings.warn(

@@ -158,7 +158,7 @@ class GradReducer:
         unused = []
         for position in range(self._next, -1, -1):
             if (only is not None and self.order[position][0] not in only) or \
-                    (only is None and not self._active_indices(position)):
+                    (only is None and not self._expected[position]):
                 continue
             unused += self._stage_leftovers(position)
             self._launch_staged(position)

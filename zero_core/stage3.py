@@ -58,7 +58,7 @@ class PartitionedParamsRuntime:
         self._held: set[ParamUnit] = set()
         # A step ends the trace's step at the next root forward (a step can come in the middle of one: several
         # optimizers in a Lightning training_step); without root forwards, at the step itself.
-        self._root_forwards_in_step = 0
+        self._root_forward_in_step = False
         self._trace_step_over = False
         self._reset_backward_state()
         self._register_hooks(module_names)
@@ -149,7 +149,7 @@ class PartitionedParamsRuntime:
             return
         if self._trace_step_over:
             self._end_trace_step()
-        self._root_forwards_in_step += 1
+        self._root_forward_in_step = True
         self.trace.start_forward()
 
     def _root_post_forward(self, module, args, output) -> None:
@@ -349,7 +349,7 @@ class PartitionedParamsRuntime:
                 unit.gather()
         self._active.clear()
         self.release_all()
-        if self._root_forwards_in_step:
+        if self._root_forward_in_step:
             self._trace_step_over = True
         else:
             self._end_trace_step()  # the model is driven through its submodules: the step is the trace's unit
@@ -360,7 +360,7 @@ class PartitionedParamsRuntime:
         self.comm.check = self.comm.always_check or self.trace.state.value == "recording"
         self._bwd_cursor = len(self.trace.order) - 1
         self._trace_step_over = False
-        self._root_forwards_in_step = 0
+        self._root_forward_in_step = False
 
     def zero_grads(self, parts: list[ParamUnit]) -> None:
         for unit in parts:

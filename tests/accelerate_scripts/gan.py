@@ -13,35 +13,20 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import DistributedDataParallelKwargs
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 from accelerate_zero import export_accelerate_state
 from common import make_accelerator, rank, to_lists, write_json
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared GAN
+from models import GanPair, gan_dataset  # noqa: E402
+
 MAX_NORM = 0.05  # the generator's norm is above it: clipping acts
 
 
-class GanLosses(nn.Module):
-    def __init__(self, seed: int = 0) -> None:
-        super().__init__()
-        torch.manual_seed(seed)
-        self.generator = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 13))
-        self.discriminator = nn.Sequential(nn.Linear(13, 24), nn.LeakyReLU(0.2), nn.Linear(24, 1))
-
-    def forward(self, noise, real, which: str):
-        if which == "generator":
-            return F.softplus(-self.discriminator(self.generator(noise))).mean()
-        fake = self.generator(noise).detach()
-        return F.softplus(-self.discriminator(real)).mean() + F.softplus(self.discriminator(fake)).mean()
-
-
 def data() -> DataLoader:
-    gen = torch.Generator().manual_seed(3)
-    return DataLoader(TensorDataset(torch.randn(32, 8, generator=gen), torch.randn(32, 13, generator=gen) + 1.0),
-                      batch_size=4)
+    return DataLoader(gan_dataset(), batch_size=4)
 
 
 def start(kind, seed: int = 0):
@@ -50,7 +35,7 @@ def start(kind, seed: int = 0):
                                        kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])
     else:
         accelerator = make_accelerator(kind, gradient_accumulation_steps=1)
-    model = GanLosses(seed)
+    model = GanPair(seed)
     opt_g = torch.optim.Adam(model.generator.parameters(), lr=1e-2, betas=(0.5, 0.9))
     opt_d = torch.optim.SGD(model.discriminator.parameters(), lr=5e-2, momentum=0.9, weight_decay=0.1)
     return (accelerator, *accelerator.prepare(model, opt_g, opt_d, data()))

@@ -134,6 +134,14 @@ def metrics(trainer) -> dict:
     return {k: float(v) for k, v in trainer.callback_metrics.items()}
 
 
+def message_of(fn) -> str:
+    try:
+        fn()
+    except Exception as error:  # every rank raises the same error at the same point
+        return f"{type(error).__name__}: {error}"
+    return "no error"
+
+
 def trainer(strategy, out: Path, **kwargs) -> pl.Trainer:
     defaults = dict(accelerator="cpu", devices=int(os.environ.get("TEST_DEVICES", 2)), max_epochs=2,
                     logger=False, enable_progress_bar=False, enable_model_summary=False,

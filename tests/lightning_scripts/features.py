@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from lightning.fabric import Fabric
 from torch import nn
 
-from common import STAGE3, VOCAB, LitGPT, TinyGPT, full_weights, loader, metrics, save_rank, trainer, write_json
+from common import (STAGE3, VOCAB, LitGPT, TinyGPT, full_weights, loader, message_of, metrics, save_rank, trainer,
+                    write_json)
 
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroFabricStrategy, ZeroPrecision, ZeroStrategy
@@ -137,14 +138,6 @@ class LitSkipSecond(LitGPT):
     def training_step(self, batch, batch_idx):
         loss = super().training_step(batch, batch_idx)
         return None if batch_idx == 1 else loss
-
-
-def message_of(fn) -> str:
-    try:
-        fn()
-    except Exception as error:  # every rank raises the same error at the same point
-        return f"{type(error).__name__}: {error}"
-    return "no error"
 
 
 def errors() -> None:

@@ -17,12 +17,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import nn
 from lightning.fabric import Fabric
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
-from common import STAGE3, LitGPT, full_weights, loader, metrics, save_rank, trainer, write_json
+from common import STAGE3, LitGPT, full_weights, loader, message_of, metrics, save_rank, trainer, write_json
+from models import GanPair, gan_dataset
 
 import lightning_zero  # noqa: F401
 from lightning_zero import ZeroFabricStrategy, ZeroStrategy
@@ -32,40 +31,24 @@ OUT = Path(sys.argv[1])
 DDP_GAN = "ddp_find_unused_parameters_true"  # the other network's parameters get no gradient in each backward
 
 
-class NoiseAndReal(Dataset):
-    def __init__(self, count: int = 32) -> None:
-        gen = torch.Generator().manual_seed(3)
-        self.noise = torch.randn(count, 8, generator=gen)
-        self.real = torch.randn(count, 13, generator=gen) + 1.0
-
-    def __len__(self) -> int:
-        return len(self.noise)
-
-    def __getitem__(self, i):
-        return self.noise[i], self.real[i]
-
-
 class LitGAN(pl.LightningModule):
     def __init__(self, seed: int = 0) -> None:
         super().__init__()
         self.automatic_optimization = False
-        torch.manual_seed(seed)
-        self.generator = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 13))
-        self.discriminator = nn.Sequential(nn.Linear(13, 24), nn.LeakyReLU(0.2), nn.Linear(24, 1))
+        self.gan = GanPair(seed)
 
     def training_step(self, batch, batch_idx):
         noise, real = batch
         opt_g, opt_d = self.optimizers()
         sched_g, sched_d = self.lr_schedulers()
         with self.toggled_optimizer(opt_g):
-            g_loss = F.softplus(-self.discriminator(self.generator(noise))).mean()
+            g_loss = self.gan(noise, real, "generator")
             self.manual_backward(g_loss)
             self.clip_gradients(opt_g, gradient_clip_val=0.05, gradient_clip_algorithm="norm")
             opt_g.step()
             opt_g.zero_grad()
         with self.toggled_optimizer(opt_d):
-            fake = self.generator(noise).detach()
-            d_loss = F.softplus(-self.discriminator(real)).mean() + F.softplus(self.discriminator(fake)).mean()
+            d_loss = self.gan(noise, real, "discriminator")
             self.manual_backward(d_loss)
             opt_d.step()
             opt_d.zero_grad()
@@ -75,14 +58,18 @@ class LitGAN(pl.LightningModule):
         self.log_dict({"g_loss": g_loss, "d_loss": d_loss}, sync_dist=True)
 
     def configure_optimizers(self):
-        opt_g = torch.optim.Adam(self.generator.parameters(), lr=1e-2, betas=(0.5, 0.9))
-        opt_d = torch.optim.SGD(self.discriminator.parameters(), lr=5e-2, momentum=0.9, weight_decay=0.1)
+        opt_g, opt_d = gan_optimizers(self.gan)
         return [opt_g, opt_d], [torch.optim.lr_scheduler.StepLR(opt_g, 2, 0.7),
                                 torch.optim.lr_scheduler.StepLR(opt_d, 1, 0.5)]
 
 
+def gan_optimizers(gan: GanPair) -> tuple:
+    return (torch.optim.Adam(gan.generator.parameters(), lr=1e-2, betas=(0.5, 0.9)),
+            torch.optim.SGD(gan.discriminator.parameters(), lr=5e-2, momentum=0.9, weight_decay=0.1))
+
+
 def gan_loader() -> DataLoader:
-    return DataLoader(NoiseAndReal(), batch_size=4, shuffle=True)
+    return DataLoader(gan_dataset(), batch_size=4, shuffle=True)
 
 
 def summary(fit: pl.Trainer) -> dict:
@@ -134,23 +121,15 @@ def resume_zero3_then_ddp() -> dict:
             "converted_optimizers": len(torch.load(single, weights_only=True)["optimizer_states"])}
 
 
-def message_of(fn) -> str:
-    try:
-        fn()
-    except Exception as error:  # every rank raises the same error at the same point
-        return f"{type(error).__name__}: {error}"
-    return "no error"
-
-
 def refit() -> None:
     results = {}
-    for name, strategy in (("ddp", "ddp"), ("zero2", lambda: ZeroStrategy(stage=2)),
+    for name, strategy in (("ddp", lambda: "ddp"), ("zero2", lambda: ZeroStrategy(stage=2)),
                            ("zero3", lambda: ZeroStrategy(stage=3, config=STAGE3))):
         pl.seed_everything(0)
         model = LitGPT()
         fits = []
         for which in ("first", "second"):
-            fit = trainer(strategy() if callable(strategy) else strategy, OUT, max_epochs=1)
+            fit = trainer(strategy(), OUT, max_epochs=1)  # a new Trainer and strategy each time
             fit.fit(model, loader())
             fits.append(fit.global_step)
             save_rank(OUT, f"refit_{name}_{which}", full_weights(model))
@@ -161,30 +140,12 @@ def refit() -> None:
     write_json(OUT, "refit", results)
 
 
-class GanLosses(nn.Module):
-    """The GAN as one module whose forward computes a loss, so that Fabric's DDP sees every forward."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.generator = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 13))
-        self.discriminator = nn.Sequential(nn.Linear(13, 24), nn.LeakyReLU(0.2), nn.Linear(24, 1))
-
-    def forward(self, noise, real, which: str):
-        if which == "generator":
-            return F.softplus(-self.discriminator(self.generator(noise))).mean()
-        fake = self.generator(noise).detach()
-        return F.softplus(-self.discriminator(real)).mean() + F.softplus(self.discriminator(fake)).mean()
-
-
 def fabric_gan_run(strategy) -> dict:
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     fabric.launch()
     fabric.seed_everything(0)
-    model = GanLosses()
-    opt_g = torch.optim.Adam(model.generator.parameters(), lr=1e-2, betas=(0.5, 0.9))
-    opt_d = torch.optim.SGD(model.discriminator.parameters(), lr=5e-2, momentum=0.9, weight_decay=0.1)
-    model, opt_g, opt_d = fabric.setup(model, opt_g, opt_d)
+    model = GanPair()
+    model, opt_g, opt_d = fabric.setup(model, *gan_optimizers(model))
     for noise, real in fabric.setup_dataloaders(gan_loader()):
         for which, optimizer, other in (("generator", opt_g, model.discriminator),
                                         ("discriminator", opt_d, model.generator)):
