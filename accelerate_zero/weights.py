@@ -6,29 +6,16 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Iterator, Union
+from typing import Union
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 import zero_core
+from zero_core.full_state import state_dict_entries
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
-
-
-def _state_dict_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """(key, tensor) in exactly ``module.state_dict()``'s order, without reading partitioned values."""
-    for name, param in module._parameters.items():
-        if param is not None:
-            yield prefix + name, param
-    for name, buffer in module._buffers.items():
-        if buffer is not None and name not in module._non_persistent_buffers_set:
-            yield prefix + name, buffer
-    for name, child in module._modules.items():
-        if child is not None:
-            yield from _state_dict_entries(child, f"{prefix}{name}.")
 
 
 def full_state_dict(engine: zero_core.ZeroEngine) -> dict[str, torch.Tensor]:
@@ -45,7 +32,7 @@ def full_state_dict(engine: zero_core.ZeroEngine) -> dict[str, torch.Tensor]:
     if not leader:
         return {}
     return {key: gathered[id(t)] if id(t) in gathered else t.detach().to("cpu", copy=True)
-            for key, t in _state_dict_entries(module)}
+            for key, t in state_dict_entries(module)}
 
 
 def save_model(engine: zero_core.ZeroEngine, save_directory: Union[str, os.PathLike], max_shard_size) -> None:

@@ -31,6 +31,7 @@ import zero_core.checkpoint as zero_checkpoint
 
 from . import checkpoint_io
 from .config import base_config, run_config
+from .state_dict import StateDictType, checked_state_dict_type, module_state_dict
 from .precision import ZeroFabricPrecision, as_zero_precision, clip_grad_value
 from .strategy import SUPPORTED_ACCELERATORS, _placeholder_optimizer, is_partitioned
 
@@ -45,7 +46,8 @@ class _EngineSyncControl(_BackwardSyncControl):
 
 
 class ZeroFabricStrategy(DDPStrategy, _Sharded):
-    """ZeRO data parallelism for Fabric; ``stage`` and ``config`` as for :class:`lightning_zero.ZeroStrategy`.
+    """ZeRO data parallelism for Fabric; ``stage``, ``config`` and ``state_dict_type`` (what
+    ``get_module_state_dict`` returns) as for :class:`lightning_zero.ZeroStrategy`.
 
     One model per strategy, set up together with its optimizers (``fabric.setup(model, optimizer)``, or several:
     ``fabric.setup(model, opt_g, opt_d)``, each stepping its own parameters), or alone for evaluation
@@ -63,11 +65,13 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         precision=None,
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
+        state_dict_type: StateDictType = "full",
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout)
         self.zero_config = base_config(stage, config)
+        self.state_dict_type = checked_state_dict_type(state_dict_type)
         self._backward_sync_control = _EngineSyncControl(self)
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -128,6 +132,13 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     def module_sharded_context(self):
         return zero_core.Init(config=self.zero_config) if self.stage == 3 else contextlib.nullcontext()
+
+    def get_module_state_dict(self, module: Module) -> dict[str, Any]:
+        """The whole model on rank 0 (``state_dict_type="full"``, a collective), or ``{}`` ("sharded")."""
+        module = getattr(module, "_forward_module", module)  # Fabric's wrapper, if given
+        if self._engine is None or module is not self._engine.module:
+            return super().get_module_state_dict(module)
+        return module_state_dict(self._engine, self.state_dict_type)
 
     # -- training ------------------------------------------------------------------------------------------
     def backward(self, tensor: torch.Tensor, module: Optional[Module], *args: Any, **kwargs: Any) -> None:

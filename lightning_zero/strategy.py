@@ -35,6 +35,7 @@ from zero_core.sharded_optimizer import ShardedOptimizer
 
 from . import checkpoint_io
 from .config import base_config, differing_fields, run_config
+from .state_dict import checked_state_dict_type, module_state_dict
 from .precision import ZeroPrecision, as_zero_precision
 
 _warnings = WarningCache()
@@ -107,6 +108,10 @@ class ZeroStrategy(DDPStrategy):
             accumulation come from the Trainer ("auto" in the config takes them).
         start_method: "popen" (Lightning re-runs the script per process; torchrun and cluster launchers work
             too). "spawn"/"fork"/"forkserver" only for stages 1-2 in 32-true (see docs/lightning.md).
+        state_dict_type: what ``lightning_module_state_dict()`` returns. "full" (default, as ``FSDPStrategy``):
+            the whole model on rank 0 as CPU tensors, trainable parameters as their fp32 master weights (a
+            collective, one parameter at a time); other ranks get ``{}``. "sharded": ``{}`` (the engine's sharded
+            checkpoint holds the weights; nothing is gathered). Checkpoints are sharded directories either way.
         The other arguments are DDP's.
     """
 
@@ -124,6 +129,7 @@ class ZeroStrategy(DDPStrategy):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        state_dict_type: Literal["full", "sharded"] = "full",
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -136,6 +142,7 @@ class ZeroStrategy(DDPStrategy):
             start_method=start_method,
         )
         self.zero_config = base_config(stage, config)
+        self.state_dict_type = checked_state_dict_type(state_dict_type)
         self._forward_redirection = _ForwardRedirection()
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -335,10 +342,10 @@ class ZeroStrategy(DDPStrategy):
 
     # -- checkpoints ---------------------------------------------------------------------------------------
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Empty under an engine: its sharded checkpoint holds the weights (stage 3 has no whole copy)."""
+        """The whole model on rank 0 (``state_dict_type="full"``, a collective), or ``{}`` ("sharded")."""
         if self._engine is None:
             return self.lightning_module.state_dict()
-        return {}
+        return module_state_dict(self._engine, self.state_dict_type)
 
     def optimizer_state(self, optimizer) -> dict[str, torch.Tensor]:
         return {}  # saved by the engine, sharded

@@ -394,6 +394,14 @@ class ZeroEngine:
         parameters are partitioned and get gathered (all of them at once) into copies."""
         return self.runtime.replicated_state()
 
+    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+        """``module.state_dict()`` of the trained model as DDP would give it (fp32 masters for trainable
+        parameters), as CPU tensors, on rank 0 (every rank unless ``rank0_only``). A collective; see
+        zero_core.full_state."""
+        from .full_state import full_state_dict
+
+        return full_state_dict(self, rank0_only=rank0_only)
+
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, whole, one at a time (stage 3 gathers each transiently). Call on every rank."""
         yield from self.runtime.iter_full_params()
