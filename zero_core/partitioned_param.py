@@ -67,6 +67,9 @@ class PartitionedParameter(nn.Parameter):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # compiled code runs between the eager hooks, on gathered parameters
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         released = _first_released(args, kwargs)
         if released is not None and not _is_metadata(func):
             owner = registry.owner_of(released)

@@ -29,6 +29,12 @@ from .param_unit import ParamUnit, UnitState
 from .partitioned_param import mark_partitioned
 
 
+def eager(hook):
+    """Keep a hook out of torch.compile's graphs (as FSDP2 does): gathers, releases and collectives run eagerly
+    between compiled regions, so a compiled module or block trains exactly as the eager one."""
+    return torch.compiler.disable(hook, recursive=True)
+
+
 class PartitionedParamsRuntime:
     """Owns the units, the module hooks, prefetch, and gradient reduction for stage 3."""
 
@@ -120,8 +126,7 @@ class PartitionedParamsRuntime:
         if not hooked:
             self.trace.module_names[mod] = type(mod).__name__
             self.trace.reset()
-            mod.register_forward_pre_hook(functools.partial(self._pre_forward, mod), with_kwargs=True)
-            mod.register_forward_hook(functools.partial(self._post_forward, mod))
+            self._hook_module(mod)
 
     def managed_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params]
@@ -132,14 +137,17 @@ class PartitionedParamsRuntime:
     # -- hooks ---------------------------------------------------------------------------------------------
     def _register_hooks(self, module_names) -> None:
         root = self.module
-        root.register_forward_pre_hook(self._root_pre_forward)
-        root.register_forward_hook(self._root_post_forward)
+        root.register_forward_pre_hook(eager(self._root_pre_forward))
+        root.register_forward_hook(eager(self._root_post_forward))
         for mod in module_names:
-            mod.register_forward_pre_hook(functools.partial(self._pre_forward, mod), with_kwargs=True)
-            mod.register_forward_hook(functools.partial(self._post_forward, mod))
+            self._hook_module(mod)
         for unit in self.parts:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
+
+    def _hook_module(self, mod: nn.Module) -> None:
+        mod.register_forward_pre_hook(eager(functools.partial(self._pre_forward, mod)), with_kwargs=True)
+        mod.register_forward_hook(eager(functools.partial(self._post_forward, mod)))
 
     def _units_for(self, mod: nn.Module) -> list[ParamUnit]:
         return self._own.get(mod, []) + self._externals.get(mod, [])
