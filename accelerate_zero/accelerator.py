@@ -19,10 +19,13 @@ import torch.distributed as dist
 from accelerate import Accelerator
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import (
+    DynamoBackend,
+    compile_regions,
     convert_outputs_to_fp32,
     convert_to_fp32,
     extract_model_from_parallel,
     get_mixed_precision_context_manager,
+    is_compiled_module,
 )
 from torch import nn
 
@@ -104,7 +107,20 @@ class ZeroAccelerator(Accelerator):
         if model not in self._models:
             self._models.append(model)
         model._is_accelerate_prepared = True
-        return model
+        return self._compiled(model)
+
+    def _compiled(self, model: nn.Module) -> nn.Module:
+        """``dynamo_backend`` / the YAML's ``dynamo_config`` compile the model as plain Accelerate does, last. The
+        engine's hooks stay out of the graphs, so compiled ZeRO trains as compiled DDP does."""
+        plugin = self.state.dynamo_plugin
+        if plugin.backend == DynamoBackend.NO or is_compiled_module(model):
+            return model
+        if plugin.use_regional_compilation:
+            compiled = compile_regions(model, **plugin.to_kwargs())
+        else:
+            compiled = torch.compile(model, **plugin.to_kwargs())
+        compiled._is_accelerate_prepared = True
+        return compiled
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, device_placement=None):
         if getattr(optimizer, "_is_accelerate_prepared", False):
@@ -154,7 +170,8 @@ class ZeroAccelerator(Accelerator):
         return managed
 
     def _managed_for(self, model) -> Optional[ManagedModel]:
-        target = extract_model_from_parallel(model, keep_fp32_wrapper=False) if isinstance(model, nn.Module) else model
+        target = (extract_model_from_parallel(model, keep_fp32_wrapper=False, keep_torch_compile=False)
+                  if isinstance(model, nn.Module) else model)
         return next((m for m in self._managed if m.module is model or m.module is target), None)
 
     def zero_engine(self, model: nn.Module) -> zero_core.ZeroEngine:

@@ -25,7 +25,9 @@ mixed_precision: 'no'
 main_process_port: 0
 """
 
+# use_cpu: this tier runs on CPUs wherever it runs (tests/gpu/ is the CUDA tier), also where a GPU is visible.
 ZERO_YAML = ACCELERATE_YAML + """\
+use_cpu: true
 zero_optimization:
   stage: 2
   overlap_comm: true
@@ -80,6 +82,17 @@ def test_example_ends_with_ddps_weights_and_global_norms(parity, run_name):
     assert max_diff(zero["weights"], ddp["weights"]) <= TOLERANCE
     assert max(abs(a - b) for a, b in zip(zero["norms"], ddp["norms"])) <= TOLERANCE
     assert zero["norms_agree_across_ranks"]
+
+
+@pytest.mark.parametrize("run_name", ["zero2_compiled", "zero3_compiled"])
+def test_dynamo_backend_compiles_the_model_and_matches_compiled_ddp(parity, run_name):
+    ddp, zero = parity["ddp_compiled"], parity[run_name]
+    assert ddp["wrapped"] == zero["wrapped"] == "OptimizedModule" and zero["unwrapped_is_model"]
+    # Plain Accelerate's get_state_dict keeps torch.compile's "_orig_mod." prefix; ZeroAccelerator's keys are the
+    # model's own (as under DeepSpeed), so they load into the uncompiled model.
+    ddp_weights = {k.removeprefix("_orig_mod."): v for k, v in ddp["weights"].items()}
+    assert max_diff(zero["weights"], ddp_weights) <= TOLERANCE
+    assert max(abs(a - b) for a, b in zip(zero["norms"], ddp["norms"])) <= TOLERANCE
 
 
 def test_prepare_keeps_the_users_module_and_zero_yaml_reaches_the_workers(parity):

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+import torch._dynamo
 
 from api_checks import run_api_checks
 from common import STEPS, load_example, make_accelerator, rank, same_on_all_ranks, to_lists, write_json
@@ -25,10 +26,12 @@ RUNS = {
     "zero3": {"stage": 3, "param_persistence_threshold": 0},  # partition every parameter
     "env": "env",
 }
+# dynamo_backend compiles the prepared model as plain Accelerate does (aot_eager: fast on CPU).
+COMPILED_RUNS = {"ddp_compiled": "ddp", "zero2_compiled": {"stage": 2}, "zero3_compiled": RUNS["zero3"]}
 
 
-def parity_run(example, kind) -> dict:
-    accelerator = make_accelerator(kind)
+def parity_run(example, kind, **accelerator_kwargs) -> dict:
+    accelerator = make_accelerator(kind, **accelerator_kwargs)
     model, norms = example.train(accelerator, STEPS, max_grad_norm=MAX_NORM)
     state = accelerator.get_state_dict(model)
     out = {"norms": norms, "norms_agree_across_ranks": same_on_all_ranks(norms),
@@ -54,6 +57,9 @@ def precision_run(example, mixed_precision: str) -> dict:
 def main() -> None:
     example = load_example()
     results = {name: parity_run(example, kind) for name, kind in RUNS.items()}
+    for name, kind in COMPILED_RUNS.items():
+        torch._dynamo.reset()
+        results[name] = parity_run(example, kind, dynamo_backend="aot_eager")
     for mixed_precision in ("bf16", "fp16"):
         results[mixed_precision] = precision_run(example, mixed_precision)
     results["api"] = run_api_checks(Path(sys.argv[1]).parent)
