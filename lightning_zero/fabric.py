@@ -32,8 +32,9 @@ import zero_core.checkpoint as zero_checkpoint
 from . import checkpoint_io
 from .config import base_config, run_config
 from .state_dict import StateDictType, checked_state_dict_type, module_state_dict
+from .placement import to_device_around_partitioned
 from .precision import ZeroFabricPrecision, as_zero_precision, clip_grad_value
-from .strategy import SUPPORTED_ACCELERATORS, _placeholder_optimizer, is_partitioned
+from .strategy import SUPPORTED_ACCELERATORS, _placeholder_optimizer
 
 
 class _EngineSyncControl(_BackwardSyncControl):
@@ -121,8 +122,8 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self.precision.engine = self._engine
 
     def module_to_device(self, module: Module) -> None:
-        if not is_partitioned(module):  # zero_core.Init already placed partitioned parameters
-            module.to(self.root_device)
+        # zero_core.Init already placed the partitioned parameters; everything else follows, as under DDP.
+        to_device_around_partitioned(module, self.root_device)
 
     def module_init_context(self, empty_init: Optional[bool] = None):
         stack = contextlib.ExitStack()

@@ -36,6 +36,7 @@ from zero_core.sharded_optimizer import ShardedOptimizer
 from . import checkpoint_io
 from .config import base_config, differing_fields, run_config
 from .state_dict import checked_state_dict_type, module_state_dict
+from .placement import is_partitioned, to_device_around_partitioned
 from .precision import ZeroPrecision, as_zero_precision
 
 _warnings = WarningCache()
@@ -86,11 +87,6 @@ class ZeroOptimizer(ShardedOptimizer):
     @property
     def param_groups(self) -> list:
         return [ParamGroupView(g, p) for g, p in zip(self.inner.param_groups, self._group_params)]
-
-
-def is_partitioned(module: torch.nn.Module) -> bool:
-    """Built under ``zero_core.Init`` (or already under an engine): its parameters cannot be used whole."""
-    return any(registry.owner_of(p) is not None for p in module.parameters())
 
 
 def engine_of(module: torch.nn.Module) -> Optional[zero_core.ZeroEngine]:
@@ -276,8 +272,8 @@ class ZeroStrategy(DDPStrategy):
         self._use_optimizers(scheduler_configs)
 
     def _module_to_device(self) -> None:
-        if not is_partitioned(self.lightning_module):  # zero_core.Init already placed partitioned ones
-            self.lightning_module.to(self.root_device)
+        # zero_core.Init already placed the partitioned parameters; metrics and the rest follow, as under DDP.
+        to_device_around_partitioned(self.lightning_module, self.root_device)
 
     def _setup_plain_for_inference(self) -> None:
         """validate/test/predict of a whole model without an engine: cast like the engine would, sync rank 0."""
