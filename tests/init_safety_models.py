@@ -80,6 +80,14 @@ def _split(m) -> None:
         part[0].fill_(9.0)
 
 
+def _assign_same_shape(m) -> None:
+    m.lin.weight.data = torch.full((5, 6), 0.25)
+
+
+def _assign_new_shape(m) -> None:
+    m.lin.bias.data = F.pad(m.lin.bias.data, (0, 2))  # as Hugging Face pads a tied head's bias
+
+
 # name -> what the parent's __init__ does (under torch.no_grad()) once its children exist.
 TOUCHES = {
     "index zero_": lambda m: m.emb.weight[5].zero_(),
@@ -104,6 +112,8 @@ TOUCHES = {
     "iadd": _iadd,
     "two parameters": lambda m: m.emb.weight[1].copy_(m.lin.weight[0]),
     "torch.save": _save_roundtrip,
+    ".data = same shape": _assign_same_shape,
+    ".data = new shape": _assign_new_shape,
     "repr": lambda m: m.probe.fill_(float(len(repr(m.emb.weight)) > 0)),
     **{f"init.{n}": _apply_init(n, False) for n in INIT_FUNCTIONS},
     **{f"init.{n} on a view": _apply_init(n, True) for n in INIT_FUNCTIONS},

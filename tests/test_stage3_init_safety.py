@@ -161,11 +161,17 @@ def released(rank: int) -> dict:
                  "narrow": weight.narrow(1, 1, 2), "split": weight.split(4)[1], "chunk": weight.chunk(2)[1],
                  "unbind": weight.unbind()[3], "as_strided": weight.as_strided((2, 2), (1, 2))}
         array = weight.detach().numpy()
+        saved = io.BytesIO()
+        torch.save({"view": weight.detach(), "param": weight}, saved)
         gathered_kinds = {name: type(v).__name__ for name, v in views.items()}
     found["views"] = {name: _table(view) for name, view in views.items()}
     found["view kinds"] = gathered_kinds
     found["numpy copy"] = {"equal": bool((torch.from_numpy(array.copy()) == expected).all()),
                            "writeable": bool(array.flags.writeable)}
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=True)
+    found["saved while gathered"] = {k: (type(v).__name__, bool(torch.equal(v.detach(), expected)))
+                                     for k, v in loaded.items()}
     with zero_core.GatheredParameters([weight]):
         found["view after regather"] = bool(torch.equal(views["t"].clone(), weight.detach().t()))
     return found
@@ -251,6 +257,7 @@ def test_views_of_a_gathered_parameter_never_outlive_its_storage(world_size):
             assert not bad, f"rank {rank}: view {view!r} after release: {bad}"
         assert found["numpy copy"] == {"equal": True, "writeable": False}, found["numpy copy"]
         assert found["view after regather"], "a view does not read its parameter once gathered again"
+        assert found["saved while gathered"] == {"view": ("Tensor", True), "param": ("Parameter", True)}, found
         stale = found["stale view"]
         bad = {op: out for op, out in stale.items()
                if op not in WORKS and not (out.startswith("error: ") and "no longer refers" in out)}

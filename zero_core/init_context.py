@@ -169,6 +169,23 @@ class Init:
                 self._release(param, keep_changes=changed)
         return result
 
+    def assign_data(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """``param.data = value`` while the context is open: the partition takes rank 0's new values (a new shape
+        or dtype is partitioned afresh), instead of the parameter silently leaving its partition."""
+        entry = self._shards.get(param)
+        if entry is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                param.data = value
+            return
+        if value.shape == param.shape and value.dtype == entry.full.dtype:
+            with torch.no_grad():
+                self.run_on_released(torch.Tensor.copy_, (param, value.detach()), {})
+            return
+        del self._shards[param]
+        unmark_partitioned(param)
+        param.data = value.detach().clone()
+        self._partition(param, entry.label)
+
     def gather_params(self, params) -> list:
         return [p for p in params if p in self._shards and self._gather(p)]
 

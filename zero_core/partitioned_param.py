@@ -16,7 +16,7 @@ parameter or view gives a read-only copy, since an array sharing the storage wou
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -41,13 +41,16 @@ _ARRAY_EXPORTS = frozenset({"numpy", "__array__"})
 _NO_EXPORT = frozenset({"__dlpack__", "__dlpack_device__"})
 
 
-def tensors_in(args, kwargs) -> Iterator[torch.Tensor]:
+def tensors_in(args, kwargs) -> list[torch.Tensor]:
     """Every tensor among the arguments, one level into lists and tuples (torch.cat, out=...)."""
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
-        elif isinstance(value, torch.Tensor):
-            yield value
+    found = []
+    for values in (args, kwargs.values() if kwargs else ()):
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple)):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
 
 
 def base_of(tensor) -> Optional[nn.Parameter]:
@@ -78,14 +81,6 @@ def is_stale(tensor) -> bool:
     """A view whose parameter now lives in other storage (partitioned again by setup, or given new .data)."""
     base = base_of(tensor)
     return isinstance(tensor, PartitionedView) and base is not None and _storage_key(base) != _storage_key(tensor)
-
-
-def _is_metadata(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):
-        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
-        return attribute in _METADATA_ATTRIBUTES or (attribute == "data" and name == "__set__")
-    return name in _METADATA_METHODS
 
 
 def _op_name(func) -> str:
@@ -122,51 +117,76 @@ def _stale_error(tensor, func) -> RuntimeError:
     )
 
 
-def _bind_views(result, args, kwargs):
+def _scan(tensors):
+    """One pass over the arguments: {storage: parameter} of ours, the first released one, the first stale one."""
+    bases, released, stale = {}, None, None
+    with _Disable():  # metadata reads that must not re-enter the guard
+        for tensor in tensors:
+            base = base_of(tensor)
+            if base is None:
+                continue
+            storage = tensor.untyped_storage()
+            if tensor is not base and base.untyped_storage()._cdata != storage._cdata:
+                stale = stale if stale is not None else tensor
+            elif released is None and storage.nbytes() == 0 and tensor.numel() > 0:
+                released = tensor
+            bases[storage._cdata] = base
+    return bases, released, stale
+
+
+def _bind_views(result, bases: dict):
     """Results sharing a partitioned parameter's storage become PartitionedViews of that parameter."""
-    bases = {}
-    for tensor in tensors_in(args, kwargs):
-        base = base_of(tensor)
-        if base is not None:
-            bases[_storage_key(tensor)] = base
-    if not bases:
-        return result
     for item in result if isinstance(result, (tuple, list)) else (result,):
-        if type(item) is torch.Tensor and _storage_key(item) in bases:  # plain results only (not params, not ours)
-            item.__class__ = PartitionedView
-            item._partitioned_base = bases[_storage_key(item)]
+        if type(item) is torch.Tensor and item.layout == torch.strided:  # plain results only (not params, not ours)
+            with _Disable():
+                base = bases.get(item.untyped_storage()._cdata)
+            if base is not None:
+                item.__class__ = PartitionedView
+                item._partitioned_base = base
     return result
+
+
+def _handled_by_owner(released, func):
+    owner = registry.owner_of(base_of(released))
+    if owner is None or not getattr(owner, "handles_released", lambda f: False)(func):
+        raise _released_error(released, func)
+    return owner
 
 
 def _dispatch(func, args, kwargs):
     """The guard shared by partitioned parameters and their views."""
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+        if attribute == "data" and name == "__set__" and isinstance(args[0], PartitionedParameter):
+            owner = registry.owner_of(args[0])
+            if owner is not None and getattr(owner, "handles_released", lambda f: False)(func):
+                return owner.assign_data(args[0], args[1])  # Init: keep the partition in step with the new values
+        metadata = attribute in _METADATA_ATTRIBUTES or (attribute == "data" and name == "__set__")
+    else:
+        metadata = name in _METADATA_METHODS
     kwargs = kwargs or {}
-    if _is_metadata(func):
+    if metadata:
         with _Disable():
             return func(*args, **kwargs)
-    name = getattr(func, "__name__", "")
-    for tensor in tensors_in(args, kwargs):
-        if is_stale(tensor):
-            raise _stale_error(tensor, func)
-        if name in _NO_EXPORT and base_of(tensor) is not None:
-            raise RuntimeError(
-                f"'{name}' of parameter {describe(tensor)} would share storage that ZeRO stage 3 frees while the "
-                "tensor still exists: export a copy instead (`param.detach().clone()` inside GatheredParameters)"
-            )
-    released = next((t for t in tensors_in(args, kwargs) if is_released(t)), None)
-    if released is not None:
-        owner = registry.owner_of(base_of(released))
-        if owner is None or not getattr(owner, "handles_released", lambda f: False)(func):
-            raise _released_error(released, func)
+    bases, released, stale = _scan(tensors_in(args, kwargs))
+    if stale is not None:
+        raise _stale_error(stale, func)
+    if name in _NO_EXPORT:
+        raise RuntimeError(
+            f"'{name}' of parameter {describe(next(iter(bases.values())))} would share storage that ZeRO stage 3 "
+            "frees while the tensor still exists: export a copy instead (`param.detach().clone()`)"
+        )
+    owner = _handled_by_owner(released, func) if released is not None else None
     if name in _ARRAY_EXPORTS:  # a read-only copy: reads work, writes fail loudly instead of being lost
         copy = func(torch.Tensor.clone(args[0]), *args[1:], **kwargs)
         copy.flags.writeable = False
         return copy
-    if released is not None:
+    if owner is not None:
         return owner.run_on_released(func, args, kwargs)
     with _Disable():
         result = func(*args, **kwargs)
-    return _bind_views(result, args, kwargs)
+    return _bind_views(result, bases)
 
 
 class PartitionedParameter(nn.Parameter):
