@@ -181,6 +181,11 @@ class Init:
             with torch.no_grad():
                 self.run_on_released(torch.Tensor.copy_, (param, value.detach()), {})
             return
+        if entry.full.untyped_storage().nbytes() > 0:
+            raise RuntimeError(
+                f"parameter '{entry.label}' gets .data of another shape or dtype while it is gathered "
+                "(GatheredParameters under zero_core.Init): assign it outside the GatheredParameters block"
+            )
         del self._shards[param]
         unmark_partitioned(param)
         param.data = value.detach().clone()
