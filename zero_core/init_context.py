@@ -7,8 +7,10 @@ values (one broadcast), whatever each rank's random seed.
 
 Initialisation code that runs after a submodule was partitioned — ``self.apply(self._init_weights)``,
 ``nn.init.normal_(self.emb.weight)`` — still works (``override_module_apply``): an operation on a partitioned
-parameter gathers it, runs, and an in-place change is broadcast from rank 0 and partitioned again. Operations
-through views (``param[0].zero_()``) are not supported: wrap them in ``GatheredParameters(..., modifier_rank=0)``.
+parameter gathers it, runs, and a change is broadcast from rank 0 and partitioned again. Views work too
+(``self.emb.weight[pad].zero_()``, ``weight.data.normal_()``): a view stays bound to its parameter, and each
+operation on it gathers the parameter again (partitioned_param.PartitionedView), so a view never points at
+freed memory and at most one operation's parameters are whole at a time.
 ``zero_core.setup(model, optimizer, {"stage": 3})`` then takes the partitions over, one module at a time.
 """
 
@@ -29,7 +31,7 @@ from . import registry
 from .comm import Communicator
 from .config import ZeroConfig
 from .layout import compute_layout
-from .partitioned_param import PartitionedParameter, mark_partitioned, unmark_partitioned
+from .partitioned_param import base_of, mark_partitioned, tensors_in, unmark_partitioned
 from .topology import Topology
 
 
@@ -147,17 +149,47 @@ class Init:
         return self._open and self.config.override_module_apply
 
     def run_on_released(self, func, args, kwargs):
-        """Gather the partitioned parameters ``func`` touches, run it, keep in-place changes, release."""
-        params = [a for a in list(args) + list(kwargs.values()) if isinstance(a, PartitionedParameter) and a in self._shards]
+        """Gather the partitioned parameters ``func`` touches (directly or through views), run it, release them;
+        a change is kept (rank 0's values). A view it returns stays bound to its parameter
+        (``PartitionedView``), so the next operation on the view gathers the parameter again: no view ever
+        points at freed memory, and no more than the parameters of one operation are whole at a time."""
+        touched = [t for t in tensors_in(args, kwargs) if base_of(t) is not None]
+        params = list({id(p): p for p in map(base_of, touched) if p in self._shards}.values())
+        with torch._C.DisableTorchFunctionSubclass():
+            versions = [t._version for t in touched]
         opened = [p for p in params if self._gather(p)]
         try:
             result = func(*args, **kwargs)
         finally:
+            with torch._C.DisableTorchFunctionSubclass():
+                changed = any(t._version != v for t, v in zip(touched, versions))
             name = getattr(func, "__name__", "")
-            in_place = name.endswith("_") and not name.startswith("__")
+            changed = changed or (name.endswith("_") and not name.startswith("__"))  # also writes through .data
             for param in opened:
-                self._release(param, keep_changes=in_place)
+                self._release(param, keep_changes=changed)
         return result
+
+    def assign_data(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """``param.data = value`` while the context is open: the partition takes rank 0's new values (a new shape
+        or dtype is partitioned afresh), instead of the parameter silently leaving its partition."""
+        entry = self._shards.get(param)
+        if entry is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                param.data = value
+            return
+        if value.shape == param.shape and value.dtype == entry.full.dtype:
+            with torch.no_grad():
+                self.run_on_released(torch.Tensor.copy_, (param, value.detach()), {})
+            return
+        if entry.full.untyped_storage().nbytes() > 0:
+            raise RuntimeError(
+                f"parameter '{entry.label}' gets .data of another shape or dtype while it is gathered "
+                "(GatheredParameters under zero_core.Init): assign it outside the GatheredParameters block"
+            )
+        del self._shards[param]
+        unmark_partitioned(param)
+        param.data = value.detach().clone()
+        self._partition(param, entry.label)
 
     def gather_params(self, params) -> list:
         return [p for p in params if p in self._shards and self._gather(p)]

@@ -1,18 +1,29 @@
-"""The class of stage 3 parameters, so that touching one while it is partitioned fails loudly, by name.
+"""The class of stage 3 parameters (and of their views), so that touching freed memory fails loudly, by name.
 
 While a unit is sharded its parameters are views of a zero-sized storage. Any operation that would read or
 write their values then raises an error naming the parameter and the fix, instead of computing on an empty
 tensor; metadata (shape, dtype, ``.grad``, hooks…) stays readable. An owner may instead handle the operation
-(``zero_core.Init`` gathers the parameter for in-place initialisation). Once gathered, operations run as for
-any ``nn.Parameter``.
+(``zero_core.Init`` gathers the parameter for the operation). Once gathered, operations run as for any
+``nn.Parameter``.
+
+A view or alias of a partitioned parameter (``param[0]``, ``param.t()``, ``param.data``, ``param.detach()``…)
+shares its storage, so it would point at freed memory once the parameter is released. Such results become
+``PartitionedView``s bound to their parameter: while the storage is gathered they are ordinary tensors; once it
+is released they behave like the released parameter (the same error, or the owner's handling); a view whose
+parameter has since moved to other storage (re-partitioned by ``setup``) raises. ``numpy()`` of a partitioned
+parameter or view gives a read-only copy, since an array sharing the storage would outlive it.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import nn
 
 from . import registry
+
+_Disable = torch._C.DisableTorchFunctionSubclass
 
 # Descriptors readable (and writable) on a partitioned parameter: they do not touch its values.
 _METADATA_ATTRIBUTES = frozenset(
@@ -25,40 +36,160 @@ _METADATA_METHODS = frozenset(
     "requires_grad_ register_hook register_post_accumulate_grad_hook untyped_storage data_ptr get_device "
     "__hash__ retain_grad is_shared __setstate__".split()
 )
+# Results that would share the storage outside any tensor, so no PartitionedView could guard them.
+_ARRAY_EXPORTS = frozenset({"numpy", "__array__"})
+_NO_EXPORT = frozenset({"__dlpack__", "__dlpack_device__"})
 
 
-def is_released(tensor: torch.Tensor) -> bool:
-    """A partitioned parameter whose values are not gathered on this rank now."""
-    if not isinstance(tensor, PartitionedParameter):
-        return False
-    with torch._C.DisableTorchFunctionSubclass():  # these metadata reads must not re-enter the guard
-        return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
+def tensors_in(args, kwargs) -> list[torch.Tensor]:
+    """Every tensor among the arguments, one level into lists and tuples (torch.cat, out=...)."""
+    found = []
+    for values in (args, kwargs.values() if kwargs else ()):
+        for value in values:
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (list, tuple)):
+                found.extend(v for v in value if isinstance(v, torch.Tensor))
+    return found
 
 
-def _is_metadata(func) -> bool:
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):
-        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
-        return attribute in _METADATA_ATTRIBUTES or (attribute == "data" and name == "__set__")
-    return name in _METADATA_METHODS
-
-
-def _first_released(args, kwargs):
-    for value in list(args) + list(kwargs.values()):
-        if isinstance(value, (list, tuple)):
-            found = _first_released(value, {})
-            if found is not None:
-                return found
-        elif is_released(value):
-            return value
+def base_of(tensor) -> Optional[nn.Parameter]:
+    """The partitioned parameter ``tensor`` is (or is a view of); None for any other tensor."""
+    if isinstance(tensor, PartitionedParameter):
+        return tensor
+    if isinstance(tensor, PartitionedView):
+        return tensor.__dict__.get("_partitioned_base")
     return None
 
 
-def describe(param: torch.Tensor) -> str:
+def _storage_key(tensor: torch.Tensor) -> Optional[int]:
+    with _Disable():
+        if tensor.layout != torch.strided:
+            return None
+        return tensor.untyped_storage()._cdata
+
+
+def is_released(tensor) -> bool:
+    """A partitioned parameter (or view of one) whose values are not gathered on this rank now."""
+    if not isinstance(tensor, (PartitionedParameter, PartitionedView)):
+        return False
+    with _Disable():  # these metadata reads must not re-enter the guard
+        return tensor.numel() > 0 and tensor.untyped_storage().nbytes() == 0
+
+
+def is_stale(tensor) -> bool:
+    """A view whose parameter now lives in other storage (partitioned again by setup, or given new .data)."""
+    base = base_of(tensor)
+    return isinstance(tensor, PartitionedView) and base is not None and _storage_key(base) != _storage_key(tensor)
+
+
+def _op_name(func) -> str:
+    name = getattr(func, "__name__", str(func))
+    if name in ("__get__", "__set__"):
+        name = getattr(getattr(func, "__self__", None), "__name__", name)
+    return name
+
+
+def describe(tensor: torch.Tensor) -> str:
+    param = base_of(tensor)
+    param = tensor if param is None else param
     owner = registry.owner_of(param)
     name = owner.describe(param) if owner is not None else "<unregistered>"
-    with torch._C.DisableTorchFunctionSubclass():
+    with _Disable():
         return f"'{name}' (shape {tuple(param.shape)})"
+
+
+def _released_error(tensor, func) -> RuntimeError:
+    what = "parameter" if isinstance(tensor, PartitionedParameter) else "a view of parameter"
+    return RuntimeError(
+        f"{what} {describe(tensor)} is partitioned by ZeRO stage 3 and not gathered on this rank, so "
+        f"'{_op_name(func)}' cannot read or write it here. Use it inside its module's forward, or wrap the code in "
+        "`with zero_core.GatheredParameters([param]):` (add modifier_rank=0 to keep changes), or read it "
+        "with zero_core.safe_get_full_fp32_param(param)."
+    )
+
+
+def _stale_error(tensor, func) -> RuntimeError:
+    return RuntimeError(
+        f"this view of parameter {describe(tensor)} was taken before the parameter was partitioned again "
+        f"(zero_core.setup, or new .data), so it no longer refers to the parameter and '{_op_name(func)}' is "
+        "refused. Take the view again from the parameter (inside GatheredParameters), or .clone() it when taken."
+    )
+
+
+def _scan(tensors):
+    """One pass over the arguments: {storage: parameter} of ours, the first released one, the first stale one."""
+    bases, released, stale = {}, None, None
+    with _Disable():  # metadata reads that must not re-enter the guard
+        for tensor in tensors:
+            base = base_of(tensor)
+            if base is None:
+                continue
+            storage = tensor.untyped_storage()
+            if tensor is not base and base.untyped_storage()._cdata != storage._cdata:
+                stale = stale if stale is not None else tensor
+            elif released is None and storage.nbytes() == 0 and tensor.numel() > 0:
+                released = tensor
+            bases[storage._cdata] = base
+    return bases, released, stale
+
+
+def _bind_views(result, bases: dict):
+    """Results sharing a partitioned parameter's storage become PartitionedViews of that parameter."""
+    for item in result if isinstance(result, (tuple, list)) else (result,):
+        if type(item) is torch.Tensor and item.layout == torch.strided:  # plain results only (not params, not ours)
+            with _Disable():
+                base = bases.get(item.untyped_storage()._cdata)
+            if base is not None:
+                item.__class__ = PartitionedView
+                item._partitioned_base = base
+    return result
+
+
+def _handled_by_owner(released, func):
+    owner = registry.owner_of(base_of(released))
+    if owner is None or not getattr(owner, "handles_released", lambda f: False)(func):
+        raise _released_error(released, func)
+    return owner
+
+
+def _dispatch(func, args, kwargs):
+    """The guard shared by partitioned parameters and their views."""
+    if torch.compiler.is_compiling():  # compiled code runs between the eager hooks, on gathered parameters
+        with _Disable():
+            return func(*args, **(kwargs or {}))
+    name = getattr(func, "__name__", "")
+    if name in ("__get__", "__set__"):
+        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+        if attribute == "data" and name == "__set__" and isinstance(args[0], PartitionedParameter):
+            owner = registry.owner_of(args[0])
+            if owner is not None and getattr(owner, "handles_released", lambda f: False)(func):
+                return owner.assign_data(args[0], args[1])  # Init: keep the partition in step with the new values
+        metadata = attribute in _METADATA_ATTRIBUTES or (attribute == "data" and name == "__set__")
+    else:
+        metadata = name in _METADATA_METHODS
+    kwargs = kwargs or {}
+    if metadata:
+        with _Disable():
+            return func(*args, **kwargs)
+    bases, released, stale = _scan(tensors_in(args, kwargs))
+    if stale is not None:
+        raise _stale_error(stale, func)
+    if name in _NO_EXPORT:
+        raise RuntimeError(
+            f"'{name}' of parameter {describe(next(iter(bases.values())))} would share storage that ZeRO stage 3 "
+            "frees while the tensor still exists: export a copy instead (`param.detach().clone()`)"
+        )
+    owner = _handled_by_owner(released, func) if released is not None else None
+    if name in _ARRAY_EXPORTS:  # a read-only copy: reads work, writes fail loudly instead of being lost
+        copy = func(torch.Tensor.clone(args[0]), *args[1:], **kwargs)
+        copy.flags.writeable = False
+        return copy
+    if owner is not None:
+        return owner.run_on_released(func, args, kwargs)
+    with _Disable():
+        result = func(*args, **kwargs)
+    return _bind_views(result, bases)
 
 
 class PartitionedParameter(nn.Parameter):
@@ -66,33 +197,45 @@ class PartitionedParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # compiled code runs between the eager hooks, on gathered parameters
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        released = _first_released(args, kwargs)
-        if released is not None and not _is_metadata(func):
-            owner = registry.owner_of(released)
-            if owner is not None and getattr(owner, "handles_released", lambda f: False)(func):
-                return owner.run_on_released(func, args, kwargs)
-            name = getattr(func, "__name__", str(func))
-            if name in ("__get__", "__set__"):
-                name = getattr(getattr(func, "__self__", None), "__name__", name)
-            raise RuntimeError(
-                f"parameter {describe(released)} is partitioned by ZeRO stage 3 and not gathered on this rank, so "
-                f"'{name}' cannot read or write it here. Use it inside its module's forward, or wrap the code in "
-                "`with zero_core.GatheredParameters([param]):` (add modifier_rank=0 to keep changes), or read it "
-                "with zero_core.safe_get_full_fp32_param(param)."
-            )
-        with torch._C.DisableTorchFunctionSubclass():
-            return func(*args, **kwargs)
+        return _dispatch(func, args, kwargs)
 
     def __repr__(self) -> str:
         if is_released(self):
-            with torch._C.DisableTorchFunctionSubclass():
+            with _Disable():
                 return f"PartitionedParameter({describe(self)}, dtype={self.dtype}, partitioned)"
-        with torch._C.DisableTorchFunctionSubclass():
-            return "Partitioned" + torch.Tensor.__repr__(self)
+        with _Disable():
+            return torch.Tensor.__repr__(self)
+
+    def __format__(self, spec: str) -> str:
+        return self.__repr__() if is_released(self) or not spec else format(torch.Tensor.clone(self), spec)
+
+
+class PartitionedView(torch.Tensor):
+    """A view or alias of a partitioned parameter (see the module docstring); created by ``_bind_views`` only."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs)
+
+    def __repr__(self) -> str:
+        if is_stale(self) or is_released(self):
+            state = "stale" if is_stale(self) else "partitioned"
+            with _Disable():
+                return f"PartitionedView(of {describe(self)}, shape {tuple(self.shape)}, {state})"
+        with _Disable():
+            return torch.Tensor.__repr__(self)
+
+    def __format__(self, spec: str) -> str:
+        return self.__repr__() if is_released(self) or not spec else format(torch.Tensor.clone(self), spec)
+
+    def __reduce_ex__(self, proto):
+        """Pickle (torch.save) as a plain tensor: values only, never this class."""
+        if is_released(self) or is_stale(self):
+            plain = torch.Tensor.clone(self)  # gathered by the owner, or the clear error
+        else:
+            with _Disable():
+                plain = self.as_subclass(torch.Tensor)
+        return plain.__reduce_ex__(proto)
 
 
 def mark_partitioned(param: nn.Parameter) -> None:
