@@ -4,7 +4,8 @@ tests/accelerate_scripts/hf_trainer.py trains a tiny GPT-2 (accumulation, clippi
 for 8 steps with a checkpoint at step 4, saves the model, then resumes a fresh Trainer from that checkpoint.
 It runs three times, 2 CPU processes each: plain ``accelerate launch`` (DDP); stage 3 through the documented
 recipe ``accelerate-zero launch --config zero.yaml --swap-accelerator``; stage 2 through ``accelerate launch
--m accelerate_zero.swap`` with the stage from the environment.
+-m accelerate_zero.swap`` with the stage from the environment. The stage 3 launch also resumes from the DDP
+launch's checkpoint (whole ``optimizer.pt`` and ``model.safetensors``).
 """
 
 import json
@@ -28,7 +29,8 @@ zero_optimization:
 
 def _read(out: Path) -> dict:
     result = json.loads((out / "result.json").read_text())
-    result["weights"] = {name: load_file(out / name / "final" / "model.safetensors") for name in ("full", "resumed")}
+    runs = [name for name in ("full", "resumed", "from_other") if (out / name / "final").is_dir()]
+    result["weights"] = {name: load_file(out / name / "final" / "model.safetensors") for name in runs}
     return result
 
 
@@ -38,7 +40,7 @@ def runs(tmp_path_factory) -> dict:
     accelerate_launch(tmp, SCRIPT, tmp / "ddp", env=clean_env())
     (tmp / "zero.yaml").write_text(ZERO3_YAML)
     run([sys.executable, "-m", "accelerate_zero", "launch", "--config", tmp / "zero.yaml", "--swap-accelerator",
-         SCRIPTS / SCRIPT, tmp / "zero3"], cwd=tmp, env=clean_env(), timeout=300)
+         SCRIPTS / SCRIPT, tmp / "zero3", tmp / "ddp" / "full" / "checkpoint-4"], cwd=tmp, env=clean_env(), timeout=300)
     config = tmp / "accelerate.yaml"  # written by accelerate_launch above
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, "-m", "accelerate_zero.swap",
          SCRIPTS / SCRIPT, tmp / "zero2"], cwd=tmp,
@@ -84,3 +86,7 @@ def test_checkpoint_holds_the_engines_sharded_state_instead_of_rank_0s_shard(run
             "zero_model/shard-00001-of-00002.safetensors", "zero_state.json", "scheduler.pt",
             "model.safetensors", "trainer_state.json"} <= files
     assert "optimizer.pt" not in files and "optimizer.pt" in runs["ddp"]["checkpoint_files"]
+
+
+def test_stage_3_resumes_from_a_checkpoint_written_under_ddp(runs):
+    assert max_diff(runs["zero3"]["weights"]["from_other"], runs["ddp"]["weights"]["full"]) <= TOLERANCE

@@ -4,7 +4,8 @@
 the layout: each master shard's parameter pieces). Loading it back on the same rank restores the state exactly
 (also after ``torch.save``/``torch.load(weights_only=True)``); another rank's shard, a shard of another world
 size or layout, a partial state and a plain torch optimizer state are each refused with a message naming the
-fix; so is a shard given to ``load_full_state_dict`` as if it were a whole optimizer state. One spawn of 2 ranks covers stages 1, 2 and 3, and Lightning's ``ZeroOptimizer``.
+fix; so is a shard given to ``load_full_state_dict`` as if it were a whole optimizer state. One spawn of 2
+ranks covers stages 1, 2 and 3, and Lightning's ``ZeroOptimizer``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,21 @@
 """An ordinary Hugging Face ``Trainer`` script: nothing in it knows about ZeRO.
 
-    accelerate launch --config_file cfg.yaml [-m accelerate_zero.swap] hf_trainer.py OUT_DIR
+    accelerate launch --config_file cfg.yaml [-m accelerate_zero.swap] hf_trainer.py OUT_DIR [OTHER_CHECKPOINT]
 
 A tiny GPT-2 (built from a config, no download) trains on generated tokens with gradient accumulation,
 clipping, a warmup + linear schedule and a ``save_steps`` checkpoint halfway, then ``save_model`` writes the
 final weights to ``OUT_DIR/full/final``. A second ``Trainer`` (a fresh model, another output directory) resumes
 from that halfway checkpoint and saves to ``OUT_DIR/resumed/final``. Rank 0 writes ``OUT_DIR/result.json``:
-both runs' logged losses, gradient norms and learning rates, and the files of the halfway checkpoint.
+both runs' logged losses, gradient norms and learning rates, and the files of the halfway checkpoint. With
+OTHER_CHECKPOINT (a checkpoint written by another launch, e.g. under DDP), a third Trainer resumes from it and
+saves to ``OUT_DIR/from_other/final``.
 """
 
 import json
 import os
 import sys
 from pathlib import Path
+from typing import Optional
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
@@ -57,7 +60,7 @@ def logged(trainer: Trainer) -> dict:
     return {key: [entry[key] for entry in entries] for key in ("loss", "grad_norm", "learning_rate")}
 
 
-def main(out: Path) -> None:
+def main(out: Path, other: Optional[Path] = None) -> None:
     full = Trainer(model=tiny_gpt2(), args=arguments(out / "full"), train_dataset=Tokens())
     full.train()
     full.save_model(str(out / "full" / "final"))
@@ -66,6 +69,11 @@ def main(out: Path) -> None:
     resumed = Trainer(model=tiny_gpt2(), args=arguments(out / "resumed"), train_dataset=Tokens())
     resumed.train(resume_from_checkpoint=str(checkpoint))
     resumed.save_model(str(out / "resumed" / "final"))
+
+    if other is not None:
+        from_other = Trainer(model=tiny_gpt2(), args=arguments(out / "from_other"), train_dataset=Tokens())
+        from_other.train(resume_from_checkpoint=str(other))
+        from_other.save_model(str(out / "from_other" / "final"))
 
     if full.args.process_index == 0:
         result = {
@@ -80,4 +88,4 @@ def main(out: Path) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]) if len(sys.argv) > 2 else None)
