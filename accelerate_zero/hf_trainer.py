@@ -3,7 +3,7 @@
 ``Trainer`` builds its own ``Accelerator`` (``ZeroAccelerator`` under ``accelerate_zero.swap``) and, for anything
 that is neither DeepSpeed nor FSDP, saves as under DDP: ``model.state_dict()`` and ``optimizer.state_dict()``
 on rank 0 only, loaded back on every rank. Under ZeRO rank 0 holds one shard of the optimizer state (and at
-stage 3 of the weights), so the three methods where ``Trainer`` itself branches for DeepSpeed and FSDP are
+stage 3 of the weights), so the methods where ``Trainer`` itself branches for DeepSpeed and FSDP are
 wrapped, for trainers whose model runs under a ZeRO engine (any other trainer runs the original method):
 
 - ``save_model``: every rank joins ``engine.full_state_dict()`` (the fp32 master weights, as a DDP model holds
@@ -14,6 +14,9 @@ wrapped, for trainers whose model runs under a ZeRO engine (any other trainer ru
 - ``_load_optimizer_and_scheduler``: every rank loads ``zero_model`` (resharding when the world size or stage
   changed), or, from a checkpoint written by plain DDP, the whole ``optimizer.pt`` with ``model.safetensors``;
   then the scheduler.
+- ``_load_best_model`` (``load_best_model_at_end``): every rank loads the best checkpoint's weights into the
+  engine, fp32 masters included (``model.load_state_dict`` would miss the masters, and at stage 3 the
+  partitioned parameters).
 
 Wrapping is process-local (nothing is written to the installed package) and happens when a ``ZeroAccelerator``
 is created while ``transformers.trainer`` is imported, which is always the case when a ``Trainer`` creates it.
@@ -42,7 +45,7 @@ def install_if_loaded() -> None:
     if trainer is None or getattr(trainer, _WRAPPED, False):
         return
     for name, replacement in (("save_model", save_model), ("_save_optimizer_and_scheduler", save_optimizer),
-                              ("_load_optimizer_and_scheduler", load_optimizer)):
+                              ("_load_optimizer_and_scheduler", load_optimizer), ("_load_best_model", load_best)):
         setattr(trainer, name, _under_zero(getattr(trainer, name), replacement))
     setattr(trainer, _WRAPPED, True)
 
@@ -105,13 +108,28 @@ def load_optimizer(trainer, managed, checkpoint: Optional[str]) -> None:
         trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
 
 
+def load_best(trainer, managed) -> None:
+    """``load_best_model_at_end``: the best checkpoint's weights go into the engine (fp32 masters included, so
+    the next ``save_model`` writes them), from its ``zero_model`` or else its ``model.safetensors``."""
+    from zero_core.checkpoint import load_checkpoint, load_full_state_dict
+
+    directory = Path(trainer.state.best_model_checkpoint)
+    if (directory / "zero_model").is_dir():
+        load_checkpoint(managed.engine, directory / "zero_model", load_optimizer_states=False)
+    else:
+        load_full_state_dict(managed.engine, _model_file(directory))
+
+
+def _model_file(directory: Path) -> Path:
+    found = next((directory / f for f in MODEL_FILES if (directory / f).is_file()), None)
+    if found is None:
+        raise FileNotFoundError(f"the Trainer checkpoint {directory} has no {' or '.join(MODEL_FILES)}")
+    return found
+
+
 def _load_plain(engine, directory: Path) -> None:
     """A checkpoint written by plain DDP: its whole weights and whole optimizer state, each rank keeping its own
     ranges. A shard written by an earlier ZeRO Trainer (rank 0's only) is refused by the loader."""
     from zero_core.checkpoint import load_full_state_dict
 
-    model_file = next((directory / f for f in MODEL_FILES if (directory / f).is_file()), None)
-    if model_file is None:
-        raise FileNotFoundError(f"the Trainer checkpoint {directory} has {OPTIMIZER_NAME} but no "
-                                f"{' or '.join(MODEL_FILES)} to load it with")
-    load_full_state_dict(engine, model_file, optimizer_state=directory / OPTIMIZER_NAME)
+    load_full_state_dict(engine, _model_file(directory), optimizer_state=directory / OPTIMIZER_NAME)

@@ -5,7 +5,8 @@ for 8 steps with a checkpoint at step 4, saves the model, then resumes a fresh T
 It runs three times, 2 CPU processes each: plain ``accelerate launch`` (DDP); stage 3 through the documented
 recipe ``accelerate-zero launch --config zero.yaml --swap-accelerator``; stage 2 through ``accelerate launch
 -m accelerate_zero.swap`` with the stage from the environment. The stage 3 launch also resumes from the DDP
-launch's checkpoint (whole ``optimizer.pt`` and ``model.safetensors``).
+launch's checkpoint (whole ``optimizer.pt`` and ``model.safetensors``). Each launch also runs a Trainer that
+evaluates every 2 steps and loads the best checkpoint at the end (``load_best_model_at_end``).
 """
 
 import json
@@ -29,7 +30,7 @@ zero_optimization:
 
 def _read(out: Path) -> dict:
     result = json.loads((out / "result.json").read_text())
-    runs = [name for name in ("full", "resumed", "from_other") if (out / name / "final").is_dir()]
+    runs = [name for name in ("full", "resumed", "from_other", "best") if (out / name / "final").is_dir()]
     result["weights"] = {name: load_file(out / name / "final" / "model.safetensors") for name in runs}
     return result
 
@@ -90,3 +91,12 @@ def test_checkpoint_holds_the_engines_sharded_state_instead_of_rank_0s_shard(run
 
 def test_stage_3_resumes_from_a_checkpoint_written_under_ddp(runs):
     assert max_diff(runs["zero3"]["weights"]["from_other"], runs["ddp"]["weights"]["full"]) <= TOLERANCE
+
+
+@pytest.mark.parametrize("name", ["zero3", "zero2"])
+def test_load_best_model_at_end_loads_the_same_checkpoint_as_ddp(runs, name):
+    ddp, zero = runs["ddp"], runs[name]
+    assert close(zero["eval_losses"], ddp["eval_losses"]) and len(ddp["eval_losses"]) == 4
+    assert zero["best_checkpoint"] == ddp["best_checkpoint"] != "checkpoint-8"
+    assert max_diff(zero["weights"]["best"], ddp["weights"]["best"]) <= TOLERANCE
+    assert max_diff(zero["weights"]["best"], zero["weights"]["full"]) > 1e-4  # an earlier checkpoint was loaded
