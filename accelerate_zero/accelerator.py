@@ -33,7 +33,7 @@ import zero_core
 from zero_core import ZeroConfigError
 from zero_core.mixed_precision import cast_floating_inputs
 
-from . import state_io, weights
+from . import hf_trainer, state_io, weights
 from .managed import ManagedModel
 from .optimizer import ZeroAcceleratedOptimizer
 from .plugin import ZeroPlugin
@@ -60,6 +60,7 @@ class ZeroAccelerator(Accelerator):
         if _cpu_only_multiprocess() and len(args) < 5:
             kwargs.setdefault("cpu", True)  # torchrun workers without GPUs: gloo on CPU, not N lone processes
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_env()
+        hf_trainer.install_if_loaded()  # a Hugging Face Trainer creating us then checkpoints through the engine
         self._managed: list[ManagedModel] = []
         super().__init__(*args, **kwargs)
         self._engine_precision = self._choose_precision()

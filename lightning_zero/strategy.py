@@ -77,6 +77,7 @@ class ZeroOptimizer(ShardedOptimizer):
     def __init__(self, engine: zero_core.ZeroEngine, index: int = 0) -> None:
         facade = engine.optimizers[index]
         super().__init__(facade.inner, facade.step, facade.zero_grad)
+        self.describe_shard = facade.describe_shard
         first = sum(len(o.param_groups) for o in engine.inner_optimizers[:index])
         self._group_params = engine.group_params[first : first + len(facade.inner.param_groups)]
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import registry
+from . import registry, shard_identity
 from .comm import Communicator
 from .config import ZeroConfig
 from .fragments import Fragment
@@ -98,6 +98,8 @@ class ZeroEngine:
             start += len(optimizer.param_groups)
         self.optimizers = [ShardedOptimizer(opt, functools.partial(self._step, k), functools.partial(self._zero, [k]))
                            for k, opt in enumerate(optimizers)]
+        for k, facade in enumerate(self.optimizers):
+            facade.describe_shard = functools.partial(shard_identity.describe, self, k)
         # Like a torch optimizer skipping parameters whose .grad is None, a step with no backward since the
         # last zero_grad changes nothing (no weight decay, no moment update).
         self._pending = [_PendingGrads() for _ in optimizers]

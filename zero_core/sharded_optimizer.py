@@ -14,6 +14,8 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
+from . import shard_identity
+
 
 def narrow_param_groups(optimizer: torch.optim.Optimizer, masters_per_group: Sequence[list[nn.Parameter]]) -> None:
     """Replace each group's parameters with its master shards, keeping the group dicts themselves."""
@@ -78,11 +80,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "before setup (the engine lays out flat buffers per group)"
         )
 
+    # Set by the engine: this shard's identity (rank, world size, layout), see zero_core.shard_identity.
+    describe_shard: Optional[Callable[[], dict]] = None
+
     def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state (sharded checkpoints gather it; see docs/core-api.md)."""
-        return self.inner.state_dict()
+        """This rank's shard of the optimizer state, with its identity under ``"zero_shard"`` (rank, world
+        size, stage, layout). Not a collective. For checkpoints that load anywhere use the engine's
+        (docs/core-api.md)."""
+        state = self.inner.state_dict()
+        return state if self.describe_shard is None else shard_identity.stamp(state, self.describe_shard())
 
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load what this rank's ``state_dict()`` gave, in the same topology and layout; anything else (another
+        rank's shard, another world size or layout, a partial or a plain unsharded state) raises."""
+        if self.describe_shard is not None:
+            state_dict = shard_identity.check_loadable(state_dict, self.describe_shard(), type(self).__name__)
         self.inner.load_state_dict(state_dict)
 
     def __repr__(self) -> str:
