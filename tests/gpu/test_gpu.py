@@ -3,6 +3,7 @@ example and an Accelerate launch on a GPU. Skipped where CUDA is absent."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -63,3 +64,12 @@ def test_accelerate_example_launches_on_one_gpu(tmp_path):
                       "zero_optimization:\n  stage: 3\n")
     _run([sys.executable, "-m", "accelerate_zero", "launch", "--config", config,
           REPO / "examples" / "accelerate_train.py"], cwd=tmp_path)
+
+
+@pytest.mark.timeout(900)
+def test_gpu_benchmark_runs_every_implementation(tmp_path):
+    out = tmp_path / "bench.json"
+    _run([sys.executable, "-m", "benchmarks.gpu", "--preset", "tiny", "--steps", "3", "--repeats", "1",
+          "--json", out], cwd=REPO)
+    rows = json.loads(out.read_text())["tiny"]
+    assert set(rows) == {"plain", "fsdp2", "zero1", "zero2", "zero3"}
