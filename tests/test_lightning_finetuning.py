@@ -14,11 +14,11 @@ WEIGHT_TOLERANCE = 1e-5  # float reordering only
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     path = tmp_path_factory.mktemp("finetuning")
-    run("finetuning.py", str(path), timeout=240)
+    run("finetuning.py", str(path), timeout=400)
     return path
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(450)
 @pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
 def test_backbone_finetuning_matches_one_process(out, stage):
     reference = load_rank(out, "finetune_ddp")
@@ -28,3 +28,11 @@ def test_backbone_finetuning_matches_one_process(out, stage):
     assert got["group_sizes"] == expected["group_sizes"] == [2, 6]  # the head's group, then the backbone's
     assert got["lrs"] == pytest.approx(expected["lrs"])
     assert got["global_step"] == expected["global_step"]
+
+
+@pytest.mark.parametrize("stage", ["zero1", "zero3"])
+def test_backbone_finetuning_resumes_after_the_unfreezing_like_ddp(out, stage):
+    reference = load_rank(out, "finetune_ddp_resumed")
+    assert max_diff(reference, load_rank(out, "finetune_ddp")) > 1e-4  # the resumed runs differ from the whole one
+    for rank in (0, 1):
+        assert max_diff(reference, load_rank(out, f"finetune_{stage}_resumed", rank)) <= WEIGHT_TOLERANCE

@@ -112,6 +112,7 @@ class Case:
     schedule: str = "none"  # see before_step
     accumulation: int = 1
     resume_after: Optional[int] = None  # save after this step, continue on a fresh model and engine
+    replay: bool = True  # on resume, add the groups before loading (else load_checkpoint adds them)
     leaf: str = ""  # stage 3: declare the MoE block a leaf through "api" (set_z3_leaf_modules) or "config"
 
     @property
@@ -198,8 +199,12 @@ def train_zero(case: Case, checkpoint_dir: str) -> dict:
             optimizers = make_optimizers(model, case.two, include_frozen=case.schedule == "unfreeze")
             engine = setup(model, optimizers, case)
             adder = optimizers[0] if case.stage == 1 else engine.optimizers[0]
-            replay_groups(model, adder, step, case.schedule)
-            engine.load_checkpoint(checkpoint_dir)
+            if case.replay:
+                replay_groups(model, adder, step, case.schedule)
+                engine.load_checkpoint(checkpoint_dir)
+            else:  # the layer is trainable again, and load_checkpoint adds the group saved in the checkpoint
+                model.inp.requires_grad_(True)
+                engine.load_checkpoint(checkpoint_dir)
         before_step(model, adder, step, case.schedule)
         for micro in range(case.accumulation):
             last = micro == case.accumulation - 1
@@ -215,6 +220,7 @@ CASES = [Case(f"same-s{s}", s) for s in (1, 2, 3)] + \
     [Case(f"unfreeze-s{s}", s, schedule="unfreeze") for s in (1, 2, 3)] + \
     [Case(f"add-group-s{s}", s, two=True, schedule="add-group") for s in (1, 2, 3)] + \
     [Case(f"add-group-resume-s{s}", s, schedule="add-group", resume_after=2) for s in (1, 3)] + \
+    [Case("add-group-resume-by-load-s2", 2, two=True, schedule="add-group", resume_after=3, replay=False)] + \
     [Case(f"freeze-resume-s{s}", s, schedule="freeze", resume_after=1) for s in (2,)] + \
     [Case("divergent-s3-leaf-api", 3, "divergent", two=True, accumulation=2, leaf="api"),
      Case("divergent-s3-leaf-config", 3, "divergent", leaf="config", schedule="freeze")]

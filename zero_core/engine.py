@@ -24,6 +24,7 @@ from . import registry
 from .comm import Communicator
 from .config import ZeroConfig
 from .fragments import Fragment
+from .generation import sync_generate_by_default
 from .leaf_modules import apply_leaf_config
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
@@ -80,6 +81,8 @@ class ZeroEngine:
         self._record_groups(groups)
         trainable = self._trainable_by_group(groups)
         self.runtime = _runtime_class(config.stage)(module, trainable, self._names, config, self.comm)
+        if config.stage == 3 and topology.world_size > 1:
+            sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
         registry.register(self.runtime.managed_params(), self)
         for param in self.runtime.managed_params():
             if param.requires_grad:

@@ -3,7 +3,8 @@
 
     python tests/lightning_scripts/finetuning.py OUT_DIR   (Lightning's launcher starts rank 1)
 
-The reference is DDP, which averages only the parameters that required a gradient when it wrapped the model: the
+Then DDP, zero1 and zero3 resume the third epoch from a checkpoint saved after the unfreezing (Lightning restores
+the backbone's group; as under DDP, the backbone stays frozen after a resume). The reference is DDP, which averages only the parameters that required a gradient when it wrapped the model: the
 backbone was frozen then, so the reference module averages the backbone's gradients itself (on_after_backward),
 as DDP would have.
 """
@@ -73,6 +74,22 @@ def fit(strategy, label: str) -> dict:
             "global_step": run.global_step}
 
 
+def fit_then_resume(make_strategy, label: str) -> None:
+    """Two epochs (the backbone unfrozen at the second), saved; a perturbed module resumes for the third."""
+    model = LitBackbone(average_backbone=label == "ddp")
+    first = trainer(make_strategy(), OUT, max_epochs=2, callbacks=[finetuning()])
+    first.fit(model, data())
+    checkpoint = OUT / f"finetune_{label}_epoch1.ckpt"
+    first.save_checkpoint(checkpoint)
+    resumed = LitBackbone(average_backbone=label == "ddp")
+    with torch.no_grad():
+        for param in resumed.parameters():
+            param.add_(0.5)  # the checkpoint must bring every weight back
+    second = trainer(make_strategy(), OUT, max_epochs=3, callbacks=[finetuning()])
+    second.fit(resumed, data(), ckpt_path=str(checkpoint))
+    save_rank(OUT, f"finetune_{label}_resumed", full_weights(resumed))
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     results = {}
@@ -80,3 +97,6 @@ if __name__ == "__main__":
                            ("zero3", ZeroStrategy(stage=3, config=STAGE3))):
         results[name] = fit(strategy, f"finetune_{name}")
     write_json(OUT, "finetune", results)
+    fit_then_resume(lambda: "ddp", "ddp")
+    fit_then_resume(lambda: ZeroStrategy(stage=1), "zero1")
+    fit_then_resume(lambda: ZeroStrategy(stage=3, config=STAGE3), "zero3")
