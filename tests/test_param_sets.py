@@ -4,9 +4,13 @@
 its weights and its optimizer state (AdamW's moments, weight decay, SGD's momentum), as torch's optimizers do
 with ``grad=None`` under DDP. The model is a small mixture of experts whose block loops over its experts and
 skips those that got no token (as Hugging Face's Mixtral and Qwen-MoE blocks did), plus a branch that is never
-used. Cases: experts unused on every rank (every stage), experts used on some ranks only (stages 1 and 2, and
-stage 3 with the block declared a leaf), a layer frozen for two steps and unfrozen, two optimizers (AdamW and
-SGD), gradient accumulation. One spawn runs every case; each returns its largest distance from DDP.
+used. Cases: experts unused on every rank (every stage); experts used on some ranks only (stages 1 and 2, and
+stage 3 with the block declared a leaf through the API or the config; without it stage 3 must stop with an
+error naming the block); a layer frozen for two steps and unfrozen; a layer frozen at setup and unfrozen later,
+in the optimizer's groups from the start or added with add_param_group (also across a checkpoint save and
+resume); two optimizers (AdamW and SGD); gradient accumulation. DDP cannot average a parameter frozen when it
+was built, so the cases with a layer frozen at setup are checked against one process averaging every rank's
+loss instead (the same gradients DDP would average). One spawn runs every case.
 """
 
 from __future__ import annotations
@@ -190,7 +194,6 @@ def train_zero(case: Case, checkpoint_dir: str) -> dict:
     engine = setup(model, optimizers, case)
     # Stage 1 adds the group through the user's own optimizer object, the others through the engine's facade.
     adder = optimizers[0] if case.stage == 1 else engine.optimizers[0]
-    first = 0
     for step in range(STEPS):
         if case.resume_after is not None and step == case.resume_after + 1:
             engine.save_checkpoint(checkpoint_dir)
