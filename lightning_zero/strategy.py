@@ -76,10 +76,10 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def __init__(self, engine: zero_core.ZeroEngine, index: int = 0) -> None:
         facade = engine.optimizers[index]
-        super().__init__(facade.inner, facade.step, facade.zero_grad)
+        super().__init__(facade.inner, facade.step, facade.zero_grad, facade.add_param_group)
         self.describe_shard = facade.describe_shard
-        first = sum(len(o.param_groups) for o in engine.inner_optimizers[:index])
-        self._group_params = engine.group_params[first : first + len(facade.inner.param_groups)]
+        self._engine = engine
+        self._index = index
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -87,7 +87,27 @@ class ZeroOptimizer(ShardedOptimizer):
 
     @property
     def param_groups(self) -> list:
-        return [ParamGroupView(g, p) for g, p in zip(self.inner.param_groups, self._group_params)]
+        params = [p for p, k in zip(self._engine.group_params, self._engine.group_optimizer) if k == self._index]
+        return [ParamGroupView(g, p) for g, p in zip(self.inner.param_groups, params)]
+
+    @param_groups.setter
+    def param_groups(self, groups: list) -> None:
+        """Lightning's BaseFinetuning restores, on resume, the groups it added before the checkpoint: groups
+        holding this optimizer's parameters take the given hyper-parameters, further ones are added."""
+        current = self.param_groups
+        for index, group in enumerate(groups):
+            if index >= len(current):
+                self.add_param_group(dict(group))
+                continue
+            if [id(p) for p in group["params"]] != [id(p) for p in current[index]["params"]]:
+                raise ValueError(
+                    f"optimizer param_groups[{index}] cannot change its parameters once the ZeRO engine is set up; "
+                    "add new parameters with add_param_group"
+                )
+            current[index].update({k: v for k, v in group.items() if k != "params"})
+        if len(groups) < len(current):
+            raise ValueError(f"optimizer groups cannot be removed once the ZeRO engine is set up ({len(current)} "
+                             f"groups, {len(groups)} given)")
 
 
 def engine_of(module: torch.nn.Module) -> Optional[zero_core.ZeroEngine]:

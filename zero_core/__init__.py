@@ -26,6 +26,7 @@ from .external_params import GatheredParameters, register_external_parameter, un
 from .fragments import Fragment
 from .init_context import Init
 from .layout import FlatLayout, Range, compute_layout
+from .leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
 __all__ = [
     "CheckpointError",
@@ -46,6 +47,10 @@ __all__ = [
     "FlatLayout",
     "Range",
     "compute_layout",
+    "get_z3_leaf_modules",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",
