@@ -286,6 +286,9 @@ class ZeroEngine:
             optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
 
     def _step(self, k: int) -> None:
+        # Before any of the step's collectives: every rank issued the same ones since the last step
+        # (collective_guard.py), so a divergence is an error here, not a hang or a wrong update.
+        self.comm.guard.step_barrier()
         pending = self._pending[k]
         if not pending.saw_grad:
             self._zero([k])  # nothing to apply: every rank ran the same (empty) step

@@ -32,6 +32,7 @@ class ExecutionTrace:
         self.order: list[nn.Module] = []
         self.position = 0
         self.deviated = False
+        self._skipped: list[int] = []
         self._distances: dict = {}
 
     def reset(self) -> None:
@@ -50,15 +51,29 @@ class ExecutionTrace:
         self.position = 0
 
     def visit(self, module: nn.Module) -> Optional[int]:
-        """Note that ``module`` runs now; its trace position when the trace is valid and followed."""
+        """Note that ``module`` runs now; its trace position when the trace is valid and followed. A module
+        found further on means this rank skipped the ones in between (a layer drop, a branch): their positions
+        are in ``take_skipped()``, so the runtime can issue their collectives as the other ranks do."""
         if self.state is TraceState.RECORDING:
             self.order.append(module)
             return None
-        if self.deviated or self.position >= len(self.order) or self.order[self.position] is not module:
+        if self.deviated:
+            return None
+        if self.position < len(self.order) and self.order[self.position] is module:
+            self.position += 1
+            return self.position - 1
+        ahead = next((i for i in range(self.position, len(self.order)) if self.order[i] is module), None)
+        if ahead is None:
             self.deviated = True
             return None
-        self.position += 1
-        return self.position - 1
+        self._skipped = list(range(self.position, ahead))
+        self.position = ahead + 1
+        return ahead
+
+    def take_skipped(self) -> list[int]:
+        """Positions the last visit jumped over (this rank did not run those modules)."""
+        skipped, self._skipped = self._skipped, []
+        return skipped
 
     @property
     def following(self) -> bool:
