@@ -48,7 +48,7 @@ class CollectiveMismatchError(RuntimeError):
 
 
 class Call(NamedTuple):
-    """One collective as this rank issued it."""
+    """One collective as this rank issued it (a plain tuple underneath: built on every collective)."""
 
     seq: int  # how many collectives this guard issued before it
     kind: str
@@ -94,12 +94,13 @@ class CollectiveGuard:
             return None
         if self._failure is not None:
             raise CollectiveMismatchError(self._failure)
-        call = Call(self.seq, kind, numel, str(dtype).replace("torch.", ""), label, self.step)
-        key = (kind, call.dtype, label)
-        code = self._codes.get(key)
-        if code is None:  # str hashes differ between processes; crc32 does not
-            code = self._codes[key] = zlib.crc32("/".join(key).encode())
-        self.fingerprint = hash((self.fingerprint, code, numel))
+        key = (kind, dtype, label)
+        known = self._codes.get(key)
+        if known is None:  # str hashes differ between processes; crc32 does not
+            name = str(dtype).replace("torch.", "")
+            known = self._codes[key] = (name, zlib.crc32(f"{kind}/{name}/{label}".encode()))
+        call = Call(self.seq, kind, numel, known[0], label, self.step)
+        self.fingerprint = hash((self.fingerprint, known[1], numel))
         self.history.append(call)
         self.seq += 1
         return call

@@ -33,7 +33,8 @@ def reduce_order(runtime: "PartitionedParamsRuntime") -> list["ParamUnit"]:
 
 def launch_in_order(runtime: "PartitionedParamsRuntime") -> None:
     """Reduce-scatter every unit whose turn has come and whose gradients are complete on this rank. A unit only
-    of modules this rank skipped since the last backward gets no gradient here: it goes with zeros at once."""
+    of modules this rank skipped gets no gradient here: it goes with zeros once backward has passed the skipped
+    module's place, which is where the other ranks reduce it."""
     order = runtime._reduce_order
     while runtime._reduce_cursor < len(order):
         unit = order[runtime._reduce_cursor]
@@ -52,7 +53,6 @@ def skipped_forward(runtime: "PartitionedParamsRuntime", position: int) -> None:
     module = runtime.trace.order[position]
     runtime._skipped_positions.add(position)
     units = runtime._units_for(module)
-    runtime._skipped_units.update(units)
     for unit in units:
         runtime._gather(unit)
     runtime._prefetch(position, backward=False)
@@ -70,3 +70,6 @@ def skipped_backward(runtime: "PartitionedParamsRuntime", position: int) -> None
     for unit in units:
         if runtime._active[unit] == 0 and unit not in runtime._held:
             runtime._release(unit)
+    runtime._skipped_units.update(units)
+    if runtime._reduce_order is not None:
+        launch_in_order(runtime)

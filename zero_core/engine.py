@@ -222,6 +222,13 @@ class ZeroEngine:
             self._no_sync_depth -= 1
             self.runtime.set_sync(self._no_sync_depth == 0)
 
+    def join(self, enable: bool = True, throw_on_early_termination: bool = False):
+        """Uneven inputs: ``with engine.join(): for batch in my_batches: ...`` lets ranks with fewer batches
+        shadow the others' steps until all are done (``torch.distributed.algorithms.Join`` semantics; join.py)."""
+        from .join import join_context
+
+        return join_context(self, enable, throw_on_early_termination)
+
     def _note_grad(self, param: torch.Tensor) -> None:
         pending = self._pending[self._optimizer_of[param]]
         if pending.reduced and self._averages_whole_grads() and pending.clip_coef is None:

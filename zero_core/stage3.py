@@ -285,7 +285,7 @@ class PartitionedParamsRuntime:
         self.unsynced_grads = False
         self._touched: set[ParamUnit] = set()  # units of modules that ran forward since the last backward
         self._skipped_positions: set[int] = set()  # trace positions this rank skipped in those forwards
-        self._skipped_units: set[ParamUnit] = set()  # and their units
+        self._skipped_units: set[ParamUnit] = set()  # their units, once backward passed their place
         self._reduce_cursor = 0  # next unit of _reduce_order to reduce-scatter
 
     def _enter_backward(self) -> None:
