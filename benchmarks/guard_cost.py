@@ -6,7 +6,9 @@ Each rank builds two identical models of many small blocks under stage 3 with ev
 (``param_persistence_threshold: 0``: the most collectives per step, so the guard's per-call bookkeeping weighs
 the most), one with the guard on (the default) and one with it off, and trains them in alternation, one step
 each, so the machine's noise falls on both alike. Reported per world size: the median step time of each, their
-ratio, and the time spent in the step barrier alone.
+ratio (whole steps; at N=1 the guard is off in both, so that ratio shows the noise), and the guard's own parts
+measured apart from the noise of the collectives: its bookkeeping per collective (record() and a wait on a
+completed handle) and the step barrier alone; their sum per step as a share of the step without the guard.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ def _rank(rank: int, world_size: int, port: int, args, results) -> None:
                 if guarded:
                     collectives = engine.comm.guard.seq
     guard = engines[True].comm.guard
+    per_call = _bookkeeping_seconds(guard) if guard.enabled else 0.0
     if guard.enabled:  # the barrier on its own, the ranks lined up first as they are at a real step
         for _ in range(args.steps):
             dist.barrier()
@@ -79,9 +82,24 @@ def _rank(rank: int, world_size: int, port: int, args, results) -> None:
                      "off": statistics.median(times[False]),
                      "paired": statistics.median(a / b for a, b in zip(times[True], times[False])),
                      "cpu_paired": statistics.median(a / b for a, b in zip(cpu[True], cpu[False])),
-                     "barrier": statistics.median(barrier) if barrier else 0.0,
+                     "barrier": statistics.median(barrier) if barrier else 0.0, "per_call": per_call,
                      "collectives_per_step": collectives / (args.warmup + args.steps)})
     dist.destroy_process_group()
+
+
+def _bookkeeping_seconds(guard, calls: int = 20000) -> float:
+    """What the guard adds to one collective on this rank: record() plus a wait on a completed handle."""
+    work = dist.all_reduce(torch.zeros(1), async_op=True)
+    work.wait()
+    seq, fingerprint, history = guard.seq, guard.fingerprint, list(guard.history)
+    start = time.perf_counter()
+    for _ in range(calls):
+        guard.wait(work, guard.record("all_gather", 4096, torch.float32, "blocks.7"))
+    elapsed = (time.perf_counter() - start) / calls
+    guard.seq, guard.fingerprint = seq, fingerprint  # leave the guard as every other rank has it
+    guard.history.clear()
+    guard.history.extend(history)
+    return elapsed
 
 
 def _free_port() -> int:
@@ -101,8 +119,9 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     context = mp.get_context("spawn")
     print("| N | blocks | collectives/step | step, guard on (ms) | step, guard off (ms) | on/off (medians) | "
-          "on/off (median of paired steps) | CPU time on/off (paired) | step barrier alone (ms) |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "on/off (median of paired steps) | CPU time on/off (paired) | bookkeeping per collective (µs) | "
+          "step barrier (ms) | guard per step, % of step |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for world_size in args.world_size:
         results = context.Queue()
         mp.start_processes(_rank, args=(world_size, _free_port(), args, results), nprocs=world_size,
@@ -110,7 +129,8 @@ def main(argv=None) -> None:
         r = results.get()
         print(f"| {world_size} | {args.blocks} | {r['collectives_per_step']:.0f} | {1e3 * r['on']:.2f} | "
               f"{1e3 * r['off']:.2f} | {r['on'] / r['off']:.3f} | {r['paired']:.3f} | {r['cpu_paired']:.3f} | "
-              f"{1e3 * r['barrier']:.3f} |", flush=True)
+              f"{1e6 * r['per_call']:.2f} | {1e3 * r['barrier']:.3f} | "
+              f"{100 * (r['per_call'] * r['collectives_per_step'] + r['barrier']) / r['off']:.2f} |", flush=True)
 
 
 if __name__ == "__main__":

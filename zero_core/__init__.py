@@ -13,6 +13,7 @@ from .checkpoint import (
     save_16bit_model,
     save_checkpoint,
 )
+from .collective_guard import CollectiveMismatchError
 from .config import ZeroConfig, ZeroConfigError
 from .debug_access import (
     safe_get_full_fp32_param,
@@ -29,6 +30,7 @@ from .layout import FlatLayout, Range, compute_layout
 
 __all__ = [
     "CheckpointError",
+    "CollectiveMismatchError",
     "consolidate",
     "load_checkpoint",
     "load_full_state_dict",

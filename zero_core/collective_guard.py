@@ -30,7 +30,7 @@ import threading
 import time
 import weakref
 import zlib
-from collections import deque
+from collections import defaultdict, deque
 from datetime import timedelta
 from typing import Callable, NamedTuple, Optional
 
@@ -38,7 +38,8 @@ import torch.distributed as dist
 
 from .topology import Topology
 
-_GUARD_IDS = itertools.count()  # engines are built in the same order on every rank: a shared namespace each
+# Engines over one group are built in the same order on its ranks: the n-th one over a group shares a namespace.
+_GUARD_IDS: dict[tuple, "itertools.count[int]"] = defaultdict(itertools.count)
 _WAIT_TIMED_OUT = "Operation timed out"  # what Work.wait(timeout) raises; the work stays valid
 _WAIT_IGNORES_TIMEOUT = {"reduce_scatter"}  # gloo's reduce-scatter handle blocks in wait(timeout) regardless
 
@@ -79,12 +80,14 @@ class CollectiveGuard:
         self.fingerprint = 0
         self.history: deque = deque(maxlen=self.HISTORY)
         self.blocked: Optional[tuple[Call, float]] = None  # a wait that cannot time out, and since when
+        self.stale_keys: deque = deque()  # store keys the watchdog thread deletes
+        self._cleanup_store: Optional[dist.Store] = None
         self._codes: dict = {}
         self._failure: Optional[str] = None
-        self._namespace = f"zero_core/guard/{next(_GUARD_IDS)}/"
         self._store: Optional[dist.Store] = None
-        self._global_ranks = [dist.get_global_rank(topology.group or dist.group.WORLD, r)
-                              for r in range(topology.world_size)] if self.enabled else []
+        members = tuple(dist.get_global_rank(topology.group or dist.group.WORLD, r) for r in range(self.world_size))
+        group = "-".join(map(str, members)) if len(members) <= 8 else f"{zlib.crc32(repr(members).encode()):x}"
+        self._namespace = f"zero_core/guard/{group}/{next(_GUARD_IDS[members])}/"
         self._step_hooks: list[tuple[Callable[[], object], Callable[[list], None]]] = []
 
     # -- recording (every collective) ----------------------------------------------------------------------
@@ -112,11 +115,26 @@ class CollectiveGuard:
         if call is None:
             work.wait()
             return
-        if call.kind in _WAIT_IGNORES_TIMEOUT:
+        if call[1] in _WAIT_IGNORES_TIMEOUT:
             self._wait_blocking(work, call)
             return
-        started = time.monotonic()
+        try:
+            work.wait(self.poll)
+            return
+        except RuntimeError as error:
+            if _WAIT_TIMED_OUT not in str(error):
+                self._fail_after_transport_error(call, error)
+                raise
+        self._wait_stalled(work, call)
+
+    def _wait_stalled(self, work: dist.Work, call: Call) -> None:
+        """The collective did not complete within one poll: keep polling, check the others once it stalls."""
+        started = time.monotonic() - self.poll.total_seconds()
         while True:
+            self._raise_posted_failure()
+            if time.monotonic() - started >= self.stall_s:
+                self._diagnose({"where": "collective", "seq": call.seq, "call": call, "step": self.step})
+                started = time.monotonic()
             try:
                 work.wait(self.poll)
                 return
@@ -124,10 +142,6 @@ class CollectiveGuard:
                 if _WAIT_TIMED_OUT not in str(error):
                     self._fail_after_transport_error(call, error)
                     raise
-            self._raise_posted_failure()
-            if time.monotonic() - started >= self.stall_s:
-                self._diagnose({"where": "collective", "seq": call.seq, "call": call, "step": self.step})
-                started = time.monotonic()
 
     def _wait_blocking(self, work: dist.Work, call: Call) -> None:
         """gloo's reduce-scatter handle ignores wait()'s timeout: block, and let the watchdog thread post where
@@ -142,6 +156,15 @@ class CollectiveGuard:
             raise
         finally:
             self.blocked = None
+
+    def delete_stale_keys(self) -> None:
+        """From the watchdog thread, on its own connection: drop barrier keys every rank has read."""
+        if not self.stale_keys:
+            return
+        if self._cleanup_store is None:
+            self._cleanup_store = dist.PrefixStore(self._namespace, dist.distributed_c10d._get_default_store().clone())
+        while self.stale_keys:
+            self._cleanup_store.delete_key(self.stale_keys.popleft())
 
     def post_if_stalled(self) -> None:
         """From the watchdog thread: post the blocked call's status once it has waited ``stall_s``."""
@@ -174,8 +197,9 @@ class CollectiveGuard:
         store.set(keys[self.rank], pickle.dumps(mine))
         self._wait_keys(keys, mine)
         everyone = [pickle.loads(v) for v in store.multi_get(keys)]
-        if self.step >= 2:  # every rank has read step - 2's keys before posting step - 1's
-            store.delete_key(f"step/{self.step - 2}/{self.rank}")
+        if self.step >= 2:  # every rank has read step - 2's keys before posting step - 1's; off the step's path
+            self.stale_keys.append(f"step/{self.step - 2}/{self.rank}")
+            _Watchdog.watch(self)
         for rank, theirs in enumerate(everyone):
             if (theirs["seq"], theirs["fingerprint"]) != (mine["seq"], mine["fingerprint"]):
                 self._fail(self._describe_step_mismatch(mine, theirs, rank))
@@ -303,7 +327,8 @@ class CollectiveGuard:
 
 
 class _Watchdog:
-    """One daemon thread per process: posts the status of guards blocked in a wait that cannot time out."""
+    """One daemon thread per process: posts the status of guards blocked in a wait that cannot time out, and
+    deletes the step barrier's old keys (so the store does not grow with the steps)."""
 
     _guards: "weakref.WeakSet[CollectiveGuard]" = weakref.WeakSet()
     _thread: Optional[threading.Thread] = None
@@ -326,6 +351,7 @@ class _Watchdog:
             for guard in list(cls._guards):
                 try:
                     guard.post_if_stalled()
+                    guard.delete_stale_keys()
                 except Exception:  # noqa: BLE001 - the store may be gone at exit; the main thread reports errors
                     pass
 
