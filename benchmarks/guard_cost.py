@@ -6,7 +6,7 @@ Each rank builds two identical models of many small blocks under stage 3 with ev
 (``param_persistence_threshold: 0``: the most collectives per step, so the guard's per-call bookkeeping weighs
 the most), one with the guard on (the default) and one with it off, and trains them in alternation, one step
 each, so the machine's noise falls on both alike. Reported per world size: the median step time of each, their
-ratio (whole steps; at N=1 the guard is off in both, so that ratio shows the noise), and the guard's own parts
+ratio (whole steps; at N=1, or with --control, the guard is off in both: that ratio is the noise), and the guard's own parts
 measured apart from the noise of the collectives: its bookkeeping per collective (record() and a wait on a
 completed handle) and the step barrier alone; their sum per step as a share of the step without the guard.
 """
@@ -50,7 +50,7 @@ def _rank(rank: int, world_size: int, port: int, args, results) -> None:
     for guarded in (True, False):
         model = ManyBlocks(args.blocks, args.width)
         engines[guarded] = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), config)
-        engines[guarded].comm.guard.enabled = guarded and world_size > 1
+        engines[guarded].comm.guard.enabled = guarded and world_size > 1 and not args.control
     times = {True: [], False: []}
     cpu = {True: [], False: []}
     barrier = []
@@ -68,7 +68,7 @@ def _rank(rank: int, world_size: int, port: int, args, results) -> None:
                 times[guarded].append(elapsed)
                 cpu[guarded].append(cpu_elapsed)
                 if guarded:
-                    collectives = engine.comm.guard.seq
+                    collectives = sum(entry["calls"] for entry in engine.comm_stats().values())
     guard = engines[True].comm.guard
     per_call = _bookkeeping_seconds(guard) if guard.enabled else 0.0
     if guard.enabled:  # the barrier on its own, the ranks lined up first as they are at a real step
@@ -88,14 +88,15 @@ def _rank(rank: int, world_size: int, port: int, args, results) -> None:
 
 
 def _bookkeeping_seconds(guard, calls: int = 20000) -> float:
-    """What the guard adds to one collective on this rank: record() plus a wait on a completed handle."""
+    """What the guard adds to one collective on this rank (CPU seconds): record() plus a wait on a completed
+    handle, which is how a guarded wait differs from a plain one when nothing stalls."""
     work = dist.all_reduce(torch.zeros(1), async_op=True)
     work.wait()
     seq, fingerprint, history = guard.seq, guard.fingerprint, list(guard.history)
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: other jobs on the machine do not inflate it
     for _ in range(calls):
         guard.wait(work, guard.record("all_gather", 4096, torch.float32, "blocks.7"))
-    elapsed = (time.perf_counter() - start) / calls
+    elapsed = (time.process_time() - start) / calls
     guard.seq, guard.fingerprint = seq, fingerprint  # leave the guard as every other rank has it
     guard.history.clear()
     guard.history.extend(history)
@@ -116,6 +117,8 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--steps", type=int, default=40, help="timed steps of each engine")
     parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--control", action="store_true",
+                        help="A/A run: the guard off in both engines, to see the noise of the comparison")
     args = parser.parse_args(argv)
     context = mp.get_context("spawn")
     print("| N | blocks | collectives/step | step, guard on (ms) | step, guard off (ms) | on/off (medians) | "

@@ -3,8 +3,10 @@
 The first step records the order in which managed modules run their forward. At the end of that step every
 rank compares its order with the others (one small all-gather): identical orders make the trace valid;
 different orders are an error that names where the ranks part ways. While valid, each forward is checked
-against the trace as it runs; a module out of place (another code path) stops prefetching for the rest of the
-step and the next step records again. Prefetch only ever follows a trace that every rank agreed on.
+against the trace as it runs: a module found further on means the modules in between were skipped on this
+rank (divergence.py issues their collectives); a module out of place (another code path) stops prefetching for
+the rest of the step, and when any rank was out of place (agreed at the step barrier) the next step records
+again. Prefetch only ever follows a trace that every rank agreed on.
 """
 
 from __future__ import annotations
