@@ -8,6 +8,7 @@ taking another code path in one step.
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Optional
 
@@ -86,9 +87,10 @@ def extra_pass_on_rank_1(rank, step):
     return 2 if rank == 1 and step == DIVERGE_AT else 1
 
 
-def train(rank: int, skips, passes, config=None, started: Optional[list] = None) -> dict:
+def train(rank: int, skips, passes, config=None, started: Optional[list] = None, pause_s: float = 0.0) -> dict:
     """Train under the engine (config) or under DDP(find_unused_parameters=True) (config None); ``started``
-    receives the time the divergent step began."""
+    receives the time the divergent step began; rank 1 pauses ``pause_s`` before its forward and its step
+    there (a slow rank: a long save, a first NCCL call)."""
     model = SkippableBlocks()
     optimizer = make_optimizer(model)
     if config is None:
@@ -100,15 +102,27 @@ def train(rank: int, skips, passes, config=None, started: Optional[list] = None)
     for index in range(STEPS):
         if started is not None and index == DIVERGE_AT:
             started.append(time.monotonic())
+        slow = pause_s if rank == 1 and index == DIVERGE_AT else 0.0
+        time.sleep(slow)
         for micro in range(passes(rank, index)):
             backward(forward(*data(rank, index, micro), skip=skips(rank, index)))
+        time.sleep(slow)
         step()
     return full_params(model)
 
 
-def compare(rank: int, skips, config: dict) -> float:
+def compare(rank: int, skips, config: dict, pause_s: float = 0.0) -> float:
     reference = train(rank, skips, one_pass)
-    return max_abs_diff(train(rank, skips, one_pass, config), reference)
+    return max_abs_diff(train(rank, skips, one_pass, config, pause_s=pause_s), reference)
+
+
+def slow_but_consistent(rank: int) -> float:
+    """Rank 1 pauses 3 s twice in step 2 while the guard checks after 1 s of waiting: never an error."""
+    os.environ["ZERO_CORE_GUARD_STALL_S"] = "1"  # read when the engine is built
+    try:
+        return compare(rank, no_skip, PARTITIONED, pause_s=3.0)
+    finally:
+        os.environ.pop("ZERO_CORE_GUARD_STALL_S")
 
 
 def expect_error(rank: int, skips, passes, config: dict) -> dict:
@@ -135,6 +149,7 @@ FAILING = {"(c) rank 1 runs one more forward/backward": DEFAULT, "(c) partitione
 
 def matching_worker(rank, world_size):
     found = {name: capture(compare, rank, skips, config) for name, (skips, config) in MATCHING.items()}
+    found["slow rank"] = capture(slow_but_consistent, rank)
     # last: the check mode raises on every rank at once, so the group stays usable but is not used again
     found["first step"] = capture(expect_error, rank, skip_first_step, one_pass, DEFAULT)
     return found
@@ -161,6 +176,15 @@ def test_a_rank_skipping_a_module_matches_ddp_find_unused_parameters(scenario):
     for rank, found in enumerate(matching_results()):
         diff = unwrap(found[scenario])
         assert diff <= TOLERANCE, f"rank {rank} [{scenario}]: weights {diff:.2e} away from DDP(find_unused_parameters)"
+
+
+@pytest.mark.timeout(300)
+def test_a_slow_but_consistent_rank_is_never_an_error():
+    """Rank 1 pauses 3 s before its forward and before its step; the guard, checking after 1 s of waiting (in a
+    gather, in a reduce-scatter, at the step barrier), finds every rank on the same call and keeps waiting."""
+    for rank, found in enumerate(matching_results()):
+        diff = unwrap(found["slow rank"])
+        assert diff <= TOLERANCE, f"rank {rank}: weights {diff:.2e} away from DDP after a slow step"
 
 
 @pytest.mark.timeout(300)

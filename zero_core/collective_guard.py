@@ -189,7 +189,8 @@ class CollectiveGuard:
                 consume([note])
             self.step += 1
             return
-        self._raise_posted_failure()
+        if self._failure is not None:  # a failure posted by another rank shows once the wait below stalls
+            raise CollectiveMismatchError(self._failure)
         mine = {"where": "barrier", "seq": self.seq, "fingerprint": self.fingerprint, "step": self.step,
                 "history": tuple(self.history), "notes": notes}
         store = self._get_store()
