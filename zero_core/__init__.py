@@ -13,6 +13,7 @@ from .checkpoint import (
     save_16bit_model,
     save_checkpoint,
 )
+from .collective_guard import CollectiveMismatchError
 from .config import ZeroConfig, ZeroConfigError
 from .debug_access import (
     safe_get_full_fp32_param,
@@ -30,6 +31,7 @@ from .leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_lea
 
 __all__ = [
     "CheckpointError",
+    "CollectiveMismatchError",
     "consolidate",
     "load_checkpoint",
     "load_full_state_dict",

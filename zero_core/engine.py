@@ -287,6 +287,13 @@ class ZeroEngine:
             self._no_sync_depth -= 1
             self.runtime.set_sync(self._no_sync_depth == 0)
 
+    def join(self, enable: bool = True, throw_on_early_termination: bool = False):
+        """Uneven inputs: ``with engine.join(): for batch in my_batches: ...`` lets ranks with fewer batches
+        shadow the others' steps until all are done (``torch.distributed.algorithms.Join`` semantics; join.py)."""
+        from .join import join_context
+
+        return join_context(self, enable, throw_on_early_termination)
+
     def _note_grad(self, param: torch.Tensor) -> None:
         pending = self._pending[self._optimizer_of[param]]
         pending.used.add(param)
@@ -364,6 +371,9 @@ class ZeroEngine:
             optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
 
     def _step(self, k: int) -> None:
+        # Before any of the step's collectives: every rank issued the same ones since the last step
+        # (collective_guard.py), so a divergence is an error here, not a hang or a wrong update.
+        self.comm.guard.step_barrier()
         self._adopt_trainable()  # a parameter unfrozen since the last step may hold this step's only gradient
         pending = self._pending[k]
         if not pending.saw_grad:

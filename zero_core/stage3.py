@@ -22,6 +22,7 @@ from .backward_hooks import PostBackward, PreBackward, attach
 from .buffer_pool import BufferPool
 from .comm import Communicator
 from .config import ZeroConfig
+from .divergence import launch_in_order, reduce_order, skipped_backward, skipped_forward
 from .execution_trace import ExecutionTrace
 from .external_params import registered_externals
 from .layout import compute_layout
@@ -71,8 +72,13 @@ class PartitionedParamsRuntime:
         # optimizers in a Lightning training_step); without root forwards, at the step itself.
         self._root_forward_in_step = False
         self._trace_step_over = False
+        # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
+        # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
+        self._reduce_order: Optional[list[ParamUnit]] = None
         self._reset_backward_state()
         self._register_hooks(module_names)
+        # A trace deviation on any rank is agreed at the step barrier, so all ranks re-record together.
+        comm.guard.on_step(lambda: self.trace.deviated, self._agree_on_deviation)
 
     # -- partitioning at setup -----------------------------------------------------------------------------
     def _build_units(self, trainable_by_group) -> None:
@@ -231,18 +237,23 @@ class PartitionedParamsRuntime:
 
     def _pre_forward(self, mod, _hook_module, args, kwargs):
         units = self._units_for(mod)
+        if self._in_backward:
+            # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
+            # hook never runs; nothing is counted here and backward releases what it gathered.
+            for unit in units:
+                self._gather(unit)
+            return args, kwargs
+        position = self.trace.visit(mod)
         try:
+            for skipped in self.trace.take_skipped():
+                skipped_forward(self, skipped)  # modules this rank skipped: their gathers, as the others issue them
             for unit in units:
                 self._gather(unit)
         except RuntimeError as error:
             if "collective mismatch" not in str(error):
                 raise
-            raise RuntimeError(f"{error} {self._leaf_hint(mod)}") from error
-        if self._in_backward:
-            # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
-            # hook never runs; nothing is counted here and backward releases what it gathered.
-            return args, kwargs
-        position = self.trace.visit(mod)
+            raise type(error)(f"{error} {self._leaf_hint(mod)}") from error
+        self._touched.update(units)
         self._positions[mod].append(position)
         for unit in units:
             self._active[unit] += 1
@@ -310,6 +321,8 @@ class PartitionedParamsRuntime:
             return None
         order = self.trace.order
         while self._bwd_cursor >= 0 and order[self._bwd_cursor] is not mod:
+            if self._bwd_cursor in self._skipped_positions:
+                skipped_backward(self, self._bwd_cursor)
             self._bwd_cursor -= 1
         if self._bwd_cursor < 0:
             return None
@@ -364,6 +377,10 @@ class PartitionedParamsRuntime:
         self._in_backward = False
         self._bwd_cursor = len(self.trace.order) - 1
         self.unsynced_grads = False
+        self._touched: set[ParamUnit] = set()  # units of modules that ran forward since the last backward
+        self._skipped_positions: set[int] = set()  # trace positions this rank skipped in those forwards
+        self._skipped_units: set[ParamUnit] = set()  # their units, once backward passed their place
+        self._reduce_cursor = 0  # next unit of _reduce_order to reduce-scatter
 
     def _enter_backward(self) -> None:
         self._in_backward = True
@@ -379,7 +396,9 @@ class PartitionedParamsRuntime:
         self._seen[unit] += 1
         if unit in self._deferred:
             return
-        if self._seen[unit] >= unit.active_count() and unit not in self._reduced:
+        if self._reduce_order is not None:
+            launch_in_order(self)
+        elif self._seen[unit] >= unit.active_count() and unit not in self._reduced:
             self._reduce(unit)
 
     def _reduce(self, unit: ParamUnit) -> list[str]:
@@ -411,7 +430,7 @@ class PartitionedParamsRuntime:
         ``only``: flush just these units (one optimizer's step), whatever their requires_grad."""
         unused, pending = [], self.unsynced_grads and not self.sync
         if self.sync:
-            for unit in reversed(self.parts):
+            for unit in self._reduce_order if self._reduce_order is not None else reversed(self.parts):
                 skip = unit not in only if only is not None else unit.active_count() == 0
                 if unit not in self._reduced and not skip:
                     unused += self._reduce(unit)
@@ -421,10 +440,10 @@ class PartitionedParamsRuntime:
         self._reset_backward_state()
         self.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
         if unused and not self.config.ignore_unused_parameters:
-            raise RuntimeError(
-                f"parameters got no gradient in this backward: {', '.join(unused)}. Set "
-                "zero_optimization.ignore_unused_parameters=true if that is expected, or freeze them."
-            )
+            self.comm.guard.fail(  # raised on every rank: the others would otherwise wait for this one
+                f"rank {self.comm.topology.rank}: parameters got no gradient in this backward: {', '.join(unused)}. "
+                "Set zero_optimization.ignore_unused_parameters=true if that is expected, or freeze them.",
+                RuntimeError)
 
     # -- the engine's calls --------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
@@ -451,9 +470,16 @@ class PartitionedParamsRuntime:
             self._end_trace_step()  # the model is driven through its submodules: the step is the trace's unit
             self.trace.start_forward()
 
+    def _agree_on_deviation(self, deviated: list) -> None:
+        self.trace.deviated = any(deviated)
+
     def _end_trace_step(self) -> None:
         self.trace.end_step()
         self.comm.check = self.comm.always_check or self.trace.state.value == "recording"
+        if self.trace.state.value != "valid":
+            self._reduce_order = None
+        elif self._reduce_order is None or self._order_source is not self.trace.order:
+            self._reduce_order, self._order_source = reduce_order(self), self.trace.order
         self._bwd_cursor = len(self.trace.order) - 1
         self._trace_step_over = False
         self._root_forward_in_step = False
