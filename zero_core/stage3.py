@@ -18,7 +18,7 @@ from torch import nn
 from torch.autograd import Variable
 
 from . import param_sources
-from .backward_hooks import PostBackward, PreBackward, attach
+from .backward_hooks import PreBackward, after_input_grads, attach
 from .buffer_pool import BufferPool
 from .comm import Communicator
 from .config import ZeroConfig
@@ -260,7 +260,7 @@ class PartitionedParamsRuntime:
         if position is not None and self.trace.following:
             self._prefetch(position, backward=False)
         if torch.is_grad_enabled():
-            (args, kwargs), _ = attach(PostBackward, functools.partial(self._post_backward, mod), (args, kwargs))
+            after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs))
         return args, kwargs
 
     def _leaf_hint(self, mod: nn.Module) -> str:
