@@ -209,7 +209,9 @@ class CollectiveGuard:
         self.step += 1
 
     def _wait_keys(self, keys: list[str], mine: dict) -> None:
-        store, timeout = self._get_store(), self.stall
+        """Wait for every rank's key; like a collective, give up after the process group's timeout."""
+        store, timeout, started = self._get_store(), self.stall, time.monotonic()
+        limit = dist.distributed_c10d._get_default_store().timeout.total_seconds()
         while True:
             try:
                 store.wait(keys, timeout)  # a timed-out wait logs a line: poll often only once stalled
@@ -220,6 +222,12 @@ class CollectiveGuard:
             self._raise_posted_failure()
             self._diagnose(mine)
             timeout = self.poll
+            if time.monotonic() - started > limit:
+                missing = [rank for rank, key in enumerate(keys) if not store.check([key])]
+                raise RuntimeError(
+                    f"rank {self.rank} waited {limit:.0f} s (the process group's timeout) at the optimizer step of "
+                    f"step {self.step} for ranks {missing}, which issued no collective meanwhile: they died, hang "
+                    "outside the engine, or stopped training early (engine.join() for uneven inputs)")
 
     # -- diagnosis through the store -----------------------------------------------------------------------
     def _get_store(self) -> dist.Store:
