@@ -27,6 +27,7 @@ from .fragments import Fragment
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
+from .plain_loop import OptimizerRoute
 from .sharded_optimizer import ShardedOptimizer, narrow_param_groups
 from .stage12 import ReplicatedParamsRuntime
 from .topology import Topology
@@ -98,6 +99,9 @@ class ZeroEngine:
             start += len(optimizer.param_groups)
         self.optimizers = [ShardedOptimizer(opt, functools.partial(self._step, k), functools.partial(self._zero, [k]))
                            for k, opt in enumerate(optimizers)]
+        # The plain loop: the user's own optimizer.step()/zero_grad() do what the facade's do (plain_loop.py).
+        self._routes = [OptimizerRoute(opt, functools.partial(self._facade_step, k), functools.partial(self._zero, [k]))
+                        for k, opt in enumerate(optimizers)]
         # Like a torch optimizer skipping parameters whose .grad is None, a step with no backward since the
         # last zero_grad changes nothing (no weight decay, no moment update).
         self._pending = [_PendingGrads() for _ in optimizers]
@@ -121,6 +125,8 @@ class ZeroEngine:
                 "optimizers the same way, or set up a fresh model"
             )
         self.zero_grad()
+        for route in self._routes:
+            route.unroute()
         self._record_groups(groups)
         self._bind_optimizers(optimizers)
 
@@ -285,6 +291,9 @@ class ZeroEngine:
         for optimizer in self.optimizers:
             optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
 
+    def _facade_step(self, k: int, closure=None):
+        return self.optimizers[k].step(closure)  # looked up now: a scheduler built on the facade wraps its step
+
     def _step(self, k: int) -> None:
         pending = self._pending[k]
         if not pending.saw_grad:
@@ -299,7 +308,8 @@ class ZeroEngine:
         if pending.clip_coef is None and self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping, optimizer=k)
         self._attach_master_grads(k)
-        self.inner_optimizers[k].step()
+        with self._routes[k].real_update():
+            self.inner_optimizers[k].step()  # through any LR scheduler wrapper on it, so that it counts the step
         parts = self._parts_of[k]
         for part in parts:
             for master in part.masters:
