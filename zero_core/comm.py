@@ -8,7 +8,7 @@ ZeRO paper's volumes (2Ψ per step for stages 1 and 2).
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Optional
 
 import torch
@@ -19,6 +19,13 @@ from .topology import Topology
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the first names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+# Work handles of the latest collectives stay referenced here (see Communicator._run). gloo's worker thread
+# drops its own reference to a work just after completing it; if that is the last reference, it frees the
+# work's tensors there, which takes the GIL to release their Python objects. Near interpreter exit that thread
+# finds Python finalising and the process aborts ("terminate called without an active exception"). Kept
+# here, a recent work is always freed by Python's own thread; older ones were long released by gloo.
+_RETAINED_WORKS = 64
 
 
 class Communicator:
@@ -32,6 +39,16 @@ class Communicator:
         # records its first trace.
         self.always_check = os.environ.get("ZERO_CORE_CHECK_COLLECTIVES", "0") == "1"
         self.check = self.always_check
+        self._recent_works: deque = deque(maxlen=_RETAINED_WORKS)
+
+    def _run(self, collective, *args, async_op: bool, **kwargs) -> Optional[dist.Work]:
+        """Issue ``collective`` asynchronously and keep its handle (see _RETAINED_WORKS); wait unless async."""
+        work = collective(*args, async_op=True, **kwargs)
+        if work is not None:
+            self._recent_works.append(work)
+            if not async_op:
+                work.wait()
+        return work if async_op else None
 
     def _verify(self, name: str, tensor: torch.Tensor, label: str) -> None:
         mine = (name, tensor.numel(), str(tensor.dtype), label)
@@ -58,25 +75,26 @@ class Communicator:
     ) -> Optional[dist.Work]:
         """Sum ``input`` over ranks; this rank receives its equal slice in ``output``."""
         self._count("reduce_scatter", input, label)
-        return _reduce_scatter(output, input, group=self.topology.group, async_op=async_op)
+        return self._run(_reduce_scatter, output, input, group=self.topology.group, async_op=async_op)
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
     ) -> Optional[dist.Work]:
         """Concatenate every rank's ``input`` into ``output`` in rank order."""
         self._count("all_gather", output, label)
-        return _all_gather(output, input, group=self.topology.group, async_op=async_op)
+        return self._run(_all_gather, output, input, group=self.topology.group, async_op=async_op)
 
     def all_reduce(
         self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
     ) -> Optional[dist.Work]:
         self._count("all_reduce", tensor)
-        return dist.all_reduce(tensor, op=op, group=self.topology.group, async_op=async_op)
+        return self._run(dist.all_reduce, tensor, op=op, group=self.topology.group, async_op=async_op)
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[dist.Work]:
         """Broadcast from shard-group rank ``src``."""
         self._count("broadcast", tensor)
-        return dist.broadcast(tensor, src=self.topology.global_rank(src), group=self.topology.group, async_op=async_op)
+        return self._run(dist.broadcast, tensor, src=self.topology.global_rank(src), group=self.topology.group,
+                         async_op=async_op)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Calls, elements and bytes per collective since the last reset."""

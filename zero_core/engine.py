@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import registry
+from . import registry, teardown
 from .comm import Communicator
 from .config import ZeroConfig
 from .fragments import Fragment
@@ -82,6 +82,7 @@ class ZeroEngine:
                 param.register_post_accumulate_grad_hook(self._note_grad)
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
+        self._exit_finalizer = teardown.close_at_exit(self, self.runtime)  # for scripts that never call close()
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -375,6 +376,24 @@ class ZeroEngine:
         for k in indices:
             self._pending[k] = _PendingGrads()
         self._maybe_update_scale()
+
+    # -- teardown ------------------------------------------------------------------------------------------
+    def close(self, wait: bool = True) -> None:
+        """Finish every collective still in flight (stage 3 prefetches, overlapped reductions) and free
+        gathered parameters, so that ``destroy_process_group()`` and the process exit find nothing pending.
+
+        Call it on every rank when training ends (the front-ends do, at teardown); ``with zero_core.setup(...)
+        as engine:`` calls it on leaving the block. It is idempotent, and the engine stays usable: a later
+        forward or step simply communicates again. ``wait=False`` (after an error, when another rank may never
+        issue the matching collectives) forgets the pending handles instead of waiting, as does a call after
+        the process group is gone."""
+        teardown.quiesce(self.runtime, wait)
+
+    def __enter__(self) -> "ZeroEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
 
     # -- state access (checkpoints, debugging API) ---------------------------------------------------------
     def fragments(self, optimizer: OptimizerRef = None) -> list[Fragment]:
