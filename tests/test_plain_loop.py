@@ -5,6 +5,7 @@ Covered at stages 1-3: one AdamW with an LR scheduler built before setup; gradie
 ``engine.clip_grad_norm_`` (DDP: ``torch.nn.utils.clip_grad_norm_``) and by ``gradient_clipping`` in the config;
 two optimizers (AdamW and SGD) with schedulers built after setup on the user's optimizers. No scheduler warning
 may appear ("lr_scheduler.step() before optimizer.step()" would mean the scheduler stopped seeing the steps).
+Also: step(closure), a scheduler on engine.optimizer, and the error for loss.backward() under fp16 loss scaling.
 """
 
 from __future__ import annotations
@@ -144,11 +145,25 @@ def _closure_and_facade_worker(rank: int, world_size: int) -> list:
         model(*batch).backward()
         optimizer.step()  # the user's optimizer: the scheduler on the facade must see it
         scheduler.step()
-    return [float(loss), changed, [str(w.message) for w in caught], optimizer.param_groups[0]["lr"]]
+    return [float(loss), changed, [str(w.message) for w in caught], optimizer.param_groups[0]["lr"], fp16_error(rank)]
+
+
+def fp16_error(rank: int) -> str:
+    """With fp16 loss scaling, loss.backward() skips the scale: the user's optimizer.step() must refuse."""
+    model = build_model("mlp")
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-2)
+    zero_core.setup(model, optimizer, {"stage": 2, "fp16": {"enabled": True}})
+    model(*make_batch("mlp", rank, 0, 0, torch.float16)).backward()
+    try:
+        optimizer.step()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
 
 
 def test_closure_and_scheduler_on_facade():
-    for loss, changed, caught, lr in run_distributed(_closure_and_facade_worker, WORLD, timeout=120):
+    for loss, changed, caught, lr, fp16_message in run_distributed(_closure_and_facade_worker, WORLD, timeout=120):
+        assert "call engine.backward(loss) instead" in fp16_message, fp16_message
         assert loss > 0 and changed
         assert not [w for w in caught if "lr_scheduler" in w], caught
         assert lr == 0.5e-2

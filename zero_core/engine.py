@@ -43,6 +43,7 @@ class _PendingGrads:
     saw_grad: bool = False  # a backward produced a gradient for one of its parameters
     reduced: bool = False  # they were reduced (by clipping, reduce_gradients or the step)
     clip_coef: Optional[torch.Tensor] = None
+    unscaled: bool = False  # a gradient came from a backward outside engine.backward (fp16: not loss-scaled)
 
 
 def _runtime_class(stage: int):
@@ -64,6 +65,7 @@ class ZeroEngine:
         self.comm = Communicator(topology)
         self.skipped_steps = 0
         self._no_sync_depth = 0
+        self._engine_backward = False  # inside engine.backward (which applies the fp16 loss scale)
         self._scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else None
         self._scaler_overflow: Optional[bool] = None  # a step's verdict waiting for the other optimizers
         if config.param_dtype != torch.float32:
@@ -101,7 +103,7 @@ class ZeroEngine:
         self.optimizers = [ShardedOptimizer(opt, functools.partial(self._step, k), functools.partial(self._zero, [k]))
                            for k, opt in enumerate(optimizers)]
         # The plain loop: the user's own optimizer.step()/zero_grad() do what the facade's do (plain_loop.py).
-        self._routes = [OptimizerRoute(opt, functools.partial(self._facade_step, k), functools.partial(self._zero, [k]))
+        self._routes = [OptimizerRoute(opt, functools.partial(self._user_step, k), functools.partial(self._zero, [k]))
                         for k, opt in enumerate(optimizers)]
         # Like a torch optimizer skipping parameters whose .grad is None, a step with no backward since the
         # last zero_grad changes nothing (no weight decay, no moment update).
@@ -216,7 +218,11 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()``, with the fp16 loss scale applied."""
-        (loss * self.loss_scale if self._scaler is not None else loss).backward(**kwargs)
+        self._engine_backward = True
+        try:
+            (loss * self.loss_scale if self._scaler is not None else loss).backward(**kwargs)
+        finally:
+            self._engine_backward = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -240,6 +246,7 @@ class ZeroEngine:
                 "lost: run every backward of the step first, then clip, then step()"
             )
         pending.saw_grad = True
+        pending.unscaled |= not self._engine_backward
 
     def reduce_gradients(self, optimizer: OptimizerRef = None) -> None:
         """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective.
@@ -292,7 +299,14 @@ class ZeroEngine:
         for optimizer in self.optimizers:
             optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
 
-    def _facade_step(self, k: int, closure=None):
+    def _user_step(self, k: int, closure=None):
+        """The user's own optimizer.step() (the plain loop): the facade's step, after checking what can't work."""
+        if self._scaler is not None and self._pending[k].unscaled:
+            raise RuntimeError(
+                "fp16 loss scaling is on (fp16.enabled), but this step's gradients come from loss.backward(), so "
+                "the loss was not scaled: call engine.backward(loss) instead (optimizer.step() and zero_grad() "
+                "can stay), or train in bf16/fp32, where loss.backward() works"
+            )
         return self.optimizers[k].step(closure)  # looked up now: a scheduler built on the facade wraps its step
 
     def _step(self, k: int) -> None:
