@@ -12,6 +12,8 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
+
 from distributed import _free_port
 
 SCRIPT = Path(__file__).parent / "core_scripts" / "train_and_exit.py"
@@ -44,6 +46,7 @@ def run_job(mode: str) -> list[tuple[int, str]]:
     return results
 
 
+@pytest.mark.timeout(900)  # 60 processes each importing torch: minutes on a busy machine
 def test_stage3_script_exits_cleanly_every_time():
     modes = ["forget" if i % 3 == 2 else "close" for i in range(RUNS)]
     with ThreadPoolExecutor(PARALLEL_JOBS) as pool:
