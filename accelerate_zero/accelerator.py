@@ -285,8 +285,18 @@ class ZeroAccelerator(Accelerator):
             self._models, self._optimizers = models, optimizers
 
     def free_memory(self, *objects):
+        self._close_engines()
         self._managed = []
         return super().free_memory(*objects)
+
+    def end_training(self):
+        self._close_engines()  # before Accelerate destroys the process group
+        return super().end_training()
+
+    def _close_engines(self) -> None:
+        """Finish every engine's in-flight collectives (engine.close; docs/reliability.md)."""
+        for managed in self._managed:
+            managed.engine.close()
 
 
 def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> list[tuple[int, list[int]]]:

@@ -23,9 +23,11 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 # Work handles of the latest collectives stay referenced here (see Communicator._run). gloo's worker thread
 # drops its own reference to a work just after completing it; if that is the last reference, it frees the
 # work's tensors there, which takes the GIL to release their Python objects. Near interpreter exit that thread
-# finds Python finalising and the process aborts ("terminate called without an active exception"). Kept
-# here, a recent work is always freed by Python's own thread; older ones were long released by gloo.
-_RETAINED_WORKS = 64
+# finds Python finalising and the process aborts ("terminate called without an active exception"). Kept here,
+# a recent work is freed by Python's own thread; by the time 8 later ones have completed, gloo's few worker
+# threads (2 by default) have long let go of it. The cost: at most 8 collectives' tensors stay alive, mostly
+# views of buffers the engine keeps anyway.
+_RETAINED_WORKS = 8
 
 
 class Communicator:
