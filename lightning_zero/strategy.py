@@ -380,7 +380,10 @@ class ZeroStrategy(DDPStrategy):
         """``ckpt_path="last"`` resolves (in Lightning) to the newest ``last*.ckpt`` of a ModelCheckpoint; under
         ZeRO it means the newest complete, verified checkpoint in that directory (zero_core.latest_checkpoint),
         so a damaged ``last.ckpt`` falls back to the one before."""
-        trainer = self.lightning_module.trainer
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None:
+            return path
         last = {Path(p) for cb in trainer.checkpoint_callbacks if hasattr(cb, "_find_last_checkpoints")
                 for p in cb._find_last_checkpoints(trainer)}
         if trainer.state.fn != TrainerFn.FITTING or path not in last:
