@@ -276,6 +276,11 @@ class ZeroAccelerator(Accelerator):
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
         if not self._managed:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            # Resume after a crash: the newest complete state, not merely the highest-numbered directory.
+            input_dir = state_io.latest_state(os.path.join(self.project_dir, "checkpoints"))
+            if input_dir is None:
+                raise FileNotFoundError(f"load_state(): no complete saved state in {self.project_dir}/checkpoints")
         seen = []
         handle = self.register_load_state_pre_hook(lambda models, directory: seen.append(directory))
         try:
@@ -298,8 +303,18 @@ class ZeroAccelerator(Accelerator):
             self._models, self._optimizers = models, optimizers
 
     def free_memory(self, *objects):
+        self._close_engines()
         self._managed = []
         return super().free_memory(*objects)
+
+    def end_training(self):
+        self._close_engines()  # before Accelerate destroys the process group
+        return super().end_training()
+
+    def _close_engines(self) -> None:
+        """Finish every engine's in-flight collectives (engine.close; docs/reliability.md)."""
+        for managed in self._managed:
+            managed.engine.close()
 
 
 def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> list[tuple[int, list[int]]]:

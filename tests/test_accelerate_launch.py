@@ -151,6 +151,10 @@ def test_save_state_is_sharded_and_resumes_exactly(checkpoints):
     assert max_diff(checkpoints["z3_resumed"], checkpoints["z3"]) == 0.0
 
 
+def test_load_state_without_a_directory_skips_a_damaged_newest_state(checkpoints):
+    assert checkpoints["latest_state"] == {"back_to_first": True}
+
+
 def test_ddp_checkpoint_loads_into_zero_and_back(checkpoints):
     assert max_diff(checkpoints["z3"], checkpoints["ddp"]) <= TOLERANCE
     assert max_diff(checkpoints["z2_from_ddp"], checkpoints["ddp"]) <= TOLERANCE

@@ -8,6 +8,7 @@ See docs/core-api.md for the engine and docs/config.md for every configuration f
 from .checkpoint import (
     CheckpointError,
     consolidate,
+    latest_checkpoint,
     load_checkpoint,
     load_full_state_dict,
     save_16bit_model,
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
     "consolidate",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_full_state_dict",
     "save_16bit_model",

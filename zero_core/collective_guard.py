@@ -173,7 +173,12 @@ class CollectiveGuard:
             call = blocked[0]
             status = {"where": "collective", "seq": call.seq, "call": call, "step": call.step,
                       "history": tuple(self.history)}
-            self._get_store().set(f"status/{self.rank}", pickle.dumps(status))
+            store = self._get_store()
+            store.set(f"status/{self.rank}", pickle.dumps(status))
+            # Keep the mismatch another rank posts: when that rank exits it may take the store with it (rank 0
+            # hosts it), and this rank's blocked wait then fails with only the transport's error.
+            if self._failure is None and store.check(["failure"]):
+                self._failure = store.get("failure").decode()
 
     # -- the step barrier ----------------------------------------------------------------------------------
     def on_step(self, provide: Callable[[], object], consume: Callable[[list], None]) -> None:

@@ -8,7 +8,7 @@ ZeRO paper's volumes (2Ψ per step for stages 1 and 2).
 from __future__ import annotations
 
 import os
-from collections import defaultdict
+from collections import defaultdict, deque
 from typing import Optional
 
 import torch
@@ -20,6 +20,15 @@ from .topology import Topology
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the first names.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+
+# Work handles of the latest collectives stay referenced here (see Communicator._run). gloo's worker thread
+# drops its own reference to a work just after completing it; if that is the last reference, it frees the
+# work's tensors there, which takes the GIL to release their Python objects. Near interpreter exit that thread
+# finds Python finalising and the process aborts ("terminate called without an active exception"). Kept here,
+# a recent work is freed by Python's own thread; by the time 8 later ones have completed, gloo's few worker
+# threads (2 by default) have long let go of it. The cost: at most 8 collectives' tensors stay alive, mostly
+# views of buffers the engine keeps anyway.
+_RETAINED_WORKS = 8
 
 
 class Communicator:
@@ -35,6 +44,7 @@ class Communicator:
         self.check = self.always_check
         # Always on (collective_guard.py): a fingerprint per call, a step barrier and a stall watchdog.
         self.guard = CollectiveGuard(topology)
+        self._recent_works: deque = deque(maxlen=_RETAINED_WORKS)  # see _RETAINED_WORKS
 
     def _verify(self, name: str, tensor: torch.Tensor, label: str) -> None:
         mine = (name, tensor.numel(), str(tensor.dtype), label)
@@ -59,9 +69,13 @@ class Communicator:
 
     def _issue(self, call: Optional[Call], async_op: bool, launch) -> Optional[dist.Work]:
         """Launch a collective; with the guard on, its wait goes through the stall watchdog."""
+        work = launch(True)  # always async, so that its handle can be kept (see _RETAINED_WORKS)
+        if work is not None:
+            self._recent_works.append(work)
         if call is None:
-            return launch(async_op)
-        work = launch(True)
+            if not async_op and work is not None:
+                work.wait()
+            return work if async_op else None
         if not async_op:
             self.guard.wait(work, call)
             return None

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import registry, shard_identity
+from . import registry, shard_identity, teardown
 from .comm import Communicator
 from .config import ZeroConfig
 from .fragments import Fragment
@@ -29,6 +29,7 @@ from .leaf_modules import apply_leaf_config
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
+from .plain_loop import OptimizerRoute
 from .sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from .stage12 import ReplicatedParamsRuntime
 from .topology import Topology
@@ -45,6 +46,7 @@ class _PendingGrads:
     reduced: bool = False  # they were reduced (by clipping, reduce_gradients or the step)
     clip_coef: Optional[torch.Tensor] = None
     used: set = field(default_factory=set)  # parameters that got a gradient here (on this rank)
+    unscaled: bool = False  # a gradient came from a backward outside engine.backward (fp16: not loss-scaled)
 
 
 def _runtime_class(stage: int):
@@ -66,6 +68,7 @@ class ZeroEngine:
         self.comm = Communicator(topology)
         self.skipped_steps = 0
         self._no_sync_depth = 0
+        self._engine_backward = False  # inside engine.backward (which applies the fp16 loss scale)
         self._scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else None
         self._scaler_overflow: Optional[bool] = None  # a step's verdict waiting for the other optimizers
         if config.param_dtype != torch.float32:
@@ -89,6 +92,7 @@ class ZeroEngine:
                 param.register_post_accumulate_grad_hook(self._note_grad)
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
+        self._exit_finalizer = teardown.close_at_exit(self, self.runtime)  # for scripts that never call close()
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -110,6 +114,9 @@ class ZeroEngine:
         for k, optimizer in enumerate(optimizers):
             # The user's own optimizer object adds groups through the engine too (its groups hold master shards).
             optimizer.add_param_group = functools.partial(self.add_param_group, k)
+        # The plain loop: the user's own optimizer.step()/zero_grad() do what the facade's do (plain_loop.py).
+        self._routes = [OptimizerRoute(opt, functools.partial(self._user_step, k), functools.partial(self._zero, [k]))
+                        for k, opt in enumerate(optimizers)]
         # Like a torch optimizer skipping parameters whose .grad is None, a step with no backward since the
         # last zero_grad changes nothing (no weight decay, no moment update).
         self._pending = [_PendingGrads() for _ in optimizers]
@@ -186,6 +193,8 @@ class ZeroEngine:
                 "optimizers the same way, or set up a fresh model"
             )
         self.zero_grad()
+        for route in self._routes:
+            route.unroute()
         self._record_groups(groups)
         self._bind_optimizers(optimizers)
 
@@ -274,7 +283,11 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()``, with the fp16 loss scale applied."""
-        (loss * self.loss_scale if self._scaler is not None else loss).backward(**kwargs)
+        self._engine_backward = True
+        try:
+            (loss * self.loss_scale if self._scaler is not None else loss).backward(**kwargs)
+        finally:
+            self._engine_backward = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -306,6 +319,7 @@ class ZeroEngine:
                 "lost: run every backward of the step first, then clip, then step()"
             )
         pending.saw_grad = True
+        pending.unscaled |= not self._engine_backward
 
     def reduce_gradients(self, optimizer: OptimizerRef = None) -> None:
         """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective.
@@ -370,6 +384,16 @@ class ZeroEngine:
         for optimizer in self.optimizers:
             optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
 
+    def _user_step(self, k: int, closure=None):
+        """The user's own optimizer.step() (the plain loop): the facade's step, after checking what can't work."""
+        if self._scaler is not None and self._pending[k].unscaled:
+            raise RuntimeError(
+                "fp16 loss scaling is on (fp16.enabled), but this step's gradients come from loss.backward(), so "
+                "the loss was not scaled: call engine.backward(loss) instead (optimizer.step() and zero_grad() "
+                "can stay), or train in bf16/fp32, where loss.backward() works"
+            )
+        return self.optimizers[k].step(closure)  # looked up now: a scheduler built on the facade wraps its step
+
     def _step(self, k: int) -> None:
         # Before any of the step's collectives: every rank issued the same ones since the last step
         # (collective_guard.py), so a divergence is an error here, not a hang or a wrong update.
@@ -389,7 +413,8 @@ class ZeroEngine:
         if pending.clip_coef is None and self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping, optimizer=k)
         self._attach_master_grads(k, used)
-        self.inner_optimizers[k].step()
+        with self._routes[k].real_update():
+            self.inner_optimizers[k].step()  # through any LR scheduler wrapper on it, so that it counts the step
         parts = self._parts_of[k]
         for part in parts:
             part.master_shards.clear_grads()
@@ -446,6 +471,24 @@ class ZeroEngine:
         for k in indices:
             self._pending[k] = _PendingGrads()
         self._maybe_update_scale()
+
+    # -- teardown ------------------------------------------------------------------------------------------
+    def close(self, wait: bool = True) -> None:
+        """Finish every collective still in flight (stage 3 prefetches, overlapped reductions) and free
+        gathered parameters, so that ``destroy_process_group()`` and the process exit find nothing pending.
+
+        Call it on every rank when training ends (the front-ends do, at teardown); ``with zero_core.setup(...)
+        as engine:`` calls it on leaving the block. It is idempotent, and the engine stays usable: a later
+        forward or step simply communicates again. ``wait=False`` (after an error, when another rank may never
+        issue the matching collectives) forgets the pending handles instead of waiting, as does a call after
+        the process group is gone."""
+        teardown.quiesce(self.runtime, wait)
+
+    def __enter__(self) -> "ZeroEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
 
     # -- state access (checkpoints, debugging API) ---------------------------------------------------------
     def fragments(self, optimizer: OptimizerRef = None) -> list[Fragment]:

@@ -202,6 +202,13 @@ class GradReducer:
         if self.partition_grads and self.unsynced_grads:
             self.finish_backward(only)
 
+    def quiesce(self, communicate: bool) -> None:
+        """Teardown: wait for every bucket in flight (or forget them when the process group is gone)."""
+        if communicate:
+            self._complete_inflight()
+        else:
+            self._inflight = []
+
     # -- stage 1: once per step ----------------------------------------------------------------------------
     def reduce_full_grads(self, only: set) -> None:
         """Stage 1: reduce every bucket of the groups ``only`` from the full gradient buffers, last first."""

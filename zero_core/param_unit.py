@@ -125,6 +125,12 @@ class ParamUnit:
             self._works = []
             self.state = UnitState.GATHERED
 
+    def drop_pending(self) -> None:
+        """Forget an in-flight gather without waiting (teardown after the process group is gone)."""
+        if self.state is UnitState.GATHERING:
+            self._works = []
+            self.state = UnitState.GATHERED
+
     def release(self, force: bool = False) -> None:
         """Free the gathered storage (persistent units keep it unless ``force``)."""
         if self.state is UnitState.SHARDED or (self.persistent and not force):

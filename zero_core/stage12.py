@@ -129,6 +129,11 @@ class ReplicatedParamsRuntime:
         for group in parts:
             group.zero_grads()
 
+    def quiesce(self, communicate: bool) -> None:
+        """Teardown (engine.close): finish the overlapped reduce-scatters still in flight, or, when the process
+        group is gone (``communicate=False``), drop their handles."""
+        self.reducer.quiesce(communicate)
+
     def replicated_state(self) -> dict[str, torch.Tensor]:
         """Buffers and parameters outside every optimizer group: identical on every rank, not sharded."""
         managed = {id(p) for p in self.managed_params()}

@@ -488,6 +488,21 @@ class PartitionedParamsRuntime:
         for unit in parts:
             unit.zero_grads()
 
+    def quiesce(self, communicate: bool) -> None:
+        """Teardown (engine.close): finish every collective still in flight (prefetched gathers, overlapped
+        reduce-scatters) and free what they gathered. ``communicate=False`` (the process group is gone): drop
+        the handles instead of waiting."""
+        if communicate:
+            self._complete_inflight()
+        else:
+            self._inflight = []
+        for unit in self.units:
+            if not communicate:
+                unit.drop_pending()
+            self._release(unit)
+        self._held.clear()
+        self._active.clear()
+
     def replicated_state(self) -> dict[str, torch.Tensor]:
         """Buffers, plus frozen parameters gathered into whole copies (they are partitioned in stage 3)."""
         state = {}
