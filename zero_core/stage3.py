@@ -146,6 +146,8 @@ class PartitionedParamsRuntime:
             new += self._split_unit(unit, group_of)
         self.units.sort(key=lambda u: u.index)
         self.parts = [u for u in self.units if u.trainable]
+        if self._reduce_order is not None:  # the agreed reduce order names units: rebuild it over the new ones
+            self._reduce_order = reduce_order(self)
         largest = max((u.numel for u in self.parts), default=1)
         if largest > self.pool.largest:
             self.pool = BufferPool(self.pool.device, largest)
