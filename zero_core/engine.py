@@ -92,6 +92,7 @@ class ZeroEngine:
                 param.register_post_accumulate_grad_hook(self._note_grad)
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
+        teardown.destroy_group_at_exit()  # a group left up at exit is closed while Python still runs
         self._exit_finalizer = teardown.close_at_exit(self, self.runtime)  # for scripts that never call close()
 
     # -- setup ---------------------------------------------------------------------------------------------

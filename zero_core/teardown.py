@@ -10,9 +10,12 @@ never call it. docs/reliability.md describes the guarantees.
 
 from __future__ import annotations
 
+import atexit
 import weakref
 
 import torch.distributed as dist
+
+_GROUP_CLOSER_REGISTERED = False
 
 
 def quiesce(runtime, wait: bool = True) -> None:
@@ -32,3 +35,19 @@ def close_at_exit(engine, runtime) -> weakref.finalize:
 
     Only a weak reference to the runtime is kept, so a dropped engine is not kept alive by its finaliser."""
     return weakref.finalize(engine, _quiesce_if_alive, weakref.ref(runtime))
+
+
+def _destroy_default_group() -> None:
+    """At interpreter exit, a process group the script left up is destroyed while Python still runs, so gloo's
+    worker threads never free a finished collective (ours, or one the script or its framework issued) during
+    finalisation, which aborts the process."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def destroy_group_at_exit() -> None:
+    """Register :func:`_destroy_default_group` once; atexit runs it before interpreter finalisation."""
+    global _GROUP_CLOSER_REGISTERED
+    if not _GROUP_CLOSER_REGISTERED:
+        atexit.register(_destroy_default_group)
+        _GROUP_CLOSER_REGISTERED = True
