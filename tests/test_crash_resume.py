@@ -13,7 +13,6 @@ import warnings
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 import zero_core

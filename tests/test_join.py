@@ -6,7 +6,6 @@ batches (where the joined rank shadows the all-reduce with zeros and the last jo
 from __future__ import annotations
 
 import pytest
-import torch
 from torch.distributed.algorithms.join import Join
 from torch.nn.parallel import DistributedDataParallel
 

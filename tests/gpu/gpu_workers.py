@@ -3,7 +3,6 @@ engine's stages on the same model and data, with peak memory."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
