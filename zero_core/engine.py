@@ -308,6 +308,13 @@ class ZeroEngine:
 
         return join_context(self, enable, throw_on_early_termination)
 
+    def joinable(self):
+        """``with engine.joinable() as j: with Join([j, ...]): ...``: the engine as one ``Joinable`` among others
+        in a ``Join`` the caller builds (Accelerate's ``join_uneven_inputs`` does). A context manager."""
+        from .join import attached_joinable
+
+        return attached_joinable(self)
+
     def _note_grad(self, param: torch.Tensor) -> None:
         pending = self._pending[self._optimizer_of[param]]
         pending.used.add(param)
