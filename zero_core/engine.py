@@ -354,15 +354,12 @@ class ZeroEngine:
         return norm
 
     def _global_norm(self, norm_type: float, grad_shards: list[torch.Tensor]) -> torch.Tensor:
-        shards = [s.float() for s in grad_shards]
-        local = torch.zeros((), device=self.device)
+        norms = _shard_norms(grad_shards, norm_type, self.device)
         if math.isinf(norm_type):
-            for shard in shards:
-                local = torch.maximum(local, shard.abs().max()) if shard.numel() else local
+            local = norms.max()
             self.comm.all_reduce(local, op=dist.ReduceOp.MAX)
             return local / self.loss_scale
-        for shard in shards:
-            local = local + shard.abs().pow(norm_type).sum()
+        local = norms.pow(norm_type).sum()
         self.comm.all_reduce(local)
         return local.pow(1.0 / norm_type) / self.loss_scale
 
@@ -375,9 +372,9 @@ class ZeroEngine:
         used = self._pending[k].used
         if used:
             flags[torch.tensor([self._flag_slot[p] + 1 for p in used], dtype=torch.long)] = 1
-        if self._scaler is not None and any(not torch.isfinite(s).all() for s in self._grad_shards([k])):
-            flags[0] = 1
         flags = flags.to(self.device)
+        if self._scaler is not None:  # one max-norm kernel per dtype, no host sync: inf and nan propagate
+            flags[0] = ~torch.isfinite(_shard_norms(self._grad_shards([k]), math.inf, self.device).max())
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
         agreed = [bool(v) for v in flags.tolist()]
         masks, start = [], 1
@@ -642,3 +639,16 @@ def setup(
     optimizers = _as_optimizer_list(optimizer)
     config.warn_unimplemented()
     return ZeroEngine(model, optimizers, config, Topology.from_process_group(process_group))
+
+
+def _shard_norms(shards: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """Each gradient shard's norm, accumulated in fp32 on the device: one foreach kernel per (device, dtype)
+    group and no fp32 copy of the shards. Empty shards count as zero."""
+    groups: dict = {}
+    for shard in shards:
+        if shard.numel():
+            groups.setdefault((shard.device, shard.dtype), []).append(shard)
+    norms = [torch.zeros((), device=device)]
+    for tensors in groups.values():
+        norms += [n.to(device) for n in torch._foreach_norm(tensors, norm_type, dtype=torch.float32)]
+    return torch.stack(norms)
