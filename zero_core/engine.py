@@ -26,6 +26,7 @@ from .config import ZeroConfig
 from .fragments import Fragment
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
+from .offload import attach as attach_offload
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
 from .sharded_optimizer import ShardedOptimizer, narrow_param_groups
 from .stage12 import ReplicatedParamsRuntime
@@ -75,6 +76,8 @@ class ZeroEngine:
         self._record_groups(groups)
         trainable = self._trainable_by_group(groups)
         self.runtime = _runtime_class(config.stage)(module, trainable, self._names, config, self.comm)
+        # offload hook (zero_core/offload): host/NVMe masters replace the runtime's before optimizers bind
+        self._offload = attach_offload(self.runtime, config, topology.rank)
         registry.register(self.runtime.managed_params(), self)
         for param in self.runtime.managed_params():
             if param.requires_grad:
@@ -86,6 +89,8 @@ class ZeroEngine:
     def _bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Narrow each optimizer to this rank's master shards and give it a facade that steps through here."""
         self.inner_optimizers = list(optimizers)
+        if self._offload is not None:  # offload hook: the state it swaps with the masters
+            self._offload.bind(self.inner_optimizers)
         self.group_optimizer = [k for k, opt in enumerate(optimizers) for _ in opt.param_groups]
         self._parts_of = [[part for part in self.runtime.parts if self.group_optimizer[part.group_index] == k]
                           for k in range(len(optimizers))]
@@ -298,12 +303,15 @@ class ZeroEngine:
             return
         if pending.clip_coef is None and self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping, optimizer=k)
-        self._attach_master_grads(k)
-        self.inner_optimizers[k].step()
         parts = self._parts_of[k]
-        for part in parts:
-            for master in part.masters:
-                master.grad = None
+        if self._offload is not None:  # offload hook: tiled step on the CPU masters (zero_core/offload)
+            self._offload.step(self.inner_optimizers[k], parts, 1.0 / self.loss_scale, self._pending[k].clip_coef)
+        else:
+            self._attach_master_grads(k)
+            self.inner_optimizers[k].step()
+            for part in parts:
+                for master in part.masters:
+                    master.grad = None
         self.runtime.after_step(parts)
         self._record_overflow(False)
         self._finish_step(k)
@@ -394,13 +402,19 @@ class ZeroEngine:
         parameters are partitioned and get gathered (all of them at once) into copies."""
         return self.runtime.replicated_state()
 
+    def offload_resident(self):
+        """A context in which NVMe-offloaded masters and optimizer state are in memory (a no-op otherwise):
+        wrap direct reads of ``fragments()`` / ``optimizer_state_of`` with it."""
+        return self._offload.resident() if self._offload is not None else contextlib.nullcontext()
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` of the trained model as DDP would give it (fp32 masters for trainable
         parameters), as CPU tensors, on rank 0 (every rank unless ``rank0_only``). A collective; see
         zero_core.full_state."""
         from .full_state import full_state_dict
 
-        return full_state_dict(self, rank0_only=rank0_only)
+        with self.offload_resident():
+            return full_state_dict(self, rank0_only=rank0_only)
 
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, whole, one at a time (stage 3 gathers each transiently). Call on every rank."""
@@ -419,7 +433,8 @@ class ZeroEngine:
 
     def commit_params(self, params, opened: list, modified: bool) -> None:
         """GatheredParameters' exit: keep modified values (masters included), release what was gathered."""
-        self.runtime.commit_params(params, opened, modified)
+        with self.offload_resident():
+            self.runtime.commit_params(params, opened, modified)
 
     def empty_partition_cache(self) -> None:
         """Release every gathered stage 3 parameter that is not in use (no-op for stages 1 and 2)."""
@@ -432,13 +447,15 @@ class ZeroEngine:
         """Write a sharded checkpoint directory atomically (docs/checkpoints.md)."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, client_state)
+        with self.offload_resident():
+            return save_checkpoint(self, path, client_state)
 
     def load_checkpoint(self, path, strict: bool = True, load_optimizer_states: bool = True) -> Optional[dict]:
         """Load a checkpoint saved at any world size and stage (or a plain state dict); returns client_state."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
+        with self.offload_resident():
+            return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
 
     def save_16bit_model(self, out_dir, **kwargs) -> bool:
         """16-bit safetensors of the whole model, streamed one parameter (unit) at a time."""

@@ -1,0 +1,179 @@
+"""Optimizer offload (zero_core/offload): CPU masters and NVMe swap train to DDP's weights at stages 1-3.
+
+One spawn per world size runs every case with the DDP reference in the same processes; tiles are made small
+(sub_group_size) so every step runs several tiles, and the NVMe swap double-buffers across them.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import warnings
+from dataclasses import asdict, dataclass, field
+from functools import partial
+
+import pytest
+import torch
+
+from distributed import run_distributed
+from models import build_model, make_batch
+from reference import make_optimizer, make_sgd, train_ddp
+from stage3_support import train_engine
+
+STEPS = 6
+WEIGHT_TOLERANCE = 1e-5
+CLIP = {"transformer": 0.5, "mlp": 0.05}
+SMALL = {"reduce_bucket_size": 100, "allgather_bucket_size": 100, "sub_group_size": 120}
+
+
+def make_rmsprop(model, lr):
+    """An optimizer torch has no fused CPU kernel for: it still works, with a one-time note."""
+    return torch.optim.RMSprop(model.parameters(), lr=lr)
+
+
+OPTIMIZERS = {"adamw": make_optimizer, "sgd": make_sgd, "rmsprop": make_rmsprop}
+
+
+@dataclass(frozen=True)
+class Case:
+    stage: int
+    device: str  # offload_optimizer.device
+    model: str = "transformer"
+    accumulation: int = 2
+    clip: bool = True
+    optimizer: str = "adamw"
+    options: dict = field(default_factory=lambda: dict(SMALL))
+
+    def label(self) -> str:
+        return ", ".join(f"{k}={v}" for k, v in asdict(self).items())
+
+    def config(self, nvme_dir: str) -> dict:
+        block = {"device": self.device, **({"nvme_path": nvme_dir} if self.device == "nvme" else {})}
+        return {"stage": self.stage, "param_persistence_threshold": 0, "offload_optimizer": block,
+                "aio": {"block_size": 256, "queue_depth": 2, "thread_count": 2}, **self.options}
+
+
+def cases() -> list[Case]:
+    out = [Case(stage, device) for stage in (1, 2, 3) for device in ("cpu", "nvme")]
+    return out + [
+        Case(2, "cpu", optimizer="sgd", accumulation=1),
+        Case(1, "nvme", optimizer="rmsprop", clip=False),
+        Case(3, "nvme", model="mlp", options={"gradient_clipping": 0.05}),  # frozen params; clipping in step()
+        Case(3, "nvme", options={}),  # default buckets and sub_group_size: one tile
+        Case(2, "nvme", options={**SMALL, "aio": {"single_submit": True, "overlap_events": False}}),
+    ]
+
+
+def run_case(case: Case, nvme_dir: str) -> dict:
+    clip = CLIP[case.model] if case.clip else None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result, engine = train_engine(partial(build_model, case.model), partial(make_batch, case.model),
+                                      case.config(nvme_dir), STEPS, case.accumulation, clip,
+                                      optimizer_fn=OPTIMIZERS[case.optimizer])
+    offload = engine._offload
+    swap_files = sorted(os.listdir(nvme_dir))
+    memory = engine.memory_stats()
+    inner = engine.inner_optimizers[0]
+    report = {
+        "result": result,
+        "notes": [str(w.message) for w in caught if "fused CPU kernel" in str(w.message)],
+        "fused": [g.get("fused") for g in inner.param_groups],
+        "masters_on_cpu": all(m.device.type == "cpu" for m in offload.all_masters()),
+        "masters_apart": all(m.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
+                             for part in engine.runtime.parts for m, s in zip(part.masters, part.grad_shards())),
+        "swap_file": offload.swapper.path if offload.swapper else None,
+        "swap_files": swap_files,
+        "resident_master_bytes": memory["fp32_master"],
+        "resident_state_bytes": memory["optimizer_state"],
+        "scalar_state_bytes": sum(v.numel() * v.element_size() for state in inner.state.values()
+                                  for v in state.values() if torch.is_tensor(v) and v.dim() == 0),
+    }
+    offload.close()
+    report["after_close"] = sorted(os.listdir(nvme_dir))
+    return report
+
+
+def setup_errors(nvme_dir: str) -> list[str]:
+    """A bad nvme_path fails in setup, before any training, naming the field."""
+    import zero_core
+
+    messages = []
+    for path in (os.path.join(nvme_dir, "missing"), __file__):
+        model = build_model("mlp")
+        try:
+            zero_core.setup(model, make_optimizer(model),
+                            {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": path}})
+        except ValueError as error:
+            messages.append(str(error))
+    return messages
+
+
+def offload_worker(rank, world_size, all_cases):
+    nvme_dir = tempfile.mkdtemp(prefix=f"zero-offload-{rank}-")
+    references, results = {}, []
+    for case in all_cases:
+        key = (case.model, case.accumulation, case.clip or "gradient_clipping" in case.options, case.optimizer)
+        if key not in references:
+            clip = CLIP[case.model] if key[2] else None
+            references[key] = train_ddp(partial(build_model, case.model), partial(make_batch, case.model), STEPS,
+                                        case.accumulation, clip, optimizer_fn=OPTIMIZERS[case.optimizer])
+        try:
+            report = run_case(case, nvme_dir)
+        except Exception as error:
+            error.add_note(f"in case: {case.label()}")
+            raise
+        ref = references[key]
+        result = report.pop("result")
+        report["max_dw"] = max((result.params[n] - ref.params[n]).abs().max().item() for n in ref.params)
+        report["losses_match"] = torch.allclose(torch.tensor(result.losses), torch.tensor(ref.losses), rtol=1e-5)
+        report["norms_match"] = not case.clip or torch.allclose(torch.tensor(result.norms), torch.tensor(ref.norms),
+                                                                rtol=1e-5)
+        results.append(report)
+    return results, setup_errors(nvme_dir), nvme_dir
+
+
+def check(case: Case, r: dict) -> list[str]:
+    problems = []
+    if not r["max_dw"] <= WEIGHT_TOLERANCE:
+        problems.append(f"max |w - w_ddp| = {r['max_dw']:.3g}")
+    if not (r["losses_match"] and r["norms_match"]):
+        problems.append("losses or clip norms differ from DDP's")
+    fused = case.optimizer != "rmsprop"
+    if fused != all(r["fused"]) or bool(r["notes"]) == fused or len(r["notes"]) > 1:
+        problems.append(f"fused flags {r['fused']} / notes {r['notes']} wrong for {case.optimizer}")
+    if not (r["masters_on_cpu"] and r["masters_apart"]):
+        problems.append("masters are not separate CPU tensors")
+    if case.device == "nvme":
+        if os.path.basename(r["swap_file"]) not in r["swap_files"] or r["after_close"]:
+            problems.append(f"swap file {r['swap_file']}: during {r['swap_files']}, after close {r['after_close']}")
+        if r["resident_master_bytes"] or r["resident_state_bytes"] != r["scalar_state_bytes"]:
+            problems.append(f"NVMe state still resident between steps: {r['resident_master_bytes']} master, "
+                            f"{r['resident_state_bytes']} optimizer bytes")
+    elif r["resident_state_bytes"] == 0 or r["resident_master_bytes"] == 0:
+        problems.append("CPU offload should keep masters and state in memory")
+    return problems
+
+
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_offload_matches_ddp(world_size):
+    all_cases = cases()
+    per_rank = run_distributed(offload_worker, world_size, all_cases, timeout=360)
+    problems = [f"rank {rank} [{case.label()}]: {p}" for rank, (results, _, _) in enumerate(per_rank)
+                for case, r in zip(all_cases, results, strict=True) for p in check(case, r)]
+    assert not problems, "\n".join(problems)
+    for results, errors, nvme_dir in per_rank:
+        assert os.listdir(nvme_dir) == []
+        assert len(errors) == 2, errors
+        assert "offload_optimizer.nvme_path" in errors[0] and "not an existing directory" in errors[0]
+        assert "not an existing directory" in errors[1]
+        os.rmdir(nvme_dir)
+
+
+def test_full_disk_is_an_error_before_training(monkeypatch, tmp_path):
+    from zero_core.offload import nvme_swap
+
+    monkeypatch.setattr(nvme_swap.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 1024})())
+    with pytest.raises(ValueError, match=r"offload_optimizer.nvme_path=.* has 0.00 GiB free .* needs about"):
+        nvme_swap.check_nvme_path(str(tmp_path), "zero_optimization.offload_optimizer.nvme_path", 10 * 2**30)

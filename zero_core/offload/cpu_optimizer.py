@@ -1,0 +1,188 @@
+"""The optimizer step of an offloaded engine: on CPU masters, with torch's fused CPU kernels, tile by tile.
+
+The engine hands over, per step, one optimizer and its parts (flat groups or stage 3 units). Each part's
+``masters`` were replaced at setup by fp32 copies in host memory (:func:`attach`), so the user's optimizer,
+whose param_groups hold those masters, steps on the CPU. Reduced gradient shards are copied (unscaled and
+clipped) into host gradient buffers tile by tile; a tile is at most ``sub_group_size`` elements of whole master
+shards (one shard per bucket; a bigger shard is a tile of its own). With ``device: nvme`` a tile's masters and
+state are read from the swap file before it steps (the next tile's read overlaps this tile's step), written back
+to the model's parameter shards, and written out again (overlapping the next tile's step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from .aio import AioPool, Transfer
+from .nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
+from .placement import copy_to_host, host_copy, pinning, wait_for_copies
+
+# torch optimizers with a fused CPU kernel (torch.optim.*(fused=True) on CPU tensors).
+FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+# Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
+_SWAP_BYTES_PER_ELEMENT = 4 * 3
+
+
+def _param_shards(part) -> list[torch.Tensor]:
+    """The model-side (16-bit or fp32) shard each master of ``part`` writes back into."""
+    if hasattr(part, "shard_of_params"):  # stages 1-2: FlatParamGroup
+        return [part.shard_of_params(b.index) for b in part.layout.buckets]
+    return [part._bucket_shard(part.shard, b.index) for b in part.layout.buckets]  # stage 3: ParamUnit
+
+
+class OptimizerOffload:
+    """Host-resident (or NVMe-swapped) masters and state, and the tiled CPU step over them."""
+
+    def __init__(self, parts: list, config, rank: int) -> None:
+        block = config.offload_optimizer
+        self.device = block.device
+        self.sub_group_size = config.sub_group_size
+        nvme = self.device == "nvme"
+        masters = [m for part in parts for m in part.masters]
+        if nvme:
+            check_nvme_path(block.nvme_path, "zero_optimization.offload_optimizer.nvme_path",
+                            _SWAP_BYTES_PER_ELEMENT * sum(m.numel() for m in masters))
+        # Resizing storage (the swap) needs ordinary host memory, so pinning is for device 'cpu' only.
+        self.pin = pinning(block.pin_memory) and not nvme
+        for part in parts:
+            part.masters = [nn.Parameter(host_copy(m, torch.float32, self.pin)) for m in part.masters]
+        self.parts = parts
+        self._grads: dict[int, torch.Tensor] = {}  # id(master) -> host gradient buffer (device 'cpu')
+        self._noted: set[type] = set()
+        self.swapper: Optional[NvmeSwapper] = None
+        self._resident_depth = 0
+        self._optimizers: list[torch.optim.Optimizer] = []
+        if nvme:
+            self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio))
+            self.swapper.swap_out(self._swap_items(self.all_masters())).wait()
+
+    def all_masters(self) -> list[nn.Parameter]:
+        return [m for part in self.parts for m in part.masters]
+
+    def close(self) -> None:
+        """Remove the swap file (also done when the engine is collected and at exit)."""
+        if self.swapper is not None:
+            self.swapper.close()
+
+    # -- the user's optimizer on the CPU -------------------------------------------------------------------
+    def use_fused(self, optimizer: torch.optim.Optimizer) -> None:
+        """Run torch's fused CPU kernel when the optimizer has one; any other optimizer steps as written."""
+        if isinstance(optimizer, FUSED_CPU) and "fused" in optimizer.defaults:
+            optimizer.defaults["fused"] = True
+            for group in optimizer.param_groups:
+                if not group.get("differentiable"):
+                    group["fused"], group["foreach"] = True, False
+        elif type(optimizer) not in self._noted:
+            self._noted.add(type(optimizer))
+            warnings.warn(
+                f"offload_optimizer: {type(optimizer).__name__} has no fused CPU kernel in torch, so its step runs "
+                "torch's generic code on the CPU (slower). Adam, AdamW, SGD and Adagrad step with fused kernels.",
+                stacklevel=4,
+            )
+
+    def _tiles(self, parts: list) -> list[list[tuple]]:
+        """(master, grad shard, param shard) triples grouped into tiles of at most sub_group_size elements."""
+        tiles, current, size = [], [], 0
+        for part in parts:
+            for master, grad, shard in zip(part.masters, part.grad_shards(), _param_shards(part)):
+                if current and size + master.numel() > self.sub_group_size:
+                    tiles.append(current)
+                    current, size = [], 0
+                current.append((master, grad, shard))
+                size += master.numel()
+        return tiles + ([current] if current else [])
+
+    def _host_grad(self, master: nn.Parameter) -> torch.Tensor:
+        if self.swapper is not None:  # only the tile's gradients are in memory
+            return torch.empty(master.shape, dtype=torch.float32)
+        grad = self._grads.get(id(master))
+        if grad is None:
+            grad = self._grads[id(master)] = torch.empty(master.shape, dtype=torch.float32, pin_memory=self.pin)
+        return grad
+
+    def step(self, optimizer: torch.optim.Optimizer, parts: list, inv_scale: float,
+             clip_coef: Optional[torch.Tensor]) -> None:
+        """Copy the gradients to the host, step ``optimizer`` tile by tile, write NVMe tiles back."""
+        self.use_fused(optimizer)
+        clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
+        tiles = self._tiles(parts)
+        swap = self.swapper
+        reading = swap.swap_in(self._swap_items(m for m, _, _ in tiles[0])) if swap and tiles else None
+        writing: Optional[Transfer] = None
+        for index, tile in enumerate(tiles):
+            if swap is not None:
+                reading.wait()
+                if index + 1 < len(tiles):  # read the next tile while this one steps
+                    reading = swap.swap_in(self._swap_items(m for m, _, _ in tiles[index + 1]))
+                    if not swap.pool.overlap:
+                        reading.wait()
+            for master, grad, _ in tile:
+                master.grad = self._host_grad(master)
+                copy_to_host(master.grad, grad)
+            wait_for_copies([grad for _, grad, _ in tile])
+            for master, _, _ in tile:  # the same arithmetic as the engine's _attach_master_grads
+                if inv_scale != 1.0:
+                    master.grad.mul_(inv_scale)
+                if clip is not None:
+                    master.grad.mul_(clip)
+            optimizer.step()  # masters of other tiles have no .grad, so they are skipped
+            for master, _, _ in tile:
+                master.grad = None
+            if swap is not None:
+                for master, _, shard in tile:  # after_step skips swapped-out masters
+                    shard.copy_(master.detach())
+                if writing is not None:
+                    writing.wait()
+                writing = swap.swap_out(self._swap_items(m for m, _, _ in tile))
+                if not swap.pool.overlap:
+                    writing.wait()
+        if writing is not None:
+            writing.wait()
+
+    # -- NVMe ----------------------------------------------------------------------------------------------
+    def _optimizers_state(self, master: nn.Parameter) -> dict:
+        for optimizer in self._optimizers:
+            if master in optimizer.state:
+                return optimizer.state[master]
+        return {}
+
+    def _swap_items(self, masters) -> Iterator[tuple]:
+        """A master and every optimizer state tensor shaped like it (scalars such as ``step`` stay in memory)."""
+        for master in masters:
+            yield master, _MASTER, master.data
+            for key, value in self._optimizers_state(master).items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape == master.shape:
+                    yield master, str(key), value
+
+    def bind(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The inner optimizers whose state is swapped with the masters (set again by replace_optimizers)."""
+        self._optimizers = list(optimizers)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Everything in memory for the duration (checkpoints, GatheredParameters, full state dicts)."""
+        if self.swapper is None:
+            yield
+            return
+        if self._resident_depth == 0:
+            self.swapper.swap_in(self._swap_items(self.all_masters())).wait()
+        self._resident_depth += 1
+        try:
+            yield
+        finally:
+            self._resident_depth -= 1
+            if self._resident_depth == 0:
+                self.swapper.swap_out(self._swap_items(self.all_masters())).wait()
+
+
+def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
+    """Offload ``runtime``'s masters when the config asks for it (before the optimizers are narrowed to them)."""
+    block = config.offload_optimizer
+    if block is None or block.device == "none":
+        return None
+    return OptimizerOffload(runtime.parts, config, rank)
