@@ -80,6 +80,8 @@ class NvmeSwapper:
             nbytes = tensor.numel() * tensor.element_size()
             if nbytes == 0 or tensor.untyped_storage().nbytes() == 0:
                 continue  # empty shard, or already out
+            if not tensor.untyped_storage().resizable():  # shared with numpy (e.g. by a checkpoint write)
+                tensor.data = tensor.detach().clone()
             try:
                 self.pool.write(transfer, self.fd, tensor, self._offset(master, key, nbytes))
             except OSError as error:
