@@ -118,7 +118,7 @@ class FlatParamGroup:
     def write_back_masters(self) -> None:
         """Copy updated 16-bit values of this rank's shards from their fp32 masters."""
         for bucket, master in enumerate(self.masters):
-            if master.numel() and master.untyped_storage().nbytes() == 0:
+            if master.untyped_storage().nbytes() == 0:
                 continue  # swapped out to NVMe: zero_core/offload wrote it back as it stepped
             shard = self.shard_of_params(bucket)
             if shard.data_ptr() != master.data_ptr():

@@ -170,7 +170,7 @@ class ParamUnit:
     # -- optimizer side ------------------------------------------------------------------------------------
     def write_back_masters(self) -> None:
         for master, bucket in zip(self.masters, self.layout.buckets):
-            if master.numel() and master.untyped_storage().nbytes() == 0:
+            if master.untyped_storage().nbytes() == 0:
                 continue  # swapped out to NVMe: zero_core/offload wrote it back as it stepped
             shard = self._bucket_shard(self.shard, bucket.index)
             if shard.data_ptr() != master.data_ptr():

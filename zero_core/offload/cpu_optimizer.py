@@ -49,8 +49,6 @@ class OptimizerOffload:
                             _SWAP_BYTES_PER_ELEMENT * sum(m.numel() for m in masters))
         # Resizing storage (the swap) needs ordinary host memory, so pinning is for device 'cpu' only.
         self.pin = pinning(block.pin_memory) and not nvme
-        for part in parts:
-            part.masters = [nn.Parameter(host_copy(m, torch.float32, self.pin)) for m in part.masters]
         self.parts = parts
         self._grads: dict[int, torch.Tensor] = {}  # id(master) -> host gradient buffer (device 'cpu')
         self._noted: set[type] = set()
@@ -58,8 +56,18 @@ class OptimizerOffload:
         self._resident_depth = 0
         self._optimizers: list[torch.optim.Optimizer] = []
         if nvme:
-            self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio))
-            self.swapper.swap_out(self._swap_items(self.all_masters())).wait()
+            # Freed tile buffers kept for reuse: buffer_count tiles of a master and Adam's two moments.
+            pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, sum(m.numel() for m in masters))
+            self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio), pool_bytes)
+        for part in parts:
+            part.masters = [self._host_master(m) for m in part.masters]
+
+    def _host_master(self, master: torch.Tensor) -> nn.Parameter:
+        """An fp32 host copy of a device master; with NVMe written out at once (only one is ever in memory)."""
+        host = nn.Parameter(host_copy(master, torch.float32, self.pin))
+        if self.swapper is not None:
+            self.swapper.swap_out([(host, _MASTER, host)]).wait()
+        return host
 
     def all_masters(self) -> list[nn.Parameter]:
         return [m for part in self.parts for m in part.masters]
@@ -90,11 +98,11 @@ class OptimizerOffload:
         tiles, current, size = [], [], 0
         for part in parts:
             for master, grad, shard in zip(part.masters, part.grad_shards(), _param_shards(part)):
-                if current and size + master.numel() > self.sub_group_size:
+                if current and size + grad.numel() > self.sub_group_size:  # (a swapped-out master is empty)
                     tiles.append(current)
                     current, size = [], 0
                 current.append((master, grad, shard))
-                size += master.numel()
+                size += grad.numel()
         return tiles + ([current] if current else [])
 
     def _host_grad(self, master: nn.Parameter) -> torch.Tensor:
@@ -154,9 +162,10 @@ class OptimizerOffload:
     def _swap_items(self, masters) -> Iterator[tuple]:
         """A master and every optimizer state tensor shaped like it (scalars such as ``step`` stay in memory)."""
         for master in masters:
-            yield master, _MASTER, master.data
+            yield master, _MASTER, master
             for key, value in self._optimizers_state(master).items():
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape == master.shape:
+                # master.shape: both resident; (0,): swapped out (the master may already be back in)
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape in (master.shape, torch.Size([0])):
                     yield master, str(key), value
 
     def bind(self, optimizers: list[torch.optim.Optimizer]) -> None:

@@ -1,8 +1,9 @@
 """ZeRO-Infinity's optimizer swap: fp32 masters and their per-element optimizer state in one file per rank.
 
 A swapped-out tensor keeps its object (the optimizer's state dict and param_groups still hold it) but its
-storage is resized to zero bytes, as stage 3 does with released parameters; swapping in grows the storage back
-and reads the file into it. Each (tensor, state key) has a fixed region of the file, aligned to the aio
+``.data`` becomes an empty tensor; swapping in points it at a host buffer again and reads the file into it. Freed
+buffers are kept for the next tiles (up to ``pool_bytes``): reading into memory already touched runs several
+times faster than into fresh pages. Each (tensor, state key) has a fixed region of the file, aligned to the aio
 ``block_size``.
 """
 
@@ -50,11 +51,15 @@ def _remove(fd: int, path: str, pool: AioPool) -> None:
 class NvmeSwapper:
     """Swap groups of tensors in and out of this rank's file through an :class:`AioPool`."""
 
-    def __init__(self, directory: str, rank: int, pool: AioPool) -> None:
+    def __init__(self, directory: str, rank: int, pool: AioPool, pool_bytes: int = 0) -> None:
         self.path = os.path.join(directory, f"zero_offload_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}.swp")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         self.pool = pool
         self._regions: dict[tuple[int, str], int] = {}  # (id(master), key) -> file offset
+        self._shapes: dict[tuple[int, str], tuple[torch.Size, torch.dtype]] = {}
+        self._free: dict[int, list[torch.Tensor]] = {}  # nbytes -> freed flat uint8 buffers
+        self._free_bytes = 0
+        self.pool_bytes = pool_bytes
         self._end = 0
         self.bytes_written = 0
         self.bytes_read = 0
@@ -73,15 +78,14 @@ class NvmeSwapper:
         return self._regions[region]
 
     def swap_out(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> Transfer:
-        """Write each (master, key, tensor) to its region; the storages are freed when the transfer is waited."""
+        """Write each (master, key, tensor) to its region; the memory is released when the transfer is waited."""
         tensors = []
-        transfer = Transfer(then=lambda: [t.untyped_storage().resize_(0) for t in tensors])
+        transfer = Transfer(then=lambda: [self._release(t) for t in tensors])
         for master, key, tensor in items:
             nbytes = tensor.numel() * tensor.element_size()
-            if nbytes == 0 or tensor.untyped_storage().nbytes() == 0:
+            if nbytes == 0:
                 continue  # empty shard, or already out
-            if not tensor.untyped_storage().resizable():  # shared with numpy (e.g. by a checkpoint write)
-                tensor.data = tensor.detach().clone()
+            self._shapes[(id(master), key)] = (tensor.shape, tensor.dtype)
             try:
                 self.pool.write(transfer, self.fd, tensor, self._offset(master, key, nbytes))
             except OSError as error:
@@ -90,19 +94,39 @@ class NvmeSwapper:
             self.bytes_written += nbytes
         return transfer
 
+    def _release(self, tensor: torch.Tensor) -> None:
+        old = tensor.data
+        tensor.data = torch.empty(0, dtype=tensor.dtype)
+        nbytes = old.numel() * old.element_size()
+        if old.untyped_storage().nbytes() == nbytes and self._free_bytes + nbytes <= self.pool_bytes:
+            self._free.setdefault(nbytes, []).append(old.reshape(-1).view(torch.uint8))
+            self._free_bytes += nbytes
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        free = self._free.get(nbytes)
+        if free:
+            self._free_bytes -= nbytes
+            return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
     def swap_in(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> Transfer:
         """Grow each tensor's storage back and read its region into it."""
         transfer = Transfer()
         for master, key, tensor in items:
-            nbytes = tensor.numel() * tensor.element_size()
-            if nbytes == 0 or tensor.untyped_storage().nbytes() != 0:
-                continue  # empty, or resident
-            if (id(master), key) not in self._regions:
-                raise RuntimeError(f"NVMe swap: no saved copy of a master's {key!r}; it was never swapped out")
-            tensor.untyped_storage().resize_(nbytes)
-            self.pool.read(transfer, self.fd, tensor, self._regions[(id(master), key)])
+            region = (id(master), key)
+            if tensor.numel() or region not in self._shapes:
+                continue  # resident, or never written (an empty shard)
+            shape, dtype = self._shapes[region]
+            nbytes = shape.numel() * dtype.itemsize
+            tensor.data = self._buffer(nbytes).view(dtype).view(shape)
+            self.pool.read(transfer, self.fd, tensor, self._regions[region])
             self.bytes_read += nbytes
         return transfer
+
+    def numel(self, master: torch.Tensor) -> int:
+        """Elements of ``master``, swapped out or not."""
+        shape = self._shapes.get((id(master), _MASTER))
+        return master.numel() if master.numel() or shape is None else shape[0].numel()
 
     def file_bytes(self) -> int:
         return os.fstat(self.fd).st_size

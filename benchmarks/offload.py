@@ -1,0 +1,232 @@
+"""Offload benchmarks (issue 19), side by side on the same machine and disk:
+
+- ``nvme``: one optimizer pass of the swap (NvmeSwapper over the aio thread pool: read each tile of N fp32
+  elements, the next one in flight, and write it back) against a plain dd-style sequential write + fsync + read
+  of the same bytes in the same directory; the pages are dropped (posix_fadvise DONTNEED) before reading.
+- ``step``: the offloaded CPU step (gradient copy + unscale/clip + tiled fused AdamW, OptimizerOffload.step)
+  over N parameters, against a bare ``AdamW(fused=True).step()`` over one N-element parameter.
+- ``rss``: peak RSS of one rank training a ~100M-parameter MLP at stage 3 (world size 1), without offload and
+  with ``offload_optimizer: nvme``, each in a fresh process.
+
+    python -m benchmarks.offload nvme --numel 67108864 --dir /tmp
+    python -m benchmarks.offload step --numel 20000000
+    python -m benchmarks.offload rss --dir /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+MiB = 1 << 20
+
+
+def _drop_cache(fd: int) -> None:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def plain_pass(directory: str, nbytes: int, block: int) -> float:
+    """dd if=/dev/zero of=f bs=block + fsync, then dd if=f of=/dev/null bs=block after dropping the pages."""
+    path = os.path.join(directory, "plain_dd.bin")
+    buf = bytearray(os.urandom(block))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start = time.perf_counter()
+        for offset in range(0, nbytes, block):
+            os.pwrite(fd, buf, offset)
+        _drop_cache(fd)
+        view = memoryview(buf)
+        for offset in range(0, nbytes, block):
+            os.preadv(fd, [view], offset)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
+def swap_pass(directory: str, numel: int, tile: int, aio: dict, buffer_count: int) -> float:
+    """One optimizer pass of the swap without the arithmetic: read every tile (the next one while this one
+    'steps') and write it back (overlapping the next), as OptimizerOffload.step does; the file starts on disk."""
+    from zero_core.offload.aio import AioPool
+    from zero_core.offload.nvme_swap import NvmeSwapper
+
+    swapper = NvmeSwapper(directory, 0, AioPool(**aio), pool_bytes=buffer_count * tile * 4)
+    tiles = [[(t, "__master__", t)] for t in (torch.rand(min(tile, numel - s)) for s in range(0, numel, tile))]
+    try:
+        for items in tiles:
+            swapper.swap_out(items).wait()
+        _drop_cache(swapper.fd)
+        start = time.perf_counter()
+        reading, writing = swapper.swap_in(tiles[0]), None
+        for index, items in enumerate(tiles):
+            reading.wait()
+            if index + 1 < len(tiles):
+                reading = swapper.swap_in(tiles[index + 1])
+            if writing is not None:
+                writing.wait()
+            writing = swapper.swap_out(items)
+        writing.wait()
+        os.fsync(swapper.fd)
+        return time.perf_counter() - start
+    finally:
+        swapper.close()
+
+
+def bench_nvme(args) -> dict:
+    nbytes = args.numel * 4
+    aio = dict(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.thread_count,
+               single_submit=False, overlap_events=True)
+    plain, swap = [], []
+    for _ in range(args.repeats):  # interleaved, so load from other jobs hits both sides alike
+        plain.append(plain_pass(args.dir, nbytes, args.block_size))
+        swap.append(swap_pass(args.dir, args.numel, args.tile, aio, args.buffer_count))
+    gbps = lambda seconds: 2 * nbytes / seconds / 1e9  # noqa: E731  (every byte written once and read once)
+    out = {"bytes": nbytes, "aio": aio, "tile_elements": args.tile, "buffer_count": args.buffer_count,
+           "plain_GBps": gbps(min(plain)), "swap_GBps": gbps(min(swap)),
+           "plain_median_GBps": gbps(statistics.median(plain)), "swap_median_GBps": gbps(statistics.median(swap))}
+    out["swap_vs_plain"] = out["swap_GBps"] / out["plain_GBps"]
+    return out
+
+
+def bench_step(args) -> dict:
+    from types import SimpleNamespace
+
+    from zero_core.config import ZeroConfig
+    from zero_core.offload import OptimizerOffload
+
+    n = args.numel
+    bare_param = torch.nn.Parameter(torch.randn(n))
+    bare_param.grad = torch.randn(n)
+    bare = torch.optim.AdamW([bare_param], lr=1e-3, fused=True)
+
+    # The offloaded side: one part holding n elements in buckets (what a flat group hands the offload), its
+    # gradient shards on "the device" (here also the CPU), tiles of sub_group_size.
+    buckets = [min(args.bucket, n - s) for s in range(0, n, args.bucket)]
+    device_flat = torch.randn(n)
+    device_grads = torch.randn(n)
+    offsets = [sum(buckets[:i]) for i in range(len(buckets))]
+
+    class Part:
+        masters = [torch.nn.Parameter(device_flat[o:o + b]) for o, b in zip(offsets, buckets)]
+        layout = SimpleNamespace(buckets=[SimpleNamespace(index=i) for i in range(len(buckets))])
+
+        def grad_shards(self):
+            return [device_grads[o:o + b] for o, b in zip(offsets, buckets)]
+
+        def shard_of_params(self, index):
+            return device_flat[offsets[index]:offsets[index] + buckets[index]]
+
+    part = Part()
+    config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"}, sub_group_size=args.sub_group_size)
+    offload = OptimizerOffload([part], config, rank=0)
+    optimizer = torch.optim.AdamW(part.masters, lr=1e-3)
+    offload.bind([optimizer])
+
+    def offloaded():
+        offload.step(optimizer, [part], 1.0, None)
+        for master, shard in zip(part.masters, [part.shard_of_params(i) for i in range(len(buckets))]):
+            shard.copy_(master.detach())  # the write-back the runtime's after_step does
+
+    def copies_only():  # what the offload adds around the step: gradients in, parameters back
+        for master, grad in zip(part.masters, part.grad_shards()):
+            offload._host_grad(master).copy_(grad)
+        for master, shard in zip(part.masters, [part.shard_of_params(i) for i in range(len(buckets))]):
+            shard.copy_(master.detach())
+
+    bare_times, off_times, copy_times = [], [], []
+    bare.step(), offloaded()  # state allocation outside the timing
+    for _ in range(args.repeats):
+        for fn, times in ((bare.step, bare_times), (offloaded, off_times), (copies_only, copy_times)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    b, o = min(bare_times), min(off_times)
+    return {"numel": n, "threads": torch.get_num_threads(), "bucket": args.bucket,
+            "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
+            "bare_Gparams_per_s": n / b / 1e9, "offloaded_Gparams_per_s": n / o / 1e9, "offloaded_vs_bare": b / o,
+            "bare_median_s": statistics.median(bare_times), "offloaded_median_s": statistics.median(off_times),
+            "copies_s": min(copy_times)}
+
+
+def rss_worker(args) -> None:
+    """One rank (world size 1) training an MLP of ~args.params parameters at stage 3; prints its peak RSS."""
+    import torch.distributed as dist
+
+    import zero_core
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    width = 2048
+    layers = max(1, round(args.params / (width * width + width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    numel = sum(p.numel() for p in model.parameters())
+    config = {"stage": 3, "param_persistence_threshold": 0, "reduce_bucket_size": args.bucket,
+              "allgather_bucket_size": args.bucket, "sub_group_size": args.bucket}
+    if args.offload != "none":
+        config["offload_optimizer"] = {"device": args.offload, "nvme_path": args.dir}
+    engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
+    x = torch.randn(8, width)
+    for _ in range(args.steps):
+        engine.backward(engine.module(x).square().mean())
+        engine.step()
+    stats = engine.memory_stats()
+    print(json.dumps({"offload": args.offload, "params": numel, "peak_rss_bytes":
+                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "memory_stats": stats}))
+    if engine._offload is not None:
+        engine._offload.close()
+    dist.destroy_process_group()
+
+
+def bench_rss(args) -> dict:
+    runs = {}
+    for offload in ("none", "nvme"):
+        command = [sys.executable, "-m", "benchmarks.offload", "rss-worker", "--offload", offload, "--dir", args.dir,
+                   "--params", str(args.params), "--steps", str(args.steps), "--bucket", str(args.bucket)]
+        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        runs[offload] = json.loads(output.strip().splitlines()[-1])
+    base, nvme = runs["none"], runs["nvme"]
+    offloadable = base["memory_stats"]["fp32_master"] + base["memory_stats"]["optimizer_state"]
+    saved = base["peak_rss_bytes"] - nvme["peak_rss_bytes"]
+    return {"runs": runs, "offloadable_bytes": offloadable, "rss_saved_bytes": saved,
+            "saved_fraction_of_offloadable": saved / offloadable if offloadable else None}
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("nvme", "step", "rss", "rss-worker"))
+    parser.add_argument("--numel", type=int, default=64 * MiB // 4 * 4)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tile", type=int, default=4 * MiB, help="nvme: elements per swapped tile")
+    parser.add_argument("--block-size", type=int, default=MiB)
+    parser.add_argument("--buffer-count", type=int, default=4, help="nvme: freed tile buffers kept for reuse")
+    parser.add_argument("--queue-depth", type=int, default=8)
+    parser.add_argument("--thread-count", type=int, default=2)
+    parser.add_argument("--bucket", type=int, default=5_000_000, help="elements per bucket shard")
+    parser.add_argument("--sub-group-size", type=int, default=10_000_000)
+    parser.add_argument("--params", type=int, default=100_000_000)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--offload", default="none")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what == "rss-worker":
+        rss_worker(args)
+        return
+    result = {"nvme": bench_nvme, "step": bench_step, "rss": bench_rss}[args.what](args)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
