@@ -5,8 +5,9 @@
   of the same bytes in the same directory; the pages are dropped (posix_fadvise DONTNEED) before reading.
 - ``step``: the offloaded CPU step (gradient copy + unscale/clip + tiled fused AdamW, OptimizerOffload.step)
   over N parameters, against a bare ``AdamW(fused=True).step()`` over one N-element parameter.
-- ``rss``: peak RSS of one rank training a ~100M-parameter MLP at stage 3 (world size 1), without offload and
-  with ``offload_optimizer: nvme``, each in a fresh process.
+- ``rss``: peak RSS during training (the kernel's high-water mark, reset after setup) of one rank training a
+  ~100M-parameter MLP at stage 3 (world size 1), without offload and with ``offload_optimizer: nvme``, each in a
+  fresh process.
 
     python -m benchmarks.offload nvme --numel 67108864 --dir /tmp
     python -m benchmarks.offload step --numel 20000000
@@ -16,9 +17,10 @@
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -158,6 +160,12 @@ def bench_step(args) -> dict:
             "copies_s": min(copy_times)}
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
 def rss_worker(args) -> None:
     """One rank (world size 1) training an MLP of ~args.params parameters at stage 3; prints its peak RSS."""
     import torch.distributed as dist
@@ -175,13 +183,22 @@ def rss_worker(args) -> None:
     if args.offload != "none":
         config["offload_optimizer"] = {"device": args.offload, "nvme_path": args.dir}
     engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
+    setup_peak = _status_bytes("VmHWM")
+    # The training peak, not setup's (model construction holds whole copies for a moment): hand freed heap
+    # back to the OS, then reset the kernel's high-water mark (clear_refs 5).
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    after_setup = _status_bytes("VmRSS")
     x = torch.randn(8, width)
     for _ in range(args.steps):
         engine.backward(engine.module(x).square().mean())
         engine.step()
     stats = engine.memory_stats()
-    print(json.dumps({"offload": args.offload, "params": numel, "peak_rss_bytes":
-                      resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "memory_stats": stats}))
+    print(json.dumps({"offload": args.offload, "params": numel, "setup_peak_rss_bytes": setup_peak,
+                      "rss_after_setup_bytes": after_setup, "peak_rss_bytes": _status_bytes("VmHWM"),
+                      "memory_stats": stats}))
     if engine._offload is not None:
         engine._offload.close()
     dist.destroy_process_group()
@@ -192,7 +209,10 @@ def bench_rss(args) -> dict:
     for offload in ("none", "nvme"):
         command = [sys.executable, "-m", "benchmarks.offload", "rss-worker", "--offload", offload, "--dir", args.dir,
                    "--params", str(args.params), "--steps", str(args.steps), "--bucket", str(args.bucket)]
-        output = subprocess.run(command, check=True, capture_output=True, text=True).stdout
+        # A fixed mmap threshold (glibc's is otherwise raised by each large free) returns freed tiles to the OS
+        # at once instead of leaving them in the heap; both runs get it.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else None
+        output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
         runs[offload] = json.loads(output.strip().splitlines()[-1])
     base, nvme = runs["none"], runs["nvme"]
     offloadable = base["memory_stats"]["fp32_master"] + base["memory_stats"]["optimizer_state"]
@@ -217,6 +237,7 @@ def main(argv=None) -> None:
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")
+    parser.add_argument("--mmap-threshold", type=int, default=1 << 20, help="rss: MALLOC_MMAP_THRESHOLD_ (0: unset)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
     if args.threads:
