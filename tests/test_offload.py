@@ -94,6 +94,30 @@ def run_case(case: Case, nvme_dir: str) -> dict:
     return report
 
 
+FP16 = {"enabled": True, "initial_scale_power": 8}  # keeps this model's fp16 gradients finite
+PRECISION_CASES = [(2, "bf16", "cpu"), (2, "bf16", "nvme"), (3, "fp16", "cpu"), (1, "fp16", "nvme")]
+
+
+def mixed_precision_diffs(nvme_dir: str) -> list[float]:
+    """16-bit training offloaded against the same run without offload: the same arithmetic on the masters."""
+    diffs = []
+    for stage, precision, device in PRECISION_CASES:
+        dtype = torch.bfloat16 if precision == "bf16" else torch.float16
+        base = {"stage": stage, "param_persistence_threshold": 0, **SMALL,
+                precision: FP16 if precision == "fp16" else {"enabled": True}}
+        runs = []
+        for offload in (None, {"device": device, "nvme_path": nvme_dir}):
+            config = {**base, **({"offload_optimizer": offload} if offload else {})}
+            result, engine = train_engine(partial(build_model, "transformer"),
+                                          partial(make_batch, "transformer", dtype=dtype), config, STEPS, 2,
+                                          CLIP["transformer"])
+            runs.append(result.params)
+            if engine._offload is not None:
+                engine._offload.close()
+        diffs.append(max((runs[0][n] - runs[1][n]).abs().max().item() for n in runs[0]))
+    return diffs
+
+
 def setup_errors(nvme_dir: str) -> list[str]:
     """A bad nvme_path fails in setup, before any training, naming the field."""
     import zero_core
@@ -130,7 +154,7 @@ def offload_worker(rank, world_size, all_cases):
         report["norms_match"] = not case.clip or torch.allclose(torch.tensor(result.norms), torch.tensor(ref.norms),
                                                                 rtol=1e-5)
         results.append(report)
-    return results, setup_errors(nvme_dir), nvme_dir
+    return results, setup_errors(nvme_dir), nvme_dir, mixed_precision_diffs(nvme_dir)
 
 
 def check(case: Case, r: dict) -> list[str]:
@@ -160,10 +184,12 @@ def check(case: Case, r: dict) -> list[str]:
 def test_offload_matches_ddp(world_size):
     all_cases = cases()
     per_rank = run_distributed(offload_worker, world_size, all_cases, timeout=360)
-    problems = [f"rank {rank} [{case.label()}]: {p}" for rank, (results, _, _) in enumerate(per_rank)
+    problems = [f"rank {rank} [{case.label()}]: {p}" for rank, (results, *_) in enumerate(per_rank)
                 for case, r in zip(all_cases, results, strict=True) for p in check(case, r)]
     assert not problems, "\n".join(problems)
-    for results, errors, nvme_dir in per_rank:
+    for results, errors, nvme_dir, precision_diffs in per_rank:
+        # Offloaded: the fused CPU kernel; not offloaded: torch's default CPU Adam. Both round to 16 bits alike.
+        assert max(precision_diffs) <= 1e-6, list(zip(PRECISION_CASES, precision_diffs))
         assert os.listdir(nvme_dir) == []
         assert len(errors) == 2, errors
         assert "offload_optimizer.nvme_path" in errors[0] and "not an existing directory" in errors[0]
