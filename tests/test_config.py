@@ -399,7 +399,7 @@ def test_field_status_classification():
                 "max_live_parameters", "max_reuse_distance", "override_module_apply",
                 "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "offload_optimizer"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
-              "sub_group_size", "memory_efficient_linear", "aio"}
+              "sub_group_size", "memory_efficient_linear", "aio", "offload_param"}
     assert list(FIELD_STATUS) == [f.name for f in dataclasses.fields(ZeroConfig)]
     assert {k for k, v in FIELD_STATUS.items() if v == "honoured"} == honoured
     assert {k for k, v in FIELD_STATUS.items() if v.startswith("mapped: ")} == mapped
@@ -407,17 +407,18 @@ def test_field_status_classification():
 
 
 def test_warn_unimplemented_lists_fields_once():
-    cfg = ZeroConfig(stage=3, offload_param={"device": "cpu"}, mics_shard_size=4, reduce_bucket_size=10,
+    cfg = ZeroConfig(stage=3, zero_quantized_weights=True, mics_shard_size=4, reduce_bucket_size=10,
                      prefetch_bucket_size=50_000_000, contiguous_gradients=False,
-                     offload_optimizer={"device": "cpu"})
-    assert cfg.unimplemented_fields() == ("offload_param", "mics_shard_size")
+                     offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+    assert cfg.unimplemented_fields() == ("zero_quantized_weights", "mics_shard_size")
     with pytest.warns(UserWarning) as record:
         cfg.warn_unimplemented()
     assert len(record) == 1 and record[0].filename == __file__
     message = str(record[0].message)
-    assert "zero_optimization.offload_param (not yet implemented)" in message
+    assert "zero_optimization.zero_quantized_weights (not yet implemented)" in message
     assert "zero_optimization.mics_shard_size (not yet implemented)" in message
-    for quiet in ("prefetch_bucket_size", "reduce_bucket_size", "contiguous_gradients", "offload_optimizer"):
+    for quiet in ("prefetch_bucket_size", "reduce_bucket_size", "contiguous_gradients", "offload_optimizer",
+                  "offload_param"):
         assert quiet not in message
     with _no_warnings():
         cfg.warn_unimplemented()

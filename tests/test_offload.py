@@ -61,6 +61,8 @@ def cases() -> list[Case]:
         Case(3, "nvme", model="mlp", options={"gradient_clipping": 0.05}),  # frozen params; clipping in step()
         Case(3, "nvme", options={}),  # default buckets and sub_group_size: one tile
         Case(2, "nvme", options={**SMALL, "aio": {"single_submit": True, "overlap_events": False}}),
+        Case(3, "cpu", options={**SMALL, "offload_param": {"device": "cpu"}}),  # parameter shards in host memory
+        Case(3, "nvme", model="mlp", options={**SMALL, "offload_param": {"device": "cpu", "pin_memory": True}}),
     ]
 
 
@@ -83,6 +85,8 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         "masters_apart": all(m.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
                              for part in engine.runtime.parts for m, s in zip(part.masters, part.grad_shards())),
         "swap_file": offload.swapper.path if offload.swapper else None,
+        "param_shards_apart": all(u.shard.untyped_storage().data_ptr() != u.full.untyped_storage().data_ptr()
+                                  and u._source is None for u in getattr(engine.runtime, "units", [])),
         "swap_files": swap_files,
         "resident_master_bytes": memory["fp32_master"],
         "resident_state_bytes": memory["optimizer_state"],
@@ -123,11 +127,13 @@ def setup_errors(nvme_dir: str) -> list[str]:
     import zero_core
 
     messages = []
-    for path in (os.path.join(nvme_dir, "missing"), __file__):
+    bad = [{"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": path}}
+           for path in (os.path.join(nvme_dir, "missing"), __file__)]
+    bad.append({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme_dir}})
+    for config in bad:
         model = build_model("mlp")
         try:
-            zero_core.setup(model, make_optimizer(model),
-                            {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": path}})
+            zero_core.setup(model, make_optimizer(model), config)
         except ValueError as error:
             messages.append(str(error))
     return messages
@@ -166,7 +172,7 @@ def check(case: Case, r: dict) -> list[str]:
     fused = case.optimizer != "rmsprop"
     if fused != all(r["fused"]) or bool(r["notes"]) == fused or len(r["notes"]) > 1:
         problems.append(f"fused flags {r['fused']} / notes {r['notes']} wrong for {case.optimizer}")
-    if not (r["masters_on_cpu"] and r["masters_apart"]):
+    if not (r["masters_on_cpu"] and r["masters_apart"] and r["param_shards_apart"]):
         problems.append("masters are not separate CPU tensors")
     if case.device == "nvme":
         if os.path.basename(r["swap_file"]) not in r["swap_files"] or r["after_close"]:
@@ -191,9 +197,10 @@ def test_offload_matches_ddp(world_size):
         # Offloaded: the fused CPU kernel; not offloaded: torch's default CPU Adam. Both round to 16 bits alike.
         assert max(precision_diffs) <= 1e-6, list(zip(PRECISION_CASES, precision_diffs))
         assert os.listdir(nvme_dir) == []
-        assert len(errors) == 2, errors
+        assert len(errors) == 3, errors
         assert "offload_optimizer.nvme_path" in errors[0] and "not an existing directory" in errors[0]
         assert "not an existing directory" in errors[1]
+        assert "offload_param.device 'nvme' is not implemented yet: use 'cpu'" in errors[2]
         os.rmdir(nvme_dir)
 
 

@@ -58,7 +58,7 @@ FIELD_STATUS = {
     "overlap_comm": HONOURED,
     "load_from_fp32_weights": HONOURED,
     "elastic_checkpoint": _mapped("checkpoints always load at any world size"),
-    "offload_param": NOT_YET,
+    "offload_param": _mapped("device cpu: shards in host memory, copied in before each gather; nvme: an error"),
     "offload_optimizer": HONOURED,
     "sub_group_size": _mapped("offloaded steps run in tiles of whole bucket shards up to this many elements"),
     "prefetch_bucket_size": HONOURED,

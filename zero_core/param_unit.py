@@ -52,6 +52,7 @@ class ParamUnit:
         self.persistent = False
         self.state = UnitState.GATHERED
         self._works: list = []
+        self._source: Optional[torch.Tensor] = None
         self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()
@@ -101,9 +102,11 @@ class ParamUnit:
                 self.wait()
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        # offload_param (zero_core/offload/params.py): a host shard is copied in, kept until the gather is done
+        self._source = self.shard.to(self.full.device, non_blocking=True)
         self._works = [
-            self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(self.shard, b.index), async_op=True,
-                                 label=self.module_name)
+            self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(self._source, b.index),
+                                 async_op=True, label=self.module_name)
             for b in self.layout.buckets
         ]
         self.state = UnitState.GATHERING
@@ -115,6 +118,7 @@ class ParamUnit:
             for work in self._works:
                 work.wait()
             self._works = []
+            self._source = None
             self.state = UnitState.GATHERED
 
     def release(self, force: bool = False) -> None:

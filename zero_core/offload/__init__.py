@@ -2,7 +2,8 @@
 
 ``offload_optimizer: {device: cpu}`` keeps the fp32 master shards and the optimizer state in CPU memory and
 steps them there with torch's fused CPU kernels; ``device: nvme`` also swaps them to per-rank files, tile by
-tile, between steps. The engine calls :func:`attach` once and routes its step through the returned object.
+tile, between steps; ``offload_param: {device: cpu}`` keeps stage 3's parameter shards in CPU memory (params.py).
+The engine calls :func:`attach` once and routes its step through the returned object.
 """
 
 from .cpu_optimizer import OptimizerOffload, attach

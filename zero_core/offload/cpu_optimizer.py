@@ -20,6 +20,7 @@ from torch import nn
 
 from .aio import AioPool, Transfer
 from .nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
+from .params import offload_param_shards
 from .placement import copy_to_host, host_copy, pinning, wait_for_copies
 
 # torch optimizers with a fused CPU kernel (torch.optim.*(fused=True) on CPU tensors).
@@ -190,7 +191,9 @@ class OptimizerOffload:
 
 
 def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
-    """Offload ``runtime``'s masters when the config asks for it (before the optimizers are narrowed to them)."""
+    """Offload ``runtime``'s parameter shards and masters as the config asks (before the optimizers are narrowed
+    to the masters)."""
+    offload_param_shards(runtime, config)
     block = config.offload_optimizer
     if block is None or block.device == "none":
         return None
