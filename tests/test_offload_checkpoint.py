@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-from functools import partial
 
 import pytest
 import torch.distributed as dist
@@ -63,8 +62,8 @@ def checkpoint_worker(rank, world_size, pairs):
         # The debugging API reads NVMe-swapped state too (each call swaps it in and out again).
         params = [dict(e.module.named_parameters()) for e in (source, target)]
         state = zero_core.safe_get_full_optimizer_state
-        loaded = max([loaded] + [(state(params[0][n], "exp_avg_sq") - state(params[1][n], "exp_avg_sq")).abs().max().item()
-                                 for n in ("blocks.0.fc1.weight", "tok.weight")])
+        loaded = max([loaded] + [(state(params[0][n], "exp_avg_sq") - state(params[1][n], "exp_avg_sq")).abs().max()
+                                 .item() for n in ("blocks.0.fc1.weight", "tok.weight")])
         _train(source, BEFORE, AFTER)
         _train(target, BEFORE, AFTER)
         diffs.append((loaded, max_abs_diff(full_params(target.module), full_params(source.module))))
@@ -91,4 +90,4 @@ def test_offloaded_checkpoints_load_into_other_placements():
         for (saver, loader), (loaded, trained) in zip(PAIRS, diffs, strict=True):
             assert loaded == 0.0, f"rank {rank} {saver} -> {loader}: loaded weights differ by {loaded}"
             # The same fp32 arithmetic on both sides, up to float reordering between stages' buckets.
-            assert trained <= 1e-6, f"rank {rank} {saver} -> {loader}: {AFTER} more steps later they differ by {trained}"
+            assert trained <= 1e-6, f"rank {rank} {saver} -> {loader}: {AFTER} steps on they differ by {trained}"

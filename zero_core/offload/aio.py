@@ -11,6 +11,7 @@ File offsets are aligned to ``block_size`` by the caller (nvme_swap.py), so requ
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,9 +34,15 @@ def _pread(fd: int, view: memoryview, offset: int) -> None:
 
 
 def _pwrite(fd: int, view: memoryview, offset: int) -> None:
-    while len(view):
-        n = os.pwritev(fd, [view], offset)
-        view, offset = view[n:], offset + n
+    try:
+        while len(view):
+            n = os.pwritev(fd, [view], offset)
+            view, offset = view[n:], offset + n
+    except OSError as error:
+        if error.errno != errno.ENOSPC:
+            raise
+        raise OSError(errno.ENOSPC, f"the NVMe swap file (fd {fd}) filled its disk: free space, or point "
+                                    "offload_optimizer.nvme_path at a larger drive") from error
 
 
 class Transfer:

@@ -9,7 +9,6 @@ times faster than into fresh pages. Each (tensor, state key) has a fixed region 
 
 from __future__ import annotations
 
-import errno
 import os
 import shutil
 import uuid
@@ -86,10 +85,7 @@ class NvmeSwapper:
             if nbytes == 0:
                 continue  # empty shard, or already out
             self._shapes[(id(master), key)] = (tensor.shape, tensor.dtype)
-            try:
-                self.pool.write(transfer, self.fd, tensor, self._offset(master, key, nbytes))
-            except OSError as error:
-                raise _clear(error, self.path) from error
+            self.pool.write(transfer, self.fd, tensor, self._offset(master, key, nbytes))
             tensors.append(tensor)
             self.bytes_written += nbytes
         return transfer
@@ -123,17 +119,6 @@ class NvmeSwapper:
             self.bytes_read += nbytes
         return transfer
 
-    def numel(self, master: torch.Tensor) -> int:
-        """Elements of ``master``, swapped out or not."""
-        shape = self._shapes.get((id(master), _MASTER))
-        return master.numel() if master.numel() or shape is None else shape[0].numel()
-
     def file_bytes(self) -> int:
         return os.fstat(self.fd).st_size
 
-
-def _clear(error: OSError, path: str) -> OSError:
-    if error.errno == errno.ENOSPC:
-        return OSError(errno.ENOSPC, f"the NVMe swap file {path} filled its disk: free space, or point "
-                                     "offload_optimizer.nvme_path at a larger drive")
-    return error
