@@ -18,6 +18,8 @@ import torch
 from distributed import run_distributed
 from models import build_model, make_batch
 from reference import make_optimizer, make_sgd, train_ddp
+from zero_core.estimator import estimate_stage, model_info
+from zero_core.offload.estimate import placement_bytes
 from stage3_support import train_engine
 
 STEPS = 6
@@ -93,6 +95,12 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         "scalar_state_bytes": sum(v.numel() * v.element_size() for state in inner.state.values()
                                   for v in state.values() if torch.is_tensor(v) and v.dim() == 0),
     }
+    if case.device == "cpu" and case.optimizer == "adamw" and "offload_param" not in case.options:
+        # zero-estimate's host bytes against what this rank holds: masters, Adam state, host gradient buffers
+        estimate = estimate_stage(model_info(build_model(case.model)), case.config(nvme_dir), engine.topology.world_size)
+        host = memory["fp32_master"] + memory["optimizer_state"] - report["scalar_state_bytes"]
+        host += sum(g.numel() * g.element_size() for g in offload._grads.values())
+        report["host_estimate"] = (host, placement_bytes(estimate, case.config(nvme_dir)).host)
     offload.close()
     report["after_close"] = sorted(os.listdir(nvme_dir))
     return report
@@ -182,6 +190,10 @@ def check(case: Case, r: dict) -> list[str]:
                             f"{r['resident_state_bytes']} optimizer bytes")
     elif r["resident_state_bytes"] == 0 or r["resident_master_bytes"] == 0:
         problems.append("CPU offload should keep masters and state in memory")
+    if "host_estimate" in r:
+        measured, estimated = r["host_estimate"]
+        if abs(measured / estimated - 1) > 0.02:
+            problems.append(f"zero-estimate says {estimated} host bytes, the engine holds {measured}")
     return problems
 
 
@@ -202,6 +214,18 @@ def test_offload_matches_ddp(world_size):
         assert "not an existing directory" in errors[1]
         assert "offload_param.device 'nvme' is not implemented yet: use 'cpu'" in errors[2]
         os.rmdir(nvme_dir)
+
+
+def test_estimate_by_place():
+    config = {"stage": 3, "bf16": {"enabled": True}, "sub_group_size": 1000,
+              "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "buffer_count": 2},
+              "offload_param": {"device": "cpu"}}
+    estimate = estimate_stage(10_000, config, 4)
+    place = placement_bytes(estimate, config)
+    shard = 2500
+    assert place.nvme == shard * (4 + 8)  # fp32 master + Adam's two moments
+    assert place.host == shard * 2 + (3 + 2) * 1000 * 12 + 4 * 1000  # param shard, tiles, one tile's gradients
+    assert place.accelerator == estimate.total - estimate.fp32_master - estimate.optimizer_state - shard * 2
 
 
 def test_full_disk_is_an_error_before_training(monkeypatch, tmp_path):
