@@ -26,8 +26,8 @@ from .config import ZeroConfig
 from .fragments import Fragment
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
-from .offload import attach as attach_offload
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
+from .offload import attach as attach_offload
 from .sharded_optimizer import ShardedOptimizer, narrow_param_groups
 from .stage12 import ReplicatedParamsRuntime
 from .topology import Topology
