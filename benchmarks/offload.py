@@ -139,9 +139,8 @@ def bench_step(args) -> dict:
         for master, shard in zip(part.masters, [part.shard_of_params(i) for i in range(len(buckets))]):
             shard.copy_(master.detach())  # the write-back the runtime's after_step does
 
-    def copies_only():  # what the offload adds around the step: gradients in, parameters back
-        for master, grad in zip(part.masters, part.grad_shards()):
-            offload._host_grad(master).copy_(grad)
+    def copies_only():  # what the offload adds around the step here: parameters back (fp32 CPU gradients
+        # are used in place; from a GPU they would be copied in too)
         for master, shard in zip(part.masters, [part.shard_of_params(i) for i in range(len(buckets))]):
             shard.copy_(master.detach())
 

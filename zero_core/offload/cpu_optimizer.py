@@ -3,7 +3,7 @@
 The engine hands over, per step, one optimizer and its parts (flat groups or stage 3 units). Each part's
 ``masters`` were replaced at setup by fp32 copies in host memory (:func:`attach`), so the user's optimizer,
 whose param_groups hold those masters, steps on the CPU. Reduced gradient shards are copied (unscaled and
-clipped) into host gradient buffers tile by tile; a tile is at most ``sub_group_size`` elements of whole master
+clipped) into host gradient buffers tile by tile (fp32 shards already in host memory are used in place); a tile is at most ``sub_group_size`` elements of whole master
 shards (one shard per bucket; a bigger shard is a tile of its own). With ``device: nvme`` a tile's masters and
 state are read from the swap file before it steps (the next tile's read overlaps this tile's step), written back
 to the model's parameter shards, and written out again (overlapping the next tile's step).
@@ -131,8 +131,11 @@ class OptimizerOffload:
                     if not swap.pool.overlap:
                         reading.wait()
             for master, grad, _ in tile:
-                master.grad = self._host_grad(master)
-                copy_to_host(master.grad, grad)
+                if grad.device.type == "cpu" and grad.dtype == torch.float32:
+                    master.grad = grad  # already fp32 in host memory: used in place, as without offload
+                else:
+                    master.grad = self._host_grad(master)
+                    copy_to_host(master.grad, grad)
             wait_for_copies([grad for _, grad, _ in tile])
             for master, _, _ in tile:  # the same arithmetic as the engine's _attach_master_grads
                 if inv_scale != 1.0:
