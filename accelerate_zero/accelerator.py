@@ -33,7 +33,7 @@ import zero_core
 from zero_core import ZeroConfigError
 from zero_core.mixed_precision import cast_floating_inputs
 
-from . import state_io, weights
+from . import hf_trainer, state_io, weights
 from .managed import ManagedModel
 from .optimizer import ZeroAcceleratedOptimizer
 from .plugin import ZeroPlugin
@@ -60,6 +60,7 @@ class ZeroAccelerator(Accelerator):
         if _cpu_only_multiprocess() and len(args) < 5:
             kwargs.setdefault("cpu", True)  # torchrun workers without GPUs: gloo on CPU, not N lone processes
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_env()
+        hf_trainer.install_if_loaded()  # a Hugging Face Trainer creating us then checkpoints through the engine
         self._managed: list[ManagedModel] = []
         super().__init__(*args, **kwargs)
         self._engine_precision = self._choose_precision()
@@ -275,6 +276,11 @@ class ZeroAccelerator(Accelerator):
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):
         if not self._managed:
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
+        if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
+            # Resume after a crash: the newest complete state, not merely the highest-numbered directory.
+            input_dir = state_io.latest_state(os.path.join(self.project_dir, "checkpoints"))
+            if input_dir is None:
+                raise FileNotFoundError(f"load_state(): no complete saved state in {self.project_dir}/checkpoints")
         seen = []
         handle = self.register_load_state_pre_hook(lambda models, directory: seen.append(directory))
         try:
@@ -297,8 +303,18 @@ class ZeroAccelerator(Accelerator):
             self._models, self._optimizers = models, optimizers
 
     def free_memory(self, *objects):
+        self._close_engines()
         self._managed = []
         return super().free_memory(*objects)
+
+    def end_training(self):
+        self._close_engines()  # before Accelerate destroys the process group
+        return super().end_training()
+
+    def _close_engines(self) -> None:
+        """Finish every engine's in-flight collectives (engine.close; docs/reliability.md)."""
+        for managed in self._managed:
+            managed.engine.close()
 
 
 def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> list[tuple[int, list[int]]]:

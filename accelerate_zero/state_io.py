@@ -104,3 +104,29 @@ def _model_file(directory: Path, model_index: int) -> Path:
             "(written by plain Accelerate)"
         )
     return found
+
+
+def latest_state(checkpoints_dir) -> Optional[Path]:
+    """The newest ``save_state`` directory in ``checkpoints_dir`` that is complete: ``zero_state.json`` (written
+    last) is there and every ZeRO checkpoint it lists verifies. Others are skipped with a warning."""
+    import warnings
+
+    from zero_core.checkpoint.latest import checkpoint_problem
+
+    directory = Path(checkpoints_dir)
+    if not directory.is_dir():
+        return None
+    candidates = sorted((p for p in directory.iterdir() if p.is_dir() and not p.name.startswith(".")),
+                        key=lambda p: (p.stat().st_mtime_ns, p.name), reverse=True)
+    for candidate in candidates:
+        record = candidate / ZERO_STATE_FILE
+        if not record.is_file():
+            problem = f"no {ZERO_STATE_FILE} (its save did not finish)"
+        else:
+            problems = [checkpoint_problem(candidate / entry["dir"])
+                        for entry in json.loads(record.read_text())["models"]]
+            problem = next((p for p in problems if p is not None), None)
+        if problem is None:
+            return candidate
+        warnings.warn(f"skipping incomplete or damaged state '{candidate}': {problem}", stacklevel=3)
+    return None

@@ -48,6 +48,10 @@ def _plain_memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> Callab
 
 
 def _forward_backward(forward: Callable, backward: Callable, zero_grad: Callable) -> Callable[[tuple], torch.Tensor]:
+    compile_backend = _COMPILE["backend"]
+    if compile_backend:  # the module as the user would run it under torch.compile: wrapped, then compiled
+        forward = torch.compile(forward, backend=compile_backend)
+
     def run(batch: tuple) -> torch.Tensor:
         zero_grad()
         loss = forward(*batch)
@@ -59,6 +63,14 @@ def _forward_backward(forward: Callable, backward: Callable, zero_grad: Callable
 
 def _nothing() -> None:
     pass
+
+
+# Set by the worker from RunSpec.compile before an implementation is built ("" = eager).
+_COMPILE = {"backend": ""}
+
+
+def set_compile(backend: str) -> None:
+    _COMPILE["backend"] = backend
 
 
 def _ddp(model: nn.Module, spec):

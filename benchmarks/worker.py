@@ -38,6 +38,7 @@ class RunSpec:
     zero_config: dict = field(default_factory=dict)
     threads: int = 1
     timeout_s: float = 900.0
+    compile: str = ""  # a torch.compile backend ("inductor", "aot_eager"), or "" for eager
 
     @classmethod
     def from_json(cls, text: str) -> "RunSpec":
@@ -49,17 +50,20 @@ class RunSpec:
 
 
 def train(impl: str, spec: RunSpec, rank: int, counter: CommCounter) -> dict:
-    from .implementations import IMPLEMENTATIONS
+    from .implementations import IMPLEMENTATIONS, set_compile
 
+    set_compile(spec.compile)
     model = build_gpt(spec.model)
     numel = num_params(model)
     rss_start, _ = rss_bytes()
     trained = IMPLEMENTATIONS[impl](model, spec)
     dist.barrier()
     losses, times, cpu_times, total = [], [], [], spec.warmup + spec.steps
+    frames_at_warmup = 0
     for step in range(total):
         if step == spec.warmup:
             _start_counting(counter, trained.engine)
+            frames_at_warmup = _compiled_frames()
         start, cpu_start = time.perf_counter(), time.process_time()
         loss = trained.forward_backward(batch(spec.model, rank, step))
         if step == total - 1:  # model states at their peak; not timed, and no collective runs here
@@ -72,13 +76,28 @@ def train(impl: str, spec: RunSpec, rank: int, counter: CommCounter) -> dict:
         times.append(time.perf_counter() - start)
         cpu_times.append(time.process_time() - cpu_start)  # every thread of this rank: compute and gloo's
     counter.enabled = False
-    result = {"numel": numel, "losses": losses, "times": times[spec.warmup:], "cpu_times": cpu_times[spec.warmup:],
-              "comm": counter.stats(), "memory": memory}
+    result = {"compile": _compile_stats(spec, frames_at_warmup)} if spec.compile else {}
+    result.update({"numel": numel, "losses": losses, "times": times[spec.warmup:], "cpu_times": cpu_times[spec.warmup:],
+              "comm": counter.stats(), "memory": memory})
     if trained.engine is not None:
         result["engine_comm"] = trained.engine.comm_stats()
     rss_end, rss_peak = rss_bytes()
     result.update(rss_start=rss_start, rss_end=rss_end, rss_peak=rss_peak)
     return result
+
+
+def _compiled_frames() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
+def _compile_stats(spec: RunSpec, frames_at_warmup: int) -> dict:
+    """Graph breaks and graphs over the whole run; frames compiled during the timed steps (recompilations)."""
+    from torch._dynamo.utils import counters
+
+    return {"backend": spec.compile, "graph_breaks": sum(counters["graph_break"].values()),
+            "graphs": counters["stats"]["unique_graphs"], "timed_recompiles": _compiled_frames() - frames_at_warmup}
 
 
 def _start_counting(counter: CommCounter, engine) -> None:

@@ -149,7 +149,8 @@ def train(args: argparse.Namespace) -> None:
     context = model.pos.num_embeddings
     optimizer = make_optimizer(model, args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps))
-    engine = zero_core.setup(model, optimizer, zero_config(args))
+    engine = zero_core.setup(model, optimizer, zero_config(args))  # the one line a plain PyTorch loop adds
+    fp16 = engine.loss_scaler is not None
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         print(f"{params:,} parameters on {world} ranks; model dtype {next(model.parameters()).dtype}")
@@ -157,11 +158,16 @@ def train(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         inputs, targets = make_batch(rank, step, args.batch_size, context)
-        loss = F.cross_entropy(engine.module(inputs).flatten(0, 1), targets.flatten())
-        engine.backward(loss)
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        if fp16:
+            engine.backward(loss)  # applies the fp16 loss scale; loss.backward() would skip it
+        else:
+            loss.backward()
+        # The global norm over every shard; torch.nn.utils.clip_grad_norm_ would see no (sharded) gradients.
         norm = engine.clip_grad_norm_(args.clip) if args.clip > 0 else None
-        engine.step()
+        optimizer.step()  # the user's optimizer: the engine's sharded step
         scheduler.step()
+        optimizer.zero_grad()
         if step % args.log_every == 0 or step == args.steps:
             mean_loss = mean_over_ranks(loss.item())
             if rank == 0:
@@ -169,8 +175,9 @@ def train(args: argparse.Namespace) -> None:
                 print(f"step {step:4d}  loss {mean_loss:.4f}{norm_text}  lr {optimizer.param_groups[0]['lr']:.2e}"
                       f"  loss scale {engine.loss_scale:g}  {time.perf_counter() - started:.0f} s", flush=True)
 
-    accuracy = mean_over_ranks(answer_accuracy(engine.module, rank, context))
+    accuracy = mean_over_ranks(answer_accuracy(model, rank, context))
     memory = engine.memory_stats()
+    engine.close()  # nothing left in flight when the process group is destroyed
     if rank == 0:
         print(f"answer digits right: {accuracy:.1%}; skipped steps: {engine.skipped_steps}")
         print("model-state bytes on rank 0: " + ", ".join(f"{k} {v:,}" for k, v in memory.items()))

@@ -122,7 +122,7 @@ class GPT(nn.Module):
 
 class LitGPT(pl.LightningModule):
     def __init__(self, n_layer: int = 3, n_head: int = 4, n_embd: int = 96, context: int = 32, lr: float = 3e-3,
-                 weight_decay: float = 0.1, warmup_steps: int = 50):
+                 weight_decay: float = 0.1, warmup_steps: int = 50, compile: bool = False):
         super().__init__()
         self.save_hyperparameters()
         self.gpt = None
@@ -133,6 +133,9 @@ class LitGPT(pl.LightningModule):
         if self.gpt is None:
             h = self.hparams
             self.gpt = GPT(len(ALPHABET), h.context, h.n_embd, h.n_layer, h.n_head)
+            if h.compile:  # --model.compile true: each block compiled (torchtitan's recipe; see docs/stage3.md)
+                for block in self.gpt.blocks:
+                    block.compile()
 
     def _loss(self, batch):
         inputs, targets = batch

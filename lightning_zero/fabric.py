@@ -158,6 +158,11 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
     def clip_gradients_value(self, module, optimizer, clip_val) -> None:
         clip_grad_value(self._require_engine(), clip_val, optimizer)
 
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()  # nothing in flight when the process group goes (docs/reliability.md)
+        super().teardown()
+
     def _require_engine(self) -> zero_core.ZeroEngine:
         if self._engine is None:
             raise RuntimeError("set the model and optimizer up first: "

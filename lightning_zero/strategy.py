@@ -77,9 +77,10 @@ class ZeroOptimizer(ShardedOptimizer):
 
     def __init__(self, engine: zero_core.ZeroEngine, index: int = 0) -> None:
         facade = engine.optimizers[index]
-        super().__init__(facade.inner, facade.step, facade.zero_grad)
-        first = sum(len(o.param_groups) for o in engine.inner_optimizers[:index])
-        self._group_params = engine.group_params[first : first + len(facade.inner.param_groups)]
+        super().__init__(facade.inner, facade.step, facade.zero_grad, facade.add_param_group)
+        self.describe_shard = facade.describe_shard
+        self._engine = engine
+        self._index = index
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -87,7 +88,27 @@ class ZeroOptimizer(ShardedOptimizer):
 
     @property
     def param_groups(self) -> list:
-        return [ParamGroupView(g, p) for g, p in zip(self.inner.param_groups, self._group_params)]
+        params = [p for p, k in zip(self._engine.group_params, self._engine.group_optimizer) if k == self._index]
+        return [ParamGroupView(g, p) for g, p in zip(self.inner.param_groups, params)]
+
+    @param_groups.setter
+    def param_groups(self, groups: list) -> None:
+        """Lightning's BaseFinetuning restores, on resume, the groups it added before the checkpoint: groups
+        holding this optimizer's parameters take the given hyper-parameters, further ones are added."""
+        current = self.param_groups
+        for index, group in enumerate(groups):
+            if index >= len(current):
+                self.add_param_group(dict(group))
+                continue
+            if [id(p) for p in group["params"]] != [id(p) for p in current[index]["params"]]:
+                raise ValueError(
+                    f"optimizer param_groups[{index}] cannot change its parameters once the ZeRO engine is set up; "
+                    "add new parameters with add_param_group"
+                )
+            current[index].update({k: v for k, v in group.items() if k != "params"})
+        if len(groups) < len(current):
+            raise ValueError(f"optimizer groups cannot be removed once the ZeRO engine is set up ({len(current)} "
+                             f"groups, {len(groups)} given)")
 
 
 def engine_of(module: torch.nn.Module) -> Optional[zero_core.ZeroEngine]:
@@ -370,7 +391,7 @@ class ZeroStrategy(DDPStrategy):
         checkpoint_io.save_sharded(self._engine, checkpoint, path)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        path = Path(self.broadcast(str(checkpoint_path)))
+        path = self._resume_path(Path(self.broadcast(str(checkpoint_path))))
         sharded = checkpoint_io.is_sharded_checkpoint(path)
         if not sharded and not path.is_file():
             raise checkpoint_io.missing_checkpoint_error(path)
@@ -385,6 +406,20 @@ class ZeroStrategy(DDPStrategy):
         checkpoint = self._read_file(path, weights_only)
         return checkpoint_io.load_full(self._engine, checkpoint, len(self.optimizers) if fitting else None,
                                        module.strict_loading)
+
+    def _resume_path(self, path: Path) -> Path:
+        """``ckpt_path="last"`` resolves (in Lightning) to the newest ``last*.ckpt`` of a ModelCheckpoint; under
+        ZeRO it means the newest complete, verified checkpoint in that directory (zero_core.latest_checkpoint),
+        so a damaged ``last.ckpt`` falls back to the one before."""
+        module = self.lightning_module
+        trainer = module._trainer if module is not None else None
+        if trainer is None:
+            return path
+        last = {Path(p) for cb in trainer.checkpoint_callbacks if hasattr(cb, "_find_last_checkpoints")
+                for p in cb._find_last_checkpoints(trainer)}
+        if trainer.state.fn != TrainerFn.FITTING or path not in last:
+            return path
+        return zero_checkpoint.latest_checkpoint(path.parent) or path
 
     def _read_file(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
         """A single-file checkpoint; with the default CheckpointIO it is memory-mapped, so each rank reads only
@@ -412,9 +447,15 @@ class ZeroStrategy(DDPStrategy):
         return zero_checkpoint.save_16bit_model(self._engine, out, dtype=dtype, max_shard_size=max_shard_size)
 
     # -- end -----------------------------------------------------------------------------------------------
+    def on_exception(self, exception: BaseException) -> None:
+        self._failed = True  # teardown must not wait for collectives another rank may never issue
+
     def teardown(self) -> None:
         # Unlike DDP, the module stays where the engine placed it (partitioned parameters cannot move) and the
-        # engine stays attached, so test/predict after fit reuse it.
+        # engine stays attached, so test/predict after fit reuse it; close() only finishes in-flight collectives.
+        if self._engine is not None:
+            self._engine.close(wait=not getattr(self, "_failed", False))
+        self._failed = False
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

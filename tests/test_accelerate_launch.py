@@ -151,6 +151,10 @@ def test_save_state_is_sharded_and_resumes_exactly(checkpoints):
     assert max_diff(checkpoints["z3_resumed"], checkpoints["z3"]) == 0.0
 
 
+def test_load_state_without_a_directory_skips_a_damaged_newest_state(checkpoints):
+    assert checkpoints["latest_state"] == {"back_to_first": True}
+
+
 def test_ddp_checkpoint_loads_into_zero_and_back(checkpoints):
     assert max_diff(checkpoints["z3"], checkpoints["ddp"]) <= TOLERANCE
     assert max_diff(checkpoints["z2_from_ddp"], checkpoints["ddp"]) <= TOLERANCE
@@ -200,6 +204,17 @@ def test_swap_runs_a_plain_accelerate_script_in_one_process(tmp_path):
               env=clean_env(ACCELERATE_ZERO_STAGE="3"), timeout=120)
     result = json.loads(out.strip().splitlines()[-1])
     assert (result["class"], result["stage"], result["processes"], result["argv"]) == ("ZeroAccelerator", 3, 1, ["--flag"])
+    assert result["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"] and result["losses"][-1] < result["losses"][0]
+    assert result["model"] == "Sequential"
+
+
+def test_dynamo_backend_from_the_launcher_environment_compiles(tmp_path):
+    """zero.yaml's ``dynamo_config`` reaches the workers as ACCELERATE_DYNAMO_BACKEND (Accelerate's launcher sets
+    it); ZeroAccelerator compiles the prepared model from it, as plain Accelerate does."""
+    out = run([sys.executable, "-m", "accelerate_zero.swap", SCRIPTS / "plain_loop.py"], cwd=tmp_path,
+              env=clean_env(ACCELERATE_ZERO_STAGE="3", ACCELERATE_DYNAMO_BACKEND="AOT_EAGER"), timeout=180)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["model"] == "OptimizedModule" and result["stage"] == 3
     assert result["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"] and result["losses"][-1] < result["losses"][0]
 
 

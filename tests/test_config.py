@@ -18,6 +18,7 @@ from zero_core.config import (
     FIELD_STATUS,
     BF16Config,
     FP16Config,
+    LeafModuleConfig,
     OffloadOptimizerConfig,
     OffloadParamConfig,
     ZeroConfig,
@@ -49,6 +50,12 @@ DEEPSPEED_OFFLOAD_OPTIMIZER_DEFAULTS = {"device": "none", "nvme_path": None, "bu
                                         "pipeline_read": False, "pipeline_write": False, "fast_init": False}
 AIO_DEFAULTS = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                 "overlap_events": True}
+# DeepSpeed's DeepSpeedZeroLeafModuleConfig (zero_optimization.leaf_module, after override_module_apply).
+DEEPSPEED_LEAF_MODULE_DEFAULTS = {
+    "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+                "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+                "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock"],
+    "names": [], "name_suffixes": []}
 FP16_DEFAULTS = {"enabled": False, "auto_cast": False, "loss_scale": 0.0, "initial_scale_power": 16,
                  "loss_scale_window": 1000, "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 1.0}
 
@@ -65,7 +72,8 @@ NON_DEFAULT = {
     "zero_quantized_weights": (True, {}), "zero_quantized_nontrainable_weights": (True, {}),
     "zero_quantized_gradients": (True, {}), "mics_shard_size": (8, {}), "mics_hierarchical_params_gather": (True, {}),
     "memory_efficient_linear": (False, {}), "pipeline_loading_checkpoint": (True, {}),
-    "override_module_apply": (False, {}), "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
+    "override_module_apply": (False, {}), "leaf_module": ({"names": ["layers.0.moe"]}, {}),
+    "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
     "gradient_clipping": (1.5, {}), "gradient_accumulation_steps": (4, {}), "aio": ({"block_size": 4096}, {}),
 }
 
@@ -94,6 +102,7 @@ def test_defaults_equal_deepspeed():
     assert {k: getattr(cfg, k) for k in DEEPSPEED_ZERO_DEFAULTS} == DEEPSPEED_ZERO_DEFAULTS
     assert dataclasses.asdict(OffloadParamConfig()) == DEEPSPEED_OFFLOAD_PARAM_DEFAULTS
     assert dataclasses.asdict(OffloadOptimizerConfig()) == DEEPSPEED_OFFLOAD_OPTIMIZER_DEFAULTS
+    assert dataclasses.asdict(cfg.leaf_module) == DEEPSPEED_LEAF_MODULE_DEFAULTS
     assert dataclasses.asdict(cfg.fp16) == FP16_DEFAULTS
     assert dataclasses.asdict(cfg.bf16) == {"enabled": False}
     assert (cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (0.0, 1)
@@ -102,7 +111,7 @@ def test_defaults_equal_deepspeed():
 
 def test_fields_are_deepspeed_fields_plus_run_fields():
     names = [f.name for f in dataclasses.fields(ZeroConfig)]
-    assert names == [*DEEPSPEED_ZERO_DEFAULTS, *RUN_FIELDS]
+    assert names == [*DEEPSPEED_ZERO_DEFAULTS, "leaf_module", *RUN_FIELDS]
     assert set(NON_DEFAULT) == set(names)
 
 
@@ -129,6 +138,8 @@ def test_every_field_from_kwargs_dict_and_whole_config(name):
                           "loss_scale_window": 10, "hysteresis": 3, "consecutive_hysteresis": True,
                           "min_loss_scale": 0.5}),
     ("bf16", BF16Config, {"enabled": True}),
+    ("leaf_module", LeafModuleConfig, {"classes": ["MyMoeBlock"], "names": ["layers.0.moe"],
+                                       "name_suffixes": [".moe"]}),
 ])
 def test_every_nested_field(block, cls, values):
     cfg = ZeroConfig.from_dict({"stage": 3, block: values})
@@ -397,7 +408,8 @@ def test_field_status_classification():
                 "overlap_comm", "ignore_unused_parameters", "fp16", "bf16", "gradient_clipping",
                 "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
                 "max_live_parameters", "max_reuse_distance", "override_module_apply",
-                "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "offload_optimizer"}
+                "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "offload_optimizer",
+                "leaf_module"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
               "sub_group_size", "memory_efficient_linear", "aio", "offload_param"}
     assert list(FIELD_STATUS) == [f.name for f in dataclasses.fields(ZeroConfig)]

@@ -96,7 +96,7 @@ def sizes(case: Case, world_size: int) -> dict:
     buckets = max_buckets(psi, tensors, case.bucket)
     largest = max(p.numel() for p in model.parameters() if p.requires_grad)
     module_buffers = sum(b.numel() * DTYPES[case.precision].itemsize for b in model.buffers())
-    return {"psi": psi, "frozen": frozen_numel(model), "n": world_size, "buckets": buckets,
+    return {"psi": psi, "frozen": frozen_numel(model), "n": world_size, "buckets": buckets, "tensors": tensors,
             "largest_bucket": max(largest, min(case.bucket or psi, psi)), "module_buffers": module_buffers,
             "pad_full": world_size * buckets,  # elements of padding in a whole padded buffer
             "pad_shard": buckets}  # elements of padding in one rank's shard (one per bucket at most)
@@ -115,7 +115,10 @@ def expected_memory(case: Case, s: dict) -> dict[str, tuple[int, int]]:
         else (half * shard, half * (shard + s["pad_shard"])),
         "fp32_master": (FP32_BYTES * shard, FP32_BYTES * (shard + s["pad_shard"])) if master_separate
         else (0, 0),
-        "optimizer_state": (ADAM_STATES * FP32_BYTES * shard, ADAM_STATES * FP32_BYTES * (shard + s["pad_shard"])),
+        # The optimizer steps one piece per parameter fragment, so padding carries no state: a rank whose slices
+        # end in a bucket's padding holds up to that padding less.
+        "optimizer_state": (ADAM_STATES * FP32_BYTES * (shard - s["pad_full"]),
+                            ADAM_STATES * FP32_BYTES * (shard + s["pad_shard"])),
     }
 
 
@@ -130,8 +133,12 @@ def communication_problems(case: Case, s: dict, r: dict) -> list[str]:
         for name in ("reduce_scatter", "all_gather"):
             if r["comm"][name]["bytes"] != FP32_BYTES * r["comm"][name]["elements"]:
                 problems.append(f"{name} bytes {r['comm'][name]} are not 4 per fp32 element")
-    if not r["comm"]["all_reduce"]["elements"] < s["psi"] / 100:
-        problems.append(f"all-reduce carried {r['comm']['all_reduce']}: only scalars should travel by all-reduce")
+    # All-reduce carries scalars (norms) and the step's one-byte flags: overflow, and per trainable tensor "got a
+    # gradient on some rank" (docs/core-api.md, "No gradient, no step").
+    flags = s["tensors"] + 1
+    if not r["comm"]["all_reduce"]["bytes"] <= flags + 8 * 2:
+        problems.append(f"all-reduce carried {r['comm']['all_reduce']}: only scalars and {flags} one-byte flags "
+                        "should travel by all-reduce")
     return problems
 
 

@@ -3,7 +3,8 @@
 One launched script (lightning_scripts/fit_parity.py) fits DDP, zero1, zero2 and zero3 with gradient
 accumulation (a partial last window), norm clipping, a step-interval scheduler, torchmetrics metrics logged with
 sync_dist, a LearningRateMonitor and two ModelCheckpoints; then validate / test(ckpt_path="best") / predict.
-It resumes zero3 from its epoch-0 checkpoint, converts that checkpoint to one file and resumes DDP from it.
+It resumes zero3 from its epoch-0 checkpoint, converts that checkpoint to one file and resumes DDP from it;
+finally it damages last.ckpt and resumes with ckpt_path="last" (the newest verified checkpoint).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ FORMAT_FILES = {"manifest.json", "replicated.safetensors", "client_state.pt", "c
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     path = tmp_path_factory.mktemp("fit_parity")
-    run("fit_parity.py", str(path), timeout=280)
+    run("fit_parity.py", str(path), timeout=380)
     return path
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(400)
 @pytest.mark.parametrize("stage", STAGES)
 def test_stage_ends_with_ddp_weights_metrics_and_predictions(out, stage):
     reference = load_rank(out, "ddp.weights")
@@ -61,6 +62,15 @@ def test_checkpoints_are_sharded_directories_with_top_k_and_last_link(out):
 def test_resume_from_epoch_checkpoint_equals_uninterrupted_run(out):
     assert max_diff(load_rank(out, "zero3.weights"), load_rank(out, "zero3_resumed.weights")) == 0.0
     assert load_json(out, "zero3_resumed")["global_step"] == 4
+
+
+def test_ckpt_path_last_skips_a_damaged_last_checkpoint(out):
+    """last.ckpt (-> epoch=1.ckpt) truncated: fit(ckpt_path="last") resumes from epoch=0.ckpt, warns, and ends
+    with the uninterrupted run's weights."""
+    resumed = load_json(out, "zero3_last_resumed")
+    assert resumed["started_at"] == 2 and resumed["global_step"] == 4
+    assert any("epoch=1.ckpt" in w and "truncated" in w for w in resumed["warnings"]), resumed["warnings"]
+    assert max_diff(load_rank(out, "zero3.weights"), load_rank(out, "zero3_last_resumed.weights")) == 0.0
 
 
 def test_fresh_trainer_tests_from_sharded_best_checkpoint(out):

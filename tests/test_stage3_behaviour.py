@@ -83,8 +83,10 @@ def check_communication(name: str, world_size: int, phases: dict) -> list[str]:
                         f"{phases['no_sync micro-batch']['reduce_scatter']}")
     if phases["step"]["all_gather"]["calls"]:
         problems.append(f"step() all-gathered though nothing is persistent: {phases['step']['all_gather']}")
-    if any(p["all_reduce"]["elements"] > 2 or p.get("broadcast", {}).get("calls") for p in phases.values()):
-        problems.append(f"only scalars may be all-reduced and nothing broadcast: {phases}")
+    # The step all-reduces one-byte flags: overflow, and per trainable tensor "got a gradient on some rank".
+    flags = sum(1 for p in model.parameters() if p.requires_grad) + 1
+    if any(p["all_reduce"]["bytes"] > flags + 8 or p.get("broadcast", {}).get("calls") for p in phases.values()):
+        problems.append(f"only scalars and {flags} one-byte flags may be all-reduced, and nothing broadcast: {phases}")
     total = sum(p[c]["elements"] for p in step.values() for c in ("all_gather", "reduce_scatter"))
     return [f"[{name}] {p} (whole step: {total} elements, 3 Psi = {3 * psi(model)})" for p in problems]
 
@@ -113,7 +115,9 @@ def expected_memory(precision: str, threshold: int, world_size: int) -> dict[str
     return {"params": (half * (shard + persistent), half * (shard + pad + persistent)),
             "grads": (half * shard, half * (shard + pad)),
             "fp32_master": (master * shard, master * (shard + pad)),
-            "optimizer_state": (ADAM_STATES * FP32_BYTES * shard, ADAM_STATES * FP32_BYTES * (shard + pad))}
+            # one optimizer piece per parameter fragment: padding holds no state (up to n-1 elements per unit less)
+            "optimizer_state": (ADAM_STATES * FP32_BYTES * (shard - pad * (n - 1)),
+                                ADAM_STATES * FP32_BYTES * (shard + pad))}
 
 
 def scratch_by_depth(rank: int) -> dict:

@@ -8,11 +8,13 @@ See docs/core-api.md for the engine and docs/config.md for every configuration f
 from .checkpoint import (
     CheckpointError,
     consolidate,
+    latest_checkpoint,
     load_checkpoint,
     load_full_state_dict,
     save_16bit_model,
     save_checkpoint,
 )
+from .collective_guard import CollectiveMismatchError
 from .config import ZeroConfig, ZeroConfigError
 from .debug_access import (
     safe_get_full_fp32_param,
@@ -26,10 +28,13 @@ from .external_params import GatheredParameters, register_external_parameter, un
 from .fragments import Fragment
 from .init_context import Init
 from .layout import FlatLayout, Range, compute_layout
+from .leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
 __all__ = [
     "CheckpointError",
+    "CollectiveMismatchError",
     "consolidate",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_full_state_dict",
     "save_16bit_model",
@@ -46,6 +51,10 @@ __all__ = [
     "FlatLayout",
     "Range",
     "compute_layout",
+    "get_z3_leaf_modules",
+    "set_z3_leaf_modules",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",
     "safe_get_full_optimizer_state",

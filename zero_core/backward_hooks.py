@@ -1,8 +1,12 @@
-"""Stage 3's backward hooks: two tiny autograd Functions bound to one runtime, as FSDP2 does.
+"""Stage 3's backward hooks, bound to one runtime.
 
-``PreBackward`` wraps a module's outputs: its backward runs just before the module's own backward, which is
-when the module's parameters must be gathered again. ``PostBackward`` wraps the module's inputs: its backward
-runs once the module's backward has produced the input gradients, when its parameters can be released.
+``PreBackward`` (a tiny autograd Function, as in FSDP2) wraps a module's outputs: its backward runs just before
+the module's own backward, which is when the module's parameters must be gathered again. The release after the
+module's backward is a multi-grad hook on the module's inputs (``after_input_grads``): it fires once their
+gradients are computed. It adds no node to the graph: an identity node on the inputs would make autograd sum
+the module's own contributions to an input's gradient first and the other consumers' after, a different
+floating-point order than without ZeRO (e.g. an RMSNorm input that is also the residual); with the hook, the
+gradients are bit-identical to the model's own.
 """
 
 from __future__ import annotations
@@ -25,7 +29,14 @@ class PreBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-PostBackward = PreBackward  # the same identity function; only where it is attached differs
+def after_input_grads(callback: Callable[[], None], tree: Any) -> int:
+    """Call ``callback`` once the gradients of every tensor in ``tree`` that requires grad are computed (those
+    this backward needs); returns how many tensors it waits for."""
+    leaves, _ = tree_flatten(tree)
+    tensors = [leaf for leaf in leaves if torch.is_tensor(leaf) and leaf.requires_grad]
+    if tensors:
+        torch.autograd.graph.register_multi_grad_hook(tensors, lambda grads: callback(), mode="all")
+    return len(tensors)
 
 
 def attach(function: type[torch.autograd.Function], callback: Callable[[], None], tree: Any) -> tuple[Any, int]:

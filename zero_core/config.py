@@ -16,6 +16,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Optional, Union
 
 from zero_core.config_fields import Block, checked_init, setting, documented, rule_text, type_text
+from zero_core.leaf_modules import DEFAULT_LEAF_CLASSES
 from zero_core.config_loading import (
     ALIASES,
     DEEPSPEED_IGNORED_KEYS,
@@ -35,7 +36,8 @@ from zero_core.config_loading import (
 )
 
 __all__ = [
-    "AioConfig", "BF16Config", "FIELD_STATUS", "FP16Config", "OffloadOptimizerConfig", "OffloadParamConfig",
+    "AioConfig", "BF16Config", "FIELD_STATUS", "FP16Config", "LeafModuleConfig", "OffloadOptimizerConfig",
+    "OffloadParamConfig",
     "ZeroConfig", "ZeroConfigError",
 ]
 
@@ -60,7 +62,8 @@ FIELD_STATUS = {
     "elastic_checkpoint": _mapped("checkpoints always load at any world size"),
     "offload_param": _mapped("device cpu: shards in host memory, copied in before each gather; nvme: an error"),
     "offload_optimizer": HONOURED,
-    "sub_group_size": _mapped("offloaded steps run in tiles of whole bucket shards up to this many elements"),
+    "sub_group_size": _mapped("the optimizer steps one piece per parameter fragment; offloaded steps run in tiles "
+                              "of whole pieces up to this many elements"),
     "prefetch_bucket_size": HONOURED,
     "param_persistence_threshold": HONOURED,
     "model_persistence_threshold": HONOURED,
@@ -79,6 +82,7 @@ FIELD_STATUS = {
     "memory_efficient_linear": _mapped("stage 3 hooks never keep gathered weights for backward"),
     "pipeline_loading_checkpoint": NOT_YET,
     "override_module_apply": HONOURED,
+    "leaf_module": HONOURED,
     "fp16": HONOURED,
     "bf16": HONOURED,
     "gradient_clipping": HONOURED,
@@ -200,8 +204,26 @@ class AioConfig(Block):
     overlap_events: bool = setting(True, doc="Overlap NVMe transfers with the optimizer step.")
 
 
+@checked_init
+@documented
+@dataclass
+class LeafModuleConfig(Block):
+    """Stage 3 leaf modules (``zero_optimization.leaf_module``): a leaf's whole subtree is gathered and released as
+    one unit, so children that run on some ranks only need no collective of their own (docs/stage3.md)."""
+
+    _PATH: ClassVar[str] = f"{ZERO_SECTION}.leaf_module"
+
+    classes: list[str] = setting(
+        factory=lambda: list(DEFAULT_LEAF_CLASSES),
+        doc="Module classes to make leaves, by class name or dotted path; by default Hugging Face's Mixtral, "
+            "Qwen2-MoE and Qwen3-MoE sparse MoE blocks, as in DeepSpeed.")
+    names: list[str] = setting(factory=list, doc="Module names (as in model.named_modules()) to make leaves.")
+    name_suffixes: list[str] = setting(factory=list, doc="Make leaves of the modules whose name ends with one of these.")
+
+
 # Block fields of ZeroConfig: field name -> (class, may be None).
 _BLOCKS = {
+    "leaf_module": (LeafModuleConfig, False),
     "offload_param": (OffloadParamConfig, True),
     "offload_optimizer": (OffloadOptimizerConfig, True),
     "fp16": (FP16Config, False),
@@ -339,6 +361,9 @@ class ZeroConfig(Block):
         True,
         doc="Stage 3: gather parameters around nn.Module.apply; false initialises faster but apply then sees "
             "partitioned parameters.")
+    leaf_module: LeafModuleConfig = setting(
+        factory=LeafModuleConfig,
+        doc="Stage 3 leaf modules: a mapping of LeafModuleConfig fields (classes, names, name_suffixes).")
     fp16: FP16Config = setting(factory=FP16Config, doc="Float16 mixed precision: the top-level fp16 block.")
     bf16: BF16Config = setting(
         factory=BF16Config,
@@ -554,7 +579,9 @@ def _other_names(path: str) -> str:
 def _shown_default(f: dataclasses.Field) -> str:
     value = f.default
     if value is MISSING:
-        return "its block's defaults"
+        value = f.default_factory() if f.default_factory is not MISSING else None
+        if not isinstance(value, list):
+            return "its block's defaults"
     if value is sys.maxsize:
         return "`sys.maxsize`"
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
@@ -581,7 +608,7 @@ def markdown_tables() -> str:
     """The field tables of docs/config.md (regenerate with ``python -m zero_core.config``)."""
     zero_names = [f.name for f in fields(ZeroConfig) if f.name not in RUN_FIELDS]
     lines = _table(f"`{ZERO_SECTION}` block", ZeroConfig, zero_names)
-    for name in ("offload_param", "offload_optimizer"):
+    for name in ("offload_param", "offload_optimizer", "leaf_module"):
         block = _BLOCKS[name][0]
         title = f"`{ZERO_SECTION}.{name}` block"
         lines += _table(title, block, _names(block), f"{name}.", FIELD_STATUS[name])

@@ -69,6 +69,11 @@ def _check_type(path: str, value: Any, tp) -> Any:
     base, optional = _optional_inner(tp)
     if value is None and optional:
         return None
+    if typing.get_origin(base) is list:  # list[str]; one string stands for a list of one, as in DeepSpeed
+        items = [value] if isinstance(value, str) else value
+        if isinstance(items, (list, tuple)) and all(isinstance(item, str) for item in items):
+            return list(items)
+        raise type_error(path, "a list of strings", value)
     if base is bool and isinstance(value, bool):
         return value
     if base is int and not isinstance(value, bool):
@@ -88,6 +93,8 @@ def type_text(cls, f: dataclasses.Field) -> str:
     """'int', 'bool or null', 'mapping', ... for the docs tables."""
     base, optional = _optional_inner(_hints(cls)[f.name])
     word = {bool: "bool", int: "int", float: "float", str: "string"}.get(base, "mapping")
+    if typing.get_origin(base) is list:
+        word = "list of strings"
     return word + (" or null" if optional else "")
 
 

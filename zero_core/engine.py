@@ -13,22 +13,25 @@ import functools
 import os
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import registry
+from . import registry, shard_identity, teardown
 from .comm import Communicator
 from .config import ZeroConfig
 from .fragments import Fragment
+from .generation import sync_generate_by_default
+from .leaf_modules import apply_leaf_config
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
-from .offload import attach as attach_offload
-from .sharded_optimizer import ShardedOptimizer, narrow_param_groups
+from .offload import adopt as adopt_offload, attach as attach_offload
+from .plain_loop import OptimizerRoute
+from .sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from .stage12 import ReplicatedParamsRuntime
 from .topology import Topology
 
@@ -43,6 +46,8 @@ class _PendingGrads:
     saw_grad: bool = False  # a backward produced a gradient for one of its parameters
     reduced: bool = False  # they were reduced (by clipping, reduce_gradients or the step)
     clip_coef: Optional[torch.Tensor] = None
+    used: set = field(default_factory=set)  # parameters that got a gradient here (on this rank)
+    unscaled: bool = False  # a gradient came from a backward outside engine.backward (fp16: not loss-scaled)
 
 
 def _runtime_class(stage: int):
@@ -64,6 +69,7 @@ class ZeroEngine:
         self.comm = Communicator(topology)
         self.skipped_steps = 0
         self._no_sync_depth = 0
+        self._engine_backward = False  # inside engine.backward (which applies the fp16 loss scale)
         self._scaler = LossScaler.from_fp16_config(config.fp16) if config.fp16.enabled else None
         self._scaler_overflow: Optional[bool] = None  # a step's verdict waiting for the other optimizers
         if config.param_dtype != torch.float32:
@@ -71,6 +77,9 @@ class ZeroEngine:
             (cast_buffers if config.stage == 3 else cast_module)(module, config.param_dtype)
         if config.fp16.enabled and config.fp16.auto_cast:
             module.register_forward_pre_hook(cast_floating_inputs(config.param_dtype), with_kwargs=True)
+        if config.stage == 3:
+            leaves = config.leaf_module
+            apply_leaf_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
         self._names = {param: name for name, param in module.named_parameters()}
         groups = [group for optimizer in optimizers for group in optimizer.param_groups]
         self._record_groups(groups)
@@ -78,12 +87,16 @@ class ZeroEngine:
         self.runtime = _runtime_class(config.stage)(module, trainable, self._names, config, self.comm)
         # offload hook (zero_core/offload): host/NVMe masters replace the runtime's before optimizers bind
         self._offload = attach_offload(self.runtime, config, topology.rank)
+        if config.stage == 3 and topology.world_size > 1:
+            sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
         registry.register(self.runtime.managed_params(), self)
         for param in self.runtime.managed_params():
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(self._note_grad)
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
+        teardown.destroy_group_at_exit()  # a group left up at exit is closed while Python still runs
+        self._exit_finalizer = teardown.close_at_exit(self, self.runtime)  # for scripts that never call close()
 
     # -- setup ---------------------------------------------------------------------------------------------
     def _bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
@@ -92,20 +105,81 @@ class ZeroEngine:
         if self._offload is not None:  # offload hook: the state it swaps with the masters
             self._offload.bind(self.inner_optimizers)
         self.group_optimizer = [k for k, opt in enumerate(optimizers) for _ in opt.param_groups]
-        self._parts_of = [[part for part in self.runtime.parts if self.group_optimizer[part.group_index] == k]
-                          for k in range(len(optimizers))]
-        self._optimizer_of = {p: k for k, parts in enumerate(self._parts_of) for part in parts for p in part.params}
+        self._index_parts()
         start = 0
         for optimizer in optimizers:
             indices = range(start, start + len(optimizer.param_groups))
             narrow_param_groups(optimizer, [[m for part in self.runtime.parts if part.group_index == i
                                              for m in part.masters] for i in indices])
             start += len(optimizer.param_groups)
-        self.optimizers = [ShardedOptimizer(opt, functools.partial(self._step, k), functools.partial(self._zero, [k]))
+        self.optimizers = [ShardedOptimizer(opt, functools.partial(self._step, k), functools.partial(self._zero, [k]),
+                                            functools.partial(self.add_param_group, k))
                            for k, opt in enumerate(optimizers)]
+        for k, facade in enumerate(self.optimizers):
+            facade.describe_shard = functools.partial(shard_identity.describe, self, k)
+        for k, optimizer in enumerate(optimizers):
+            # The user's own optimizer object adds groups through the engine too (its groups hold master shards).
+            optimizer.add_param_group = functools.partial(self.add_param_group, k)
+        # The plain loop: the user's own optimizer.step()/zero_grad() do what the facade's do (plain_loop.py).
+        self._routes = [OptimizerRoute(opt, functools.partial(self._user_step, k), functools.partial(self._zero, [k]))
+                        for k, opt in enumerate(optimizers)]
         # Like a torch optimizer skipping parameters whose .grad is None, a step with no backward since the
         # last zero_grad changes nothing (no weight decay, no moment update).
         self._pending = [_PendingGrads() for _ in optimizers]
+
+    def _index_parts(self) -> None:
+        """Which parts (flat groups, units) each optimizer steps; each trainable parameter's flag slot."""
+        self._parts_of = [[part for part in self.runtime.parts if self.group_optimizer[part.group_index] == k]
+                          for k in range(len(self.inner_optimizers))]
+        self._optimizer_of = {p: k for k, parts in enumerate(self._parts_of) for part in parts for p in part.params}
+        # Each trainable parameter's slot in its optimizer's "got a gradient" flags (No gradient, no step).
+        self._flag_slot = {p: i for parts in self._parts_of
+                           for i, p in enumerate(p for part in parts for p in part.params)}
+
+    # -- the trainable set changes (docs/core-api.md, "When the trainable parameters change") --------------
+    def add_param_group(self, optimizer: OptimizerRef, param_group: dict) -> None:
+        """``optimizer.add_param_group`` after setup: model parameters (frozen at setup, e.g. a backbone being
+        unfrozen) join optimizer ``optimizer`` as a new group, with this group's hyper-parameters. Call it on
+        every rank, between steps."""
+        k = self.optimizer_indices(optimizer)[0]
+        params = new_group_params(param_group, self._names, self.group_params)
+        insert_at = max(i for i, owner in enumerate(self.group_optimizer) if owner == k) + 1
+        for part in self.runtime.parts:
+            if part.group_index >= insert_at:
+                part.group_index += 1
+        self.group_optimizer.insert(insert_at, k)
+        self.group_params.insert(insert_at, params)
+        self.group_param_names.insert(insert_at, [self._names[p] for p in params])
+        inner = self.inner_optimizers[k]
+        type(inner).add_param_group(inner, {**param_group, "params": []})  # torch fills in the defaults
+        self._index_parts()
+        self._adopt_trainable()
+
+    def _adopt_trainable(self) -> None:
+        """Parameters of an optimizer group that require a gradient now but did not when their group was set up
+        get their master shards here (stage 3: their units become trainable). Every rank runs this at the same
+        points (before reducing gradients, and in add_param_group), as requires_grad is the same everywhere."""
+        fresh = {i: [p for p in params if p.requires_grad and p not in self._optimizer_of]
+                 for i, params in enumerate(self.group_params)}
+        fresh = {i: params for i, params in fresh.items() if params}
+        if not fresh:
+            return
+        had_grad = [p for params in fresh.values() for p in params if p.grad is not None]
+        new_parts = self.runtime.add_trainable(fresh)
+        adopt_offload(self.runtime, new_parts, self.config, self._offload)  # offload hook: they are offloaded too
+        new_params = [p for params in fresh.values() for p in params]
+        registry.register(new_params, self)
+        for param in new_params:
+            param.register_post_accumulate_grad_hook(self._note_grad)
+        self._index_parts()
+        for part in new_parts:
+            k = self.group_optimizer[part.group_index]
+            local = part.group_index - self.group_optimizer.index(k)
+            self.inner_optimizers[k].param_groups[local]["params"].extend(part.masters)
+        for param in had_grad:  # a backward ran since they were unfrozen: that gradient counts
+            pending = self._pending[self._optimizer_of[param]]
+            pending.used.add(param)
+            pending.saw_grad = True
 
     def replace_optimizers(self, optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]) -> None:
         """Train on with fresh optimizers (a second ``fit``): the partitioning and the fp32 master weights stay.
@@ -126,6 +200,8 @@ class ZeroEngine:
                 "optimizers the same way, or set up a fresh model"
             )
         self.zero_grad()
+        for route in self._routes:
+            route.unroute()
         self._record_groups(groups)
         self._bind_optimizers(optimizers)
 
@@ -214,7 +290,11 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()``, with the fp16 loss scale applied."""
-        (loss * self.loss_scale if self._scaler is not None else loss).backward(**kwargs)
+        self._engine_backward = True
+        try:
+            (loss * self.loss_scale if self._scaler is not None else loss).backward(**kwargs)
+        finally:
+            self._engine_backward = False
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -227,8 +307,16 @@ class ZeroEngine:
             self._no_sync_depth -= 1
             self.runtime.set_sync(self._no_sync_depth == 0)
 
+    def join(self, enable: bool = True, throw_on_early_termination: bool = False):
+        """Uneven inputs: ``with engine.join(): for batch in my_batches: ...`` lets ranks with fewer batches
+        shadow the others' steps until all are done (``torch.distributed.algorithms.Join`` semantics; join.py)."""
+        from .join import join_context
+
+        return join_context(self, enable, throw_on_early_termination)
+
     def _note_grad(self, param: torch.Tensor) -> None:
         pending = self._pending[self._optimizer_of[param]]
+        pending.used.add(param)
         if pending.reduced and self._averages_whole_grads() and pending.clip_coef is None:
             pending.reduced = False  # averaged gradients plus new local ones average again to the right sum
         elif pending.reduced:
@@ -238,10 +326,12 @@ class ZeroEngine:
                 "lost: run every backward of the step first, then clip, then step()"
             )
         pending.saw_grad = True
+        pending.unscaled |= not self._engine_backward
 
     def reduce_gradients(self, optimizer: OptimizerRef = None) -> None:
         """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective.
         ``optimizer`` limits it to one optimizer's parameters (see :meth:`optimizer_indices`)."""
+        self._adopt_trainable()
         indices = [k for k in self.optimizer_indices(optimizer) if not self._pending[k].reduced]
         if indices:
             self.runtime.reduce_gradients(self._parts(indices))
@@ -275,14 +365,25 @@ class ZeroEngine:
         self.comm.all_reduce(local)
         return local.pow(1.0 / norm_type) / self.loss_scale
 
-    def _overflow_on_any_rank(self, grad_shards: list[torch.Tensor]) -> bool:
-        if self._scaler is None:
-            return False
-        local = torch.zeros((), device=self.device)
-        if any(not torch.isfinite(shard).all() for shard in grad_shards):
-            local.fill_(1.0)
-        self.comm.all_reduce(local, op=dist.ReduceOp.MAX)
-        return bool(local.item())
+    def _agree_on_step(self, k: int) -> tuple[bool, list[list[bool]]]:
+        """One small all-reduce (MAX) tells every rank whether any rank saw an fp16 overflow, and which of
+        optimizer ``k``'s parameters got a gradient on some rank (per part, in ``part.params`` order)."""
+        parts = self._parts_of[k]
+        count = sum(len(part.params) for part in parts)
+        flags = torch.zeros(count + 1, dtype=torch.uint8)
+        used = self._pending[k].used
+        if used:
+            flags[torch.tensor([self._flag_slot[p] + 1 for p in used], dtype=torch.long)] = 1
+        if self._scaler is not None and any(not torch.isfinite(s).all() for s in self._grad_shards([k])):
+            flags[0] = 1
+        flags = flags.to(self.device)
+        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
+        agreed = [bool(v) for v in flags.tolist()]
+        masks, start = [], 1
+        for part in parts:
+            masks.append(agreed[start : start + len(part.params)])
+            start += len(part.params)
+        return agreed[0], masks
 
     def step(self) -> None:
         """Sharded optimizer step over the fp32 masters, then the parameters are refreshed; grads are zeroed.
@@ -290,13 +391,28 @@ class ZeroEngine:
         for optimizer in self.optimizers:
             optimizer.step()  # through the facade, so an LR scheduler built on it sees the step
 
+    def _user_step(self, k: int, closure=None):
+        """The user's own optimizer.step() (the plain loop): the facade's step, after checking what can't work."""
+        if self._scaler is not None and self._pending[k].unscaled:
+            raise RuntimeError(
+                "fp16 loss scaling is on (fp16.enabled), but this step's gradients come from loss.backward(), so "
+                "the loss was not scaled: call engine.backward(loss) instead (optimizer.step() and zero_grad() "
+                "can stay), or train in bf16/fp32, where loss.backward() works"
+            )
+        return self.optimizers[k].step(closure)  # looked up now: a scheduler built on the facade wraps its step
+
     def _step(self, k: int) -> None:
+        # Before any of the step's collectives: every rank issued the same ones since the last step
+        # (collective_guard.py), so a divergence is an error here, not a hang or a wrong update.
+        self.comm.guard.step_barrier()
+        self._adopt_trainable()  # a parameter unfrozen since the last step may hold this step's only gradient
         pending = self._pending[k]
         if not pending.saw_grad:
             self._zero([k])  # nothing to apply: every rank ran the same (empty) step
             return
         self.reduce_gradients(k)
-        if self._overflow_on_any_rank(self._grad_shards([k])):
+        overflow, used = self._agree_on_step(k)
+        if overflow:
             self.skipped_steps += 1
             self._record_overflow(True)
             self._zero([k])
@@ -304,14 +420,15 @@ class ZeroEngine:
         if pending.clip_coef is None and self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping, optimizer=k)
         parts = self._parts_of[k]
-        if self._offload is not None:  # offload hook: tiled step on the CPU masters (zero_core/offload)
-            self._offload.step(self.inner_optimizers[k], parts, 1.0 / self.loss_scale, self._pending[k].clip_coef)
-        else:
-            self._attach_master_grads(k)
-            self.inner_optimizers[k].step()
-            for part in parts:
-                for master in part.masters:
-                    master.grad = None
+        with self._routes[k].real_update():  # through any LR scheduler wrapper on it, so that it counts the step
+            if self._offload is not None:  # offload hook: tiled step on the host masters (zero_core/offload)
+                self._offload.step(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
+                                   self._pending[k].clip_coef)
+            else:
+                self._attach_master_grads(k, used)
+                self.inner_optimizers[k].step()
+        for part in parts:
+            part.master_shards.clear_grads()
         self.runtime.after_step(parts)
         self._record_overflow(False)
         self._finish_step(k)
@@ -345,19 +462,12 @@ class ZeroEngine:
         self._pending[k] = _PendingGrads()
         self._maybe_update_scale()
 
-    def _attach_master_grads(self, k: int) -> None:
-        """Give each master shard its gradient in fp32, unscaled and clipped."""
+    def _attach_master_grads(self, k: int, used: list[list[bool]]) -> None:
+        """Give each master piece its gradient in fp32, unscaled and clipped; None where no rank produced one."""
         inv_scale = 1.0 / self.loss_scale
         clip_coef = self._pending[k].clip_coef
-        for part in self._parts_of[k]:
-            for master, grad in zip(part.masters, part.grad_shards()):
-                if grad.dtype != master.dtype:
-                    grad = grad.to(master.dtype)
-                if inv_scale != 1.0:
-                    grad.mul_(inv_scale)
-                if clip_coef is not None:
-                    grad.mul_(clip_coef)
-                master.grad = grad
+        for part, mask in zip(self._parts_of[k], used):
+            part.master_shards.attach_grads(part.grad_shards(), mask, inv_scale, clip_coef)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient: the shards, stage 1's full buffers, and unmanaged parameters' ``.grad``."""
@@ -366,13 +476,30 @@ class ZeroEngine:
     def _zero(self, indices: list[int]) -> None:
         self.runtime.zero_grads(self._parts(indices))
         if len(indices) == len(self.optimizers):
-            managed = {id(p) for p in self.runtime.managed_params()}
             for param in self.module.parameters():
-                if id(param) not in managed:
+                if param not in self._optimizer_of:  # frozen, in no group, or unfrozen but not adopted yet
                     param.grad = None
         for k in indices:
             self._pending[k] = _PendingGrads()
         self._maybe_update_scale()
+
+    # -- teardown ------------------------------------------------------------------------------------------
+    def close(self, wait: bool = True) -> None:
+        """Finish every collective still in flight (stage 3 prefetches, overlapped reductions) and free
+        gathered parameters, so that ``destroy_process_group()`` and the process exit find nothing pending.
+
+        Call it on every rank when training ends (the front-ends do, at teardown); ``with zero_core.setup(...)
+        as engine:`` calls it on leaving the block. It is idempotent, and the engine stays usable: a later
+        forward or step simply communicates again. ``wait=False`` (after an error, when another rank may never
+        issue the matching collectives) forgets the pending handles instead of waiting, as does a call after
+        the process group is gone."""
+        teardown.quiesce(self.runtime, wait)
+
+    def __enter__(self) -> "ZeroEngine":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close(wait=exc_type is None)
 
     # -- state access (checkpoints, debugging API) ---------------------------------------------------------
     def fragments(self, optimizer: OptimizerRef = None) -> list[Fragment]:
@@ -426,6 +553,24 @@ class ZeroEngine:
 
     def describe(self, param: torch.Tensor) -> str:
         return self._names.get(param, "<unknown>")
+
+    def handles_released(self, func) -> bool:
+        """partitioned_param.py's owner protocol: ``torch.equal`` on a partitioned parameter is answered when
+        no values are needed (Lightning's BaseFinetuning.filter_on_optimizer compares parameters with it)."""
+        return func is torch.equal
+
+    def run_on_released(self, func, args, kwargs):
+        first, second = (list(args) + list(kwargs.values()))[:2]
+        if first is second:
+            return True
+        with torch._C.DisableTorchFunctionSubclass():
+            if first.shape != second.shape or first.dtype != second.dtype:
+                return False
+        raise RuntimeError(
+            f"torch.equal needs the values of '{self.describe(first)}' or '{self.describe(second)}', which ZeRO stage "
+            "3 keeps partitioned: compare them inside `with zero_core.GatheredParameters([a, b]):`, or compare "
+            "parameters by identity (`a is b`)"
+        )
 
     def gather_params(self, params) -> list:
         """GatheredParameters' entry: gather what is partitioned (stage 3). A collective."""

@@ -3,8 +3,10 @@
 The first step records the order in which managed modules run their forward. At the end of that step every
 rank compares its order with the others (one small all-gather): identical orders make the trace valid;
 different orders are an error that names where the ranks part ways. While valid, each forward is checked
-against the trace as it runs; a module out of place (another code path) stops prefetching for the rest of the
-step and the next step records again. Prefetch only ever follows a trace that every rank agreed on.
+against the trace as it runs: a module found further on means the modules in between were skipped on this
+rank (divergence.py issues their collectives); a module out of place (another code path) stops prefetching for
+the rest of the step, and when any rank was out of place (agreed at the step barrier) the next step records
+again. Prefetch only ever follows a trace that every rank agreed on.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class ExecutionTrace:
         self.order: list[nn.Module] = []
         self.position = 0
         self.deviated = False
+        self._skipped: list[int] = []
         self._distances: dict = {}
 
     def reset(self) -> None:
@@ -50,15 +53,29 @@ class ExecutionTrace:
         self.position = 0
 
     def visit(self, module: nn.Module) -> Optional[int]:
-        """Note that ``module`` runs now; its trace position when the trace is valid and followed."""
+        """Note that ``module`` runs now; its trace position when the trace is valid and followed. A module
+        found further on means this rank skipped the ones in between (a layer drop, a branch): their positions
+        are in ``take_skipped()``, so the runtime can issue their collectives as the other ranks do."""
         if self.state is TraceState.RECORDING:
             self.order.append(module)
             return None
-        if self.deviated or self.position >= len(self.order) or self.order[self.position] is not module:
+        if self.deviated:
+            return None
+        if self.position < len(self.order) and self.order[self.position] is module:
+            self.position += 1
+            return self.position - 1
+        ahead = next((i for i in range(self.position, len(self.order)) if self.order[i] is module), None)
+        if ahead is None:
             self.deviated = True
             return None
-        self.position += 1
-        return self.position - 1
+        self._skipped = list(range(self.position, ahead))
+        self.position = ahead + 1
+        return ahead
+
+    def take_skipped(self) -> list[int]:
+        """Positions the last visit jumped over (this rank did not run those modules)."""
+        skipped, self._skipped = self._skipped, []
+        return skipped
 
     @property
     def following(self) -> bool:

@@ -16,8 +16,9 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .fragments import Fragment, build_fragments, make_masters
+from .fragments import Fragment
 from .layout import BucketLayout, FlatLayout
+from .master_shards import MasterShards
 
 
 class FlatParamGroup:
@@ -40,10 +41,15 @@ class FlatParamGroup:
         self.full_grads = full_grads
         self.dtype = self.params[0].dtype
         self.device = self.params[0].device
+        existing = [p.grad for p in self.params]  # made trainable after setup, a parameter may hold one already
         self.flat = self._adopt_params()
         self.flat_grad: Optional[torch.Tensor] = None
         self._grad_shards = self._allocate_grads()
-        self.masters: list[nn.Parameter] = []
+        if self.full_grads:
+            for param, grad in zip(self.params, existing):
+                if grad is not None:
+                    param.grad.copy_(grad)
+        self.master_shards: Optional[MasterShards] = None
 
     # -- storage -------------------------------------------------------------------------------------------
     def _adopt_params(self) -> torch.Tensor:
@@ -71,15 +77,19 @@ class FlatParamGroup:
         for index, param in enumerate(self.params):
             param.grad = self._grad_view(index)
 
-    def build_masters(self, master_dtype: torch.dtype) -> list[nn.Parameter]:
+    def build_masters(self, master_dtype: torch.dtype) -> None:
         """fp32 master shards, one per bucket: views of ``flat`` when it is already fp32, copies otherwise."""
-        self.masters = make_masters([self.shard_of_params(b.index) for b in self.layout.buckets], master_dtype)
-        return self.masters
+        self.master_shards = MasterShards(self.layout, self.rank, self._param_shards(), master_dtype)
+
+    @property
+    def masters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: one fp32 piece per parameter fragment this rank owns."""
+        return self.master_shards.params if self.master_shards is not None else []
 
     def fragments(self) -> list[Fragment]:
         """This rank's piece of every parameter, located in the master and gradient shards."""
         shapes = [p.shape for p in self.params]
-        return build_fragments(self.layout, self.rank, self.names, shapes, self.dtype, self.masters, self._grad_shards)
+        return self.master_shards.fragments(self.names, shapes, self.dtype, self._grad_shards)
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shard(self, bucket: int) -> torch.Tensor:
@@ -115,11 +125,9 @@ class FlatParamGroup:
         """This rank's slice of the parameters in ``bucket`` (a view of ``flat``)."""
         return self.flat[self.layout.buckets[bucket].shard_range(self.rank).as_slice()]
 
+    def _param_shards(self) -> list[torch.Tensor]:
+        return [self.shard_of_params(b.index) for b in self.layout.buckets]
+
     def write_back_masters(self) -> None:
         """Copy updated 16-bit values of this rank's shards from their fp32 masters."""
-        for bucket, master in enumerate(self.masters):
-            if master.untyped_storage().nbytes() == 0:
-                continue  # swapped out to NVMe: zero_core/offload wrote it back as it stepped
-            shard = self.shard_of_params(bucket)
-            if shard.data_ptr() != master.data_ptr():
-                shard.copy_(master.detach())
+        self.master_shards.write_back(self._param_shards())

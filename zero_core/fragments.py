@@ -40,26 +40,3 @@ class Fragment:
 
     def grad_values(self) -> torch.Tensor:
         return self.grad_shard[self.local.as_slice()]
-
-
-def build_fragments(layout, rank: int, names, shapes, dtype, masters, grad_shards) -> list[Fragment]:
-    """Fragments of one flat layout whose bucket ``b`` has master ``masters[b]`` and gradient ``grad_shards[b]``."""
-    return [
-        Fragment(
-            name=names[f.param_index],
-            shape=shapes[f.param_index],
-            dtype=dtype,
-            param_range=f.param_range,
-            master=masters[f.bucket],
-            grad_shard=grad_shards[f.bucket],
-            local=f.shard_range,
-        )
-        for f in layout.fragments(rank)
-    ]
-
-
-def make_masters(shards, master_dtype: torch.dtype) -> list[torch.nn.Parameter]:
-    """One master per shard: the shard itself when it already has the master dtype, else an fp32 copy."""
-    return [
-        torch.nn.Parameter(s if s.dtype == master_dtype else s.to(master_dtype), requires_grad=True) for s in shards
-    ]

@@ -89,10 +89,18 @@ class GradReducer:
         self.unsynced_grads = False
 
     def _register_hooks(self) -> None:
+        self._handles = []
         for position, (group, bucket) in enumerate(self.order):
             for index in group.layout.buckets[bucket].param_indices:
-                hook = functools.partial(self._on_grad_ready, position, index)
-                group.params[index].register_post_accumulate_grad_hook(hook)
+                param = group.params[index]
+                if param.requires_grad:  # a frozen one is hooked when it becomes trainable (a new reducer)
+                    hook = functools.partial(self._on_grad_ready, position, index)
+                    self._handles.append(param.register_post_accumulate_grad_hook(hook))
+
+    def close(self) -> None:
+        """Remove the hooks: a new reducer (over more groups) replaces this one."""
+        for handle in getattr(self, "_handles", []):
+            handle.remove()
 
     def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
         if not self.sync:
@@ -193,6 +201,13 @@ class GradReducer:
         entirely under no_sync (or while those parameters were frozen)."""
         if self.partition_grads and self.unsynced_grads:
             self.finish_backward(only)
+
+    def quiesce(self, communicate: bool) -> None:
+        """Teardown: wait for every bucket in flight (or forget them when the process group is gone)."""
+        if communicate:
+            self._complete_inflight()
+        else:
+            self._inflight = []
 
     # -- stage 1: once per step ----------------------------------------------------------------------------
     def reduce_full_grads(self, only: set) -> None:

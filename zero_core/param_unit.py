@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from .comm import Communicator
-from .fragments import Fragment, build_fragments, make_masters
+from .fragments import Fragment
 from .layout import FlatLayout
+from .master_shards import MasterShards
 
 
 class UnitState(enum.Enum):
@@ -57,7 +58,7 @@ class ParamUnit:
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()
         self.grad_shard = torch.zeros_like(self.shard) if self.trainable else None
-        self.masters: list[nn.Parameter] = []
+        self.master_shards: Optional[MasterShards] = None
 
     @property
     def trainable(self) -> bool:
@@ -87,9 +88,16 @@ class ParamUnit:
         for param, slot in zip(self.params, self.layout.slots):
             param.data = self.full[slot.range.as_slice()].view(param.shape)
         if self.trainable:
-            self.masters = make_masters([self._bucket_shard(self.shard, b.index) for b in self.layout.buckets],
-                                        torch.float32)
+            self.master_shards = MasterShards(self.layout, self.rank, self._shard_buckets(), torch.float32)
         self.release()  # persistent units stay gathered
+
+    @property
+    def masters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: one fp32 piece per parameter fragment this rank owns."""
+        return self.master_shards.params if self.master_shards is not None else []
+
+    def _shard_buckets(self) -> list[torch.Tensor]:
+        return [self._bucket_shard(self.shard, b.index) for b in self.layout.buckets]
 
     def _take_shard_from_full(self) -> None:
         for bucket in self.layout.buckets:
@@ -121,6 +129,13 @@ class ParamUnit:
             self._source = None
             self.state = UnitState.GATHERED
 
+    def drop_pending(self) -> None:
+        """Forget an in-flight gather without waiting (teardown after the process group is gone)."""
+        if self.state is UnitState.GATHERING:
+            self._works = []
+            self._source = None
+            self.state = UnitState.GATHERED
+
     def release(self, force: bool = False) -> None:
         """Free the gathered storage (persistent units keep it unless ``force``)."""
         if self.state is UnitState.SHARDED or (self.persistent and not force):
@@ -132,10 +147,8 @@ class ParamUnit:
     def write_full_into_shard(self) -> None:
         """After the full values were changed in place (GatheredParameters with a modifier): keep them."""
         self._take_shard_from_full()
-        for master, bucket in zip(self.masters, self.layout.buckets):
-            shard = self._bucket_shard(self.shard, bucket.index)
-            if master.data_ptr() != shard.data_ptr():
-                master.data.copy_(shard)
+        if self.master_shards is not None:
+            self.master_shards.read_from(self._shard_buckets())
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
@@ -173,15 +186,10 @@ class ParamUnit:
 
     # -- optimizer side ------------------------------------------------------------------------------------
     def write_back_masters(self) -> None:
-        for master, bucket in zip(self.masters, self.layout.buckets):
-            if master.untyped_storage().nbytes() == 0:
-                continue  # swapped out to NVMe: zero_core/offload wrote it back as it stepped
-            shard = self._bucket_shard(self.shard, bucket.index)
-            if shard.data_ptr() != master.data_ptr():
-                shard.copy_(master.detach())
+        self.master_shards.write_back(self._shard_buckets())
 
     def fragments(self) -> list[Fragment]:
         if not self.trainable:
             return []
         shapes = [p.shape for p in self.params]
-        return build_fragments(self.layout, self.rank, self.names, shapes, self.dtype, self.masters, self.grad_shards())
+        return self.master_shards.fragments(self.names, shapes, self.dtype, self.grad_shards())

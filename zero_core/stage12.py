@@ -37,29 +37,57 @@ class ReplicatedParamsRuntime:
         for part in self.parts:
             part.build_masters(torch.float32)
         device = self.parts[0].device if self.parts else torch.device("cpu")
-        self.pool = BufferPool(device, max((b.range.size for g in self.parts for b in g.layout.buckets), default=1))
-        self.reducer = GradReducer(
+        self.pool = BufferPool(device, self._largest_bucket())
+        self.reducer = self._make_reducer(sync=True)
+
+    def _largest_bucket(self) -> int:
+        return max((b.range.size for g in self.parts for b in g.layout.buckets), default=1)
+
+    def _make_reducer(self, sync: bool) -> GradReducer:
+        reducer = GradReducer(
             self.parts,
-            comm,
+            self.comm,
             self.pool,
-            partition_grads=config.stage >= 2,
-            overlap=config.resolved_overlap_comm,
-            use_reduce_scatter=config.reduce_scatter,
-            ignore_unused=config.ignore_unused_parameters,
-            model_position={p: i for i, p in enumerate(module.parameters())},
+            partition_grads=self.config.stage >= 2,
+            overlap=self.config.resolved_overlap_comm,
+            use_reduce_scatter=self.config.reduce_scatter,
+            ignore_unused=self.config.ignore_unused_parameters,
+            model_position={p: i for i, p in enumerate(self.module.parameters())},
         )
+        reducer.sync = sync
+        return reducer
 
     def _build_groups(self, trainable_by_group, names) -> list[FlatParamGroup]:
+        return [g for index, trainable in enumerate(trainable_by_group) for g in self._groups_of(index, trainable)]
+
+    def _groups_of(self, index: int, trainable: list[nn.Parameter]) -> list[FlatParamGroup]:
+        """One flat group per dtype of optimizer group ``index``'s trainable parameters."""
         bucket_numel = min(self.config.reduce_bucket_size, self.config.allgather_bucket_size)
         topology = self.comm.topology
         groups = []
-        for index, trainable in enumerate(trainable_by_group):
-            for dtype in sorted({p.dtype for p in trainable}, key=str):
-                members = [p for p in trainable if p.dtype == dtype]
-                layout = compute_layout([p.numel() for p in members], topology.world_size, bucket_numel)
-                groups.append(FlatParamGroup(members, [names[p] for p in members], index, layout,
-                                             topology.rank, full_grads=self.config.stage == 1))
+        for dtype in sorted({p.dtype for p in trainable}, key=str):
+            members = [p for p in trainable if p.dtype == dtype]
+            layout = compute_layout([p.numel() for p in members], topology.world_size, bucket_numel)
+            groups.append(FlatParamGroup(members, [self.names[p] for p in members], index, layout,
+                                         topology.rank, full_grads=self.config.stage == 1))
         return groups
+
+    def add_trainable(self, by_group: dict[int, list[nn.Parameter]]) -> list[FlatParamGroup]:
+        """Parameters that became trainable after setup (unfrozen, or in a group added later): new flat groups
+        with their masters, and a reducer covering every group. Their values are already the same on every
+        rank (replicated like DDP's, and not stepped while frozen), so nothing is communicated."""
+        new = [g for index, params in sorted(by_group.items()) for g in self._groups_of(index, params)]
+        for group in new:
+            group.build_masters(torch.float32)
+        self.parts += new
+        if self._largest_bucket() > self.pool.largest:
+            self.pool = BufferPool(self.pool.device, self._largest_bucket())
+        sync = self.reducer.sync
+        self.reducer.close()
+        self.reducer = self._make_reducer(sync)
+        # A backward since the unfreezing left gradients in param.grad: the step reduces them.
+        self.reducer.unsynced_grads = any(p.grad is not None for g in new for p in g.params)
+        return new
 
     def managed_params(self) -> list[nn.Parameter]:
         return [p for g in self.parts for p in g.params]
@@ -100,6 +128,11 @@ class ReplicatedParamsRuntime:
     def zero_grads(self, parts: list[FlatParamGroup]) -> None:
         for group in parts:
             group.zero_grads()
+
+    def quiesce(self, communicate: bool) -> None:
+        """Teardown (engine.close): finish the overlapped reduce-scatters still in flight, or, when the process
+        group is gone (``communicate=False``), drop their handles."""
+        self.reducer.quiesce(communicate)
 
     def replicated_state(self) -> dict[str, torch.Tensor]:
         """Buffers and parameters outside every optimizer group: identical on every rank, not sharded."""

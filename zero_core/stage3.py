@@ -18,13 +18,15 @@ from torch import nn
 from torch.autograd import Variable
 
 from . import param_sources
-from .backward_hooks import PostBackward, PreBackward, attach
+from .backward_hooks import PreBackward, after_input_grads, attach
 from .buffer_pool import BufferPool
 from .comm import Communicator
 from .config import ZeroConfig
+from .divergence import launch_in_order, reduce_order, skipped_backward, skipped_forward
 from .execution_trace import ExecutionTrace
 from .external_params import registered_externals
 from .layout import compute_layout
+from .leaf_modules import leaf_of, z3_leaf_module
 from .param_unit import ParamUnit, UnitState
 from .partitioned_param import mark_partitioned
 
@@ -49,6 +51,10 @@ class PartitionedParamsRuntime:
         self._own: dict[nn.Module, list[ParamUnit]] = defaultdict(list)
         self._externals: dict[nn.Module, list[ParamUnit]] = defaultdict(list)
         self.unit_of: dict[nn.Parameter, ParamUnit] = {}
+        self._module_of: dict[ParamUnit, nn.Module] = {}
+        self._unit_count = 0
+        self._inside_leaf = leaf_of(module)  # modules below a leaf module -> that leaf (leaf_modules.py)
+        self._deferred: set[ParamUnit] = set()  # units inside leaves: reduced at the end of backward, in order
         self.live_elements = 0  # gathered elements now, and the most ever (max_live_parameters is checked on it)
         self.peak_live_elements = 0
         self._build_units(trainable_by_group)
@@ -66,8 +72,13 @@ class PartitionedParamsRuntime:
         # optimizers in a Lightning training_step); without root forwards, at the step itself.
         self._root_forward_in_step = False
         self._trace_step_over = False
+        # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
+        # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
+        self._reduce_order: Optional[list[ParamUnit]] = None
         self._reset_backward_state()
         self._register_hooks(module_names)
+        # A trace deviation on any rank is agreed at the step barrier, so all ranks re-record together.
+        comm.guard.on_step(lambda: self.trace.deviated, self._agree_on_deviation)
 
     # -- partitioning at setup -----------------------------------------------------------------------------
     def _build_units(self, trainable_by_group) -> None:
@@ -76,42 +87,103 @@ class PartitionedParamsRuntime:
         persistent_budget = self.config.model_persistence_threshold
         for module_name, mod in self.module.named_modules():
             param_sources.materialize_meta(mod, module_name, device)
+            owner = self._hooked(mod)  # a module inside a leaf: its units are gathered with the leaf
             own = []
             for param in mod.parameters(recurse=False):
                 if param in self.unit_of or any(param is p for p, _ in own):
                     if param in self.unit_of:
-                        self._add_external(mod, self.unit_of[param])
+                        self._add_external(owner, self.unit_of[param])
                     continue
                 own.append((param, group_of.get(param)))
             for key in sorted({(g if g is not None else -1, str(p.dtype)) for p, g in own}):
                 members = [p for p, g in own if (g if g is not None else -1, str(p.dtype)) == key]
-                persistent_budget = self._add_unit(module_name, mod, members, key[0], persistent_budget)
+                persistent_budget = self._add_unit(module_name, owner, members, key[0], persistent_budget)
         for mod, params in registered_externals(self.module):
             for param in params:
-                self._add_external(mod, self.unit_of[param])
+                self._add_external(self._hooked(mod), self.unit_of[param])
         for buffer in self.module.buffers():
             self.comm.broadcast(buffer, src=0)  # every rank starts from rank 0's buffers, as with DDP
 
     def _add_unit(self, module_name, mod, params, group_index, persistent_budget) -> int:
+        numel = sum(p.numel() for p in params)
+        persistent = all(p.numel() < self.config.param_persistence_threshold for p in params) and \
+            numel <= persistent_budget
+        broadcast = not all(param_sources.comes_from_init(p) for p in params)
+        values = [param_sources.whole_value(p) for p in params]
+        self._new_unit(module_name, mod, params, group_index if group_index >= 0 else None, values, persistent,
+                       broadcast)
+        return persistent_budget - numel if persistent else persistent_budget
+
+    def _new_unit(self, module_name, mod, params, group_index, values, persistent: bool, broadcast: bool):
         bucket_numel = self.config.reduce_bucket_size
         layout = compute_layout([p.numel() for p in params], self.comm.topology.world_size, bucket_numel)
         dtype = self.config.param_dtype if params[0].is_floating_point() else params[0].dtype
-        unit = ParamUnit(len(self.units), module_name, params, [self.names[p] for p in params],
-                         group_index if group_index >= 0 else None, layout, self.comm, dtype)
-        numel = sum(p.numel() for p in params)
-        if all(p.numel() < self.config.param_persistence_threshold for p in params) and numel <= persistent_budget:
-            unit.persistent = True
-            persistent_budget -= numel
-        broadcast = not all(param_sources.comes_from_init(p) for p in params)
-        unit.adopt([param_sources.whole_value(p) for p in params], broadcast=broadcast)
+        unit = ParamUnit(self._unit_count, module_name, params, [self.names[p] for p in params], group_index, layout,
+                         self.comm, dtype)
+        self._unit_count += 1
+        unit.persistent = persistent
+        unit.adopt(values, broadcast=broadcast)
         for param in params:
             mark_partitioned(param)
             self.unit_of[param] = unit
         self.units.append(unit)
         self._own[mod].append(unit)
+        self._module_of[unit] = mod
+        if z3_leaf_module(mod):
+            self._deferred.add(unit)  # its children may run on some ranks only: no early, rank-dependent reduce
         if unit.persistent:
             self._note_live(unit.numel)
-        return persistent_budget
+        return unit
+
+    def add_trainable(self, by_group: dict[int, list[nn.Parameter]]) -> list[ParamUnit]:
+        """Parameters that became trainable after setup (unfrozen, or in a group added later). They sit in frozen
+        units: each such unit is gathered once and rebuilt as one unit per optimizer group (its still-frozen
+        parameters keep a frozen unit), with masters and gradient hooks. A collective; returns the new
+        trainable units."""
+        group_of = {p: index for index, params in by_group.items() for p in params}
+        new = []
+        for unit in list(dict.fromkeys(self.unit_of[p] for p in group_of)):
+            new += self._split_unit(unit, group_of)
+        self.units.sort(key=lambda u: u.index)
+        self.parts = [u for u in self.units if u.trainable]
+        if self._reduce_order is not None:  # the agreed reduce order names units: rebuild it over the new ones
+            self._reduce_order = reduce_order(self)
+        largest = max((u.numel for u in self.parts), default=1)
+        if largest > self.pool.largest:
+            self.pool = BufferPool(self.pool.device, largest)
+        trainable = [u for u in new if u.trainable]
+        for unit in trainable:
+            for param in unit.params:
+                param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
+        # A backward since the unfreezing left gradients in param.grad: the step reduces them.
+        self.unsynced_grads = self.unsynced_grads or any(p.grad is not None for u in trainable for p in u.params)
+        return trainable
+
+    def _split_unit(self, unit: ParamUnit, group_of: dict) -> list[ParamUnit]:
+        if unit.trainable:
+            raise RuntimeError(f"unit of '{unit.module_name}' is trainable already (a bug: please report it)")
+        mod = self._module_of[unit]
+        self._gather(unit)
+        values = {p: p.detach().clone() for p in unit.params}
+        unit.release(force=True)
+        self._note_live(-unit.numel)
+        self.units.remove(unit)
+        self._own[mod].remove(unit)
+        keys = sorted({group_of.get(p, -1) for p in unit.params})
+        pieces = []
+        for key in keys:
+            members = [p for p in unit.params if group_of.get(p, -1) == key]
+            pieces.append(self._new_unit(unit.module_name, mod, members, key if key >= 0 else None,
+                                         [values[p] for p in members], unit.persistent, broadcast=False))
+        for externals in self._externals.values():  # modules that also use these parameters (ties)
+            if unit in externals:
+                externals.remove(unit)
+                externals.extend(pieces)
+        return pieces
+
+    def _hooked(self, mod: nn.Module) -> nn.Module:
+        """The module whose hooks gather ``mod``'s parameters: itself, or the leaf module enclosing it."""
+        return self._inside_leaf.get(mod, mod)
 
     def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
         if unit not in self._externals[mod] and unit not in self._own[mod]:
@@ -121,6 +193,7 @@ class PartitionedParamsRuntime:
         """register_external_parameter called after setup: gather ``param`` with ``mod`` from now on."""
         if param not in self.unit_of:
             return
+        mod = self._hooked(mod)
         hooked = mod in self._own or mod in self._externals
         self._add_external(mod, self.unit_of[param])
         if not hooked:
@@ -166,21 +239,47 @@ class PartitionedParamsRuntime:
 
     def _pre_forward(self, mod, _hook_module, args, kwargs):
         units = self._units_for(mod)
-        for unit in units:
-            self._gather(unit)
         if self._in_backward:
             # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
             # hook never runs; nothing is counted here and backward releases what it gathered.
+            for unit in units:
+                self._gather(unit)
             return args, kwargs
         position = self.trace.visit(mod)
+        try:
+            for skipped in self.trace.take_skipped():
+                skipped_forward(self, skipped)  # modules this rank skipped: their gathers, as the others issue them
+            for unit in units:
+                self._gather(unit)
+        except RuntimeError as error:
+            if "collective mismatch" not in str(error):
+                raise
+            raise type(error)(f"{error} {self._leaf_hint(mod)}") from error
+        self._touched.update(units)
         self._positions[mod].append(position)
         for unit in units:
             self._active[unit] += 1
         if position is not None and self.trace.following:
             self._prefetch(position, backward=False)
         if torch.is_grad_enabled():
-            (args, kwargs), _ = attach(PostBackward, functools.partial(self._post_backward, mod), (args, kwargs))
+            after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs))
         return args, kwargs
+
+    def _leaf_hint(self, mod: nn.Module) -> str:
+        """Ranks ran different modules: name the enclosing modules one of which should be declared a leaf."""
+        names = {m: n for n, m in self.module.named_modules()}
+        name = names.get(mod, "")
+        parts = name.split(".") if name else []
+        candidates = []
+        for depth in range(len(parts) - 1, -1, -1):
+            ancestor = self.module.get_submodule(".".join(parts[:depth]))
+            if not isinstance(ancestor, (nn.ModuleList, nn.ModuleDict)):
+                candidates.append(f"'{'.'.join(parts[:depth]) or '<root>'}' ({type(ancestor).__name__})")
+        return ("If ranks run different submodules here on purpose (a mixture-of-experts block that skips experts "
+                "without tokens), declare the module that chooses them a leaf before setup, so its subtree is "
+                f"gathered as one unit: one of {', '.join(candidates[:3]) or 'its parent modules'}, with "
+                "zero_core.set_z3_leaf_modules(model, [ItsClass]) or zero_optimization.leaf_module "
+                "{'names': [...]} (docs/stage3.md, leaf modules).")
 
     def _post_forward(self, mod, _hook_module, args, output):
         if self._in_backward:
@@ -224,6 +323,8 @@ class PartitionedParamsRuntime:
             return None
         order = self.trace.order
         while self._bwd_cursor >= 0 and order[self._bwd_cursor] is not mod:
+            if self._bwd_cursor in self._skipped_positions:
+                skipped_backward(self, self._bwd_cursor)
             self._bwd_cursor -= 1
         if self._bwd_cursor < 0:
             return None
@@ -278,6 +379,10 @@ class PartitionedParamsRuntime:
         self._in_backward = False
         self._bwd_cursor = len(self.trace.order) - 1
         self.unsynced_grads = False
+        self._touched: set[ParamUnit] = set()  # units of modules that ran forward since the last backward
+        self._skipped_positions: set[int] = set()  # trace positions this rank skipped in those forwards
+        self._skipped_units: set[ParamUnit] = set()  # their units, once backward passed their place
+        self._reduce_cursor = 0  # next unit of _reduce_order to reduce-scatter
 
     def _enter_backward(self) -> None:
         self._in_backward = True
@@ -291,7 +396,11 @@ class PartitionedParamsRuntime:
             return
         self._enter_backward()
         self._seen[unit] += 1
-        if self._seen[unit] >= unit.active_count() and unit not in self._reduced:
+        if unit in self._deferred:
+            return
+        if self._reduce_order is not None:
+            launch_in_order(self)
+        elif self._seen[unit] >= unit.active_count() and unit not in self._reduced:
             self._reduce(unit)
 
     def _reduce(self, unit: ParamUnit) -> list[str]:
@@ -323,7 +432,7 @@ class PartitionedParamsRuntime:
         ``only``: flush just these units (one optimizer's step), whatever their requires_grad."""
         unused, pending = [], self.unsynced_grads and not self.sync
         if self.sync:
-            for unit in reversed(self.parts):
+            for unit in self._reduce_order if self._reduce_order is not None else reversed(self.parts):
                 skip = unit not in only if only is not None else unit.active_count() == 0
                 if unit not in self._reduced and not skip:
                     unused += self._reduce(unit)
@@ -333,10 +442,10 @@ class PartitionedParamsRuntime:
         self._reset_backward_state()
         self.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
         if unused and not self.config.ignore_unused_parameters:
-            raise RuntimeError(
-                f"parameters got no gradient in this backward: {', '.join(unused)}. Set "
-                "zero_optimization.ignore_unused_parameters=true if that is expected, or freeze them."
-            )
+            self.comm.guard.fail(  # raised on every rank: the others would otherwise wait for this one
+                f"rank {self.comm.topology.rank}: parameters got no gradient in this backward: {', '.join(unused)}. "
+                "Set zero_optimization.ignore_unused_parameters=true if that is expected, or freeze them.",
+                RuntimeError)
 
     # -- the engine's calls --------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
@@ -363,9 +472,16 @@ class PartitionedParamsRuntime:
             self._end_trace_step()  # the model is driven through its submodules: the step is the trace's unit
             self.trace.start_forward()
 
+    def _agree_on_deviation(self, deviated: list) -> None:
+        self.trace.deviated = any(deviated)
+
     def _end_trace_step(self) -> None:
         self.trace.end_step()
         self.comm.check = self.comm.always_check or self.trace.state.value == "recording"
+        if self.trace.state.value != "valid":
+            self._reduce_order = None
+        elif self._reduce_order is None or self._order_source is not self.trace.order:
+            self._reduce_order, self._order_source = reduce_order(self), self.trace.order
         self._bwd_cursor = len(self.trace.order) - 1
         self._trace_step_over = False
         self._root_forward_in_step = False
@@ -373,6 +489,21 @@ class PartitionedParamsRuntime:
     def zero_grads(self, parts: list[ParamUnit]) -> None:
         for unit in parts:
             unit.zero_grads()
+
+    def quiesce(self, communicate: bool) -> None:
+        """Teardown (engine.close): finish every collective still in flight (prefetched gathers, overlapped
+        reduce-scatters) and free what they gathered. ``communicate=False`` (the process group is gone): drop
+        the handles instead of waiting."""
+        if communicate:
+            self._complete_inflight()
+        else:
+            self._inflight = []
+        for unit in self.units:
+            if not communicate:
+                unit.drop_pending()
+            self._release(unit)
+        self._held.clear()
+        self._active.clear()
 
     def replicated_state(self) -> dict[str, torch.Tensor]:
         """Buffers, plus frozen parameters gathered into whole copies (they are partitioned in stage 3)."""

@@ -59,6 +59,32 @@ def save_model_checks(example, accelerator, model, work: Path) -> dict:
     return results
 
 
+def latest_state_check(work: Path) -> dict:
+    """load_state() with no directory (automatic_checkpoint_naming) skips a damaged newest state and loads the
+    newest complete one (zero_core.latest_checkpoint's rule, per ZeRO model)."""
+    import os
+
+    from accelerate.utils import ProjectConfiguration
+
+    project = ProjectConfiguration(project_dir=str(work / "auto"), automatic_checkpoint_naming=True)
+    accelerator = make_accelerator({"stage": 2}, project_config=project, gradient_accumulation_steps=1)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(5, 3)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.save_state()  # checkpoint_0: the initial weights
+    first = weights(accelerator, model)  # rank 0: the weights as lists; other ranks: {}
+    accelerator.backward(model(torch.ones(2, 5)).pow(2).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+    accelerator.save_state()  # checkpoint_1: after one step
+    newest = work / "auto" / "checkpoints" / "checkpoint_1" / "zero_model"
+    shard = newest / "shard-00001-of-00002.safetensors"
+    os.truncate(shard, json.loads((newest / "manifest.json").read_text())["files"][shard.name]["bytes"] // 2)
+    accelerator.wait_for_everyone()
+    accelerator.load_state()
+    return {"back_to_first": weights(accelerator, model) == first}
+
+
 def main() -> None:
     out, work = Path(sys.argv[1]), Path(sys.argv[2])
     example, results = load_example(), {}
@@ -87,6 +113,8 @@ def main() -> None:
     accelerator = make_accelerator("ddp")
     model, _ = example.train(accelerator, STEPS, resume_from=work / "exported")
     results["ddp_from_zero"] = weights(accelerator, model)
+
+    results["latest_state"] = latest_state_check(work)
 
     if rank() == 0:
         results["zero_ckpt_files"] = sorted(str(p.relative_to(work / "zero-ckpt"))

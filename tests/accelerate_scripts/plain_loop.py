@@ -27,7 +27,7 @@ def main() -> None:
     state = accelerator.get_state_dict(model)
     print(json.dumps({"class": type(accelerator).__name__, "stage": accelerator.zero_plugin.stage,
                       "argv": sys.argv[1:], "losses": losses, "keys": sorted(state),
-                      "processes": accelerator.num_processes}))
+                      "processes": accelerator.num_processes, "model": type(model).__name__}))
 
 
 if __name__ == "__main__":

@@ -91,8 +91,42 @@ def convert_and_resume_ddp() -> None:
     save_rank(OUT, "ddp_from_zero3.weights", full_weights(model))
 
 
+def resume_last_after_damage() -> None:
+    """fit(ckpt_path="last") when last.ckpt (a link to epoch=1.ckpt) is damaged: ZeroStrategy falls back to the
+    newest verified checkpoint, epoch=0.ckpt, with a warning, and ends like the uninterrupted run."""
+    import json
+    import os
+    import warnings
+
+    import torch.distributed as dist
+    from lightning.pytorch.callbacks import Callback
+
+    shard = OUT / "zero3" / "epochs" / "epoch=1.ckpt" / "shard-00001-of-00002.safetensors"
+    expected = json.loads((shard.parent / "manifest.json").read_text())["files"][shard.name]["bytes"]
+    os.truncate(shard, expected // 2)  # on both ranks: idempotent
+    dist.barrier()
+    started = []
+
+    class StartStep(Callback):
+        def on_train_start(self, trainer, pl_module):
+            started.append(trainer.global_step)
+
+    every_epoch = ModelCheckpoint(dirpath=OUT / "zero3" / "epochs", every_n_epochs=1, save_top_k=-1,
+                                  filename="{epoch}", save_last="link")
+    model = LitGPT()
+    t = trainer(strategy_for("zero3"), OUT, enable_checkpointing=True, callbacks=[every_epoch, StartStep()], **FIT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(model, loader(), loader(shuffle=False), ckpt_path="last")
+    save_rank(OUT, "zero3_last_resumed.weights", full_weights(model))
+    write_json(OUT, "zero3_last_resumed", {"started_at": started[0], "global_step": t.global_step,
+                                           "warnings": [str(w.message) for w in caught if "skipping" in str(w.message)]})
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    parts = {"resume": resume_zero3, "from_ddp": resume_zero3_from_ddp, "convert": convert_and_resume_ddp}
-    for label in sys.argv[2:] or ["ddp", "zero1", "zero2", "zero3", "resume", "from_ddp", "convert"]:
+    parts = {"resume": resume_zero3, "from_ddp": resume_zero3_from_ddp, "convert": convert_and_resume_ddp,
+             "last_after_damage": resume_last_after_damage}
+    for label in sys.argv[2:] or ["ddp", "zero1", "zero2", "zero3", "resume", "from_ddp", "convert",
+                                  "last_after_damage"]:
         parts.get(label, lambda: run(label))()

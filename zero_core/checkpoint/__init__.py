@@ -11,6 +11,7 @@ docs/checkpoints.md is the user's guide; docs/checkpoint-format.md describes the
 from .consolidate import consolidate, export_optimizer_state, read_optimizer_states
 from .export16 import save_16bit_model
 from .format import CheckpointError, CheckpointMismatchError, read_manifest
+from .latest import latest_checkpoint
 from .load import load_checkpoint, load_full_state_dict
 from .save import save_checkpoint
 from .summary import describe
@@ -23,6 +24,7 @@ __all__ = [
     "describe",
     "export_optimizer_state",
     "read_optimizer_states",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_client_state",
     "load_full_state_dict",

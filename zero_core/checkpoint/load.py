@@ -40,6 +40,8 @@ def load_checkpoint(engine, path: PathLike, strict: bool = True, load_optimizer_
     manifest = run_agreed(engine, read_manifest, path)
     run_agreed(engine, _verify_my_share, engine, path, manifest, verify)
     with ShardedSource(path, manifest) as source:
+        if load_optimizer_states:
+            _add_saved_groups(engine, manifest, source)
         optimizer = source if load_optimizer_states and _optimizer_matches(engine, manifest, strict) else None
         _load(engine, source, optimizer, strict)
         if load_optimizer_states:
@@ -67,6 +69,26 @@ def load_full_state_dict(engine, model_state: Union[dict, PathLike],
         if optimizer_state is not None:
             optimizer = run_agreed(engine, PlainOptimizerSource, optimizer_state, engine.group_param_names)
         _load(engine, source, optimizer, strict)
+
+
+def _add_saved_groups(engine, manifest: dict, source) -> None:
+    """Groups the checkpoint has beyond the engine's, at the end of an optimizer's list, that hold model
+    parameters in no group yet (added after setup, e.g. by Lightning's BackboneFinetuning) are added again."""
+    saved = manifest["optimizer"]["param_groups"]
+    owners = [group.get("optimizer", 0) for group in saved]
+    params = dict(engine.module.named_parameters())
+    taken = {name for names in engine.group_param_names for name in names}
+    hyperparameters = source.hyperparameters()
+    for k in range(len(engine.inner_optimizers)):
+        have = engine.group_optimizer.count(k)
+        mine = [i for i, owner in enumerate(owners) if owner == k]
+        for index in mine[have:]:
+            names = saved[index]["param_names"]
+            if not names or any(n not in params or n in taken for n in names):
+                return  # not a group added after setup: the group count check reports the mismatch
+            values = {key: v for key, v in hyperparameters[index].items() if key not in ("params", "param_names")}
+            engine.add_param_group(k, {**values, "params": [params[n] for n in names]})
+            taken.update(names)
 
 
 def _verify_my_share(engine, path: Path, manifest: dict, verify: Verify) -> None:

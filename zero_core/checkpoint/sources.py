@@ -21,6 +21,7 @@ import torch
 from safetensors import safe_open
 
 from zero_core.layout import Range
+from zero_core.shard_identity import SHARD_KEY
 
 from .format import MASTER_KIND, REPLICATED, CheckpointError, CheckpointMismatchError
 from .values import decode_value
@@ -224,6 +225,12 @@ class PlainOptimizerSource:
             if not isinstance(candidate, dict) or not isinstance(candidate.get("param_groups"), list) \
                     or "state" not in candidate:
                 raise CheckpointError("the optimizer state is not an optimizer.state_dict() (no state/param_groups)")
+            shard = candidate.get(SHARD_KEY)
+            if isinstance(shard, dict):
+                raise CheckpointError(
+                    f"the optimizer state is one rank's shard (rank {shard.get('rank')} of {shard.get('world_size')}, "
+                    "from a ZeRO engine's optimizer.state_dict()), not a whole optimizer state: load a checkpoint "
+                    "written by engine.save_checkpoint (or accelerator.save_state) instead")
         groups = [(sd, group) for sd in state_dicts for group in sd["param_groups"]]
         if len(groups) != len(group_param_names):
             raise CheckpointMismatchError(f"the optimizer state has {len(groups)} parameter groups, the engine's "

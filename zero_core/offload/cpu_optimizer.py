@@ -1,12 +1,14 @@
-"""The optimizer step of an offloaded engine: on CPU masters, with torch's fused CPU kernels, tile by tile.
+"""The optimizer step of an offloaded engine: on host masters, with torch's fused CPU kernels, tile by tile.
 
-The engine hands over, per step, one optimizer and its parts (flat groups or stage 3 units). Each part's
-``masters`` were replaced at setup by fp32 copies in host memory (:func:`attach`), so the user's optimizer,
-whose param_groups hold those masters, steps on the CPU. Reduced gradient shards are copied (unscaled and
-clipped) into host gradient buffers tile by tile (fp32 shards already in host memory are used in place); a tile is at most ``sub_group_size`` elements of whole master
-shards (one shard per bucket; a bigger shard is a tile of its own). With ``device: nvme`` a tile's masters and
-state are read from the swap file before it steps (the next tile's read overlaps this tile's step), written back
-to the model's parameter shards, and written out again (overlapping the next tile's step).
+The engine hands over, per step, one optimizer, its parts (flat groups or stage 3 units) and which of their
+parameters got a gradient on some rank. Each part's master pieces were moved at setup to host memory
+(host_masters.py), so the user's optimizer, whose param_groups hold those pieces, steps on the CPU. The pieces of
+parameters that got a gradient are stepped in tiles of at most ``sub_group_size`` elements (a bigger piece is a
+tile of its own); the others keep ``grad=None`` and are left alone, as without offload. Reduced gradient shards
+are copied (unscaled and clipped) into host buffers tile by tile; fp32 shards already in host memory are used in
+place. With ``device: nvme`` a tile's pieces and their state are read from the swap file before it steps (the
+next tile's read overlaps this tile's step), written back to the model's parameter shards, and written out
+again (overlapping the next tile's step).
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ import torch
 from torch import nn
 
 from .aio import AioPool, Transfer
+from .host_masters import HostMasterShards
 from .nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
 from .params import offload_param_shards
-from .placement import copy_to_host, host_copy, pinning, wait_for_copies
+from .placement import copy_to_host, pinning, wait_for_copies
 
 # torch optimizers with a fused CPU kernel (torch.optim.*(fused=True) on CPU tensors).
 FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -30,45 +33,47 @@ _SWAP_BYTES_PER_ELEMENT = 4 * 3
 
 
 def _param_shards(part) -> list[torch.Tensor]:
-    """The model-side (16-bit or fp32) shard each master of ``part`` writes back into."""
+    """The model-side (16-bit or fp32) bucket shards the masters of ``part`` write back into."""
     if hasattr(part, "shard_of_params"):  # stages 1-2: FlatParamGroup
         return [part.shard_of_params(b.index) for b in part.layout.buckets]
     return [part._bucket_shard(part.shard, b.index) for b in part.layout.buckets]  # stage 3: ParamUnit
 
 
 class OptimizerOffload:
-    """Host-resident (or NVMe-swapped) masters and state, and the tiled CPU step over them."""
+    """Host-resident (or NVMe-swapped) master pieces and state, and the tiled CPU step over them."""
 
     def __init__(self, parts: list, config, rank: int) -> None:
         block = config.offload_optimizer
         self.device = block.device
         self.sub_group_size = config.sub_group_size
         nvme = self.device == "nvme"
-        masters = [m for part in parts for m in part.masters]
+        numel = sum(m.numel() for part in parts for m in part.masters)
         if nvme:
             check_nvme_path(block.nvme_path, "zero_optimization.offload_optimizer.nvme_path",
-                            _SWAP_BYTES_PER_ELEMENT * sum(m.numel() for m in masters))
+                            _SWAP_BYTES_PER_ELEMENT * numel)
         # Resizing storage (the swap) needs ordinary host memory, so pinning is for device 'cpu' only.
         self.pin = pinning(block.pin_memory) and not nvme
-        self.parts = parts
-        self._grads: dict[int, torch.Tensor] = {}  # id(master) -> host gradient buffer (device 'cpu')
+        self.parts: list = []
+        self._grads: dict[int, torch.Tensor] = {}  # id(piece) -> host gradient buffer (device 'cpu')
         self._noted: set[type] = set()
         self.swapper: Optional[NvmeSwapper] = None
         self._resident_depth = 0
         self._optimizers: list[torch.optim.Optimizer] = []
         if nvme:
             # Freed tile buffers kept for reuse: buffer_count tiles of a master and Adam's two moments.
-            pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, sum(m.numel() for m in masters))
+            pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, numel)
             self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio), pool_bytes)
-        for part in parts:
-            part.masters = [self._host_master(m) for m in part.masters]
+        self.adopt(parts)
 
-    def _host_master(self, master: torch.Tensor) -> nn.Parameter:
-        """An fp32 host copy of a device master; with NVMe written out at once (only one is ever in memory)."""
-        host = nn.Parameter(host_copy(master, torch.float32, self.pin))
-        if self.swapper is not None:
-            self.swapper.swap_out([(host, _MASTER, host)]).wait()
-        return host
+    def adopt(self, parts: list) -> None:
+        """Move the masters of ``parts`` (at setup, or made trainable later) to the host; with NVMe, write them
+        out one piece at a time (only one is in memory at once)."""
+        for part in parts:
+            part.master_shards = HostMasterShards(part.master_shards, self.pin, separate=self.swapper is not None)
+            if self.swapper is not None:
+                for piece in part.masters:
+                    self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
+            self.parts.append(part)
 
     def all_masters(self) -> list[nn.Parameter]:
         return [m for part in self.parts for m in part.masters]
@@ -91,35 +96,40 @@ class OptimizerOffload:
             warnings.warn(
                 f"offload_optimizer: {type(optimizer).__name__} has no fused CPU kernel in torch, so its step runs "
                 "torch's generic code on the CPU (slower). Adam, AdamW, SGD and Adagrad step with fused kernels.",
-                stacklevel=4,
+                stacklevel=5,
             )
 
-    def _tiles(self, parts: list) -> list[list[tuple]]:
-        """(master, grad shard, param shard) triples grouped into tiles of at most sub_group_size elements."""
+    def _tiles(self, parts: list, used: list[list[bool]]) -> list[list[tuple]]:
+        """(piece, grad slice, param shard slice) of every piece whose parameter got a gradient, grouped into
+        tiles of at most sub_group_size elements."""
         tiles, current, size = [], [], 0
-        for part in parts:
-            for master, grad, shard in zip(part.masters, part.grad_shards(), _param_shards(part)):
-                if current and size + grad.numel() > self.sub_group_size:  # (a swapped-out master is empty)
+        for part, mask in zip(parts, used):
+            shards, grads, masters = _param_shards(part), part.grad_shards(), part.master_shards
+            for index, (piece, fragment) in enumerate(zip(masters.params, masters.pieces)):
+                if not mask[fragment.param_index]:
+                    continue  # no rank produced a gradient: not stepped (grad stays None)
+                grad = grads[fragment.bucket][fragment.shard_range.as_slice()]
+                if current and size + grad.numel() > self.sub_group_size:
                     tiles.append(current)
                     current, size = [], 0
-                current.append((master, grad, shard))
+                current.append((piece, grad, masters.piece_shard(shards, index)))
                 size += grad.numel()
         return tiles + ([current] if current else [])
 
-    def _host_grad(self, master: nn.Parameter) -> torch.Tensor:
+    def _host_grad(self, piece: nn.Parameter, numel: int) -> torch.Tensor:
         if self.swapper is not None:  # only the tile's gradients are in memory
-            return torch.empty(master.shape, dtype=torch.float32)
-        grad = self._grads.get(id(master))
+            return torch.empty(numel, dtype=torch.float32)
+        grad = self._grads.get(id(piece))
         if grad is None:
-            grad = self._grads[id(master)] = torch.empty(master.shape, dtype=torch.float32, pin_memory=self.pin)
+            grad = self._grads[id(piece)] = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
         return grad
 
-    def step(self, optimizer: torch.optim.Optimizer, parts: list, inv_scale: float,
+    def step(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
              clip_coef: Optional[torch.Tensor]) -> None:
         """Copy the gradients to the host, step ``optimizer`` tile by tile, write NVMe tiles back."""
         self.use_fused(optimizer)
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
-        tiles = self._tiles(parts)
+        tiles = self._tiles(parts, used)
         swap = self.swapper
         reading = swap.swap_in(self._swap_items(m for m, _, _ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
@@ -130,24 +140,25 @@ class OptimizerOffload:
                     reading = swap.swap_in(self._swap_items(m for m, _, _ in tiles[index + 1]))
                     if not swap.pool.overlap:
                         reading.wait()
-            for master, grad, _ in tile:
+            for piece, grad, _ in tile:
                 if grad.device.type == "cpu" and grad.dtype == torch.float32:
-                    master.grad = grad  # already fp32 in host memory: used in place, as without offload
+                    host = grad  # already fp32 in host memory: used in place, as without offload
                 else:
-                    master.grad = self._host_grad(master)
-                    copy_to_host(master.grad, grad)
+                    host = self._host_grad(piece, grad.numel())
+                    copy_to_host(host, grad)
+                piece.grad = host.view(piece.shape)
             wait_for_copies([grad for _, grad, _ in tile])
-            for master, _, _ in tile:  # the same arithmetic as the engine's _attach_master_grads
+            for piece, _, _ in tile:  # the same arithmetic as MasterShards.attach_grads
                 if inv_scale != 1.0:
-                    master.grad.mul_(inv_scale)
+                    piece.grad.mul_(inv_scale)
                 if clip is not None:
-                    master.grad.mul_(clip)
-            optimizer.step()  # masters of other tiles have no .grad, so they are skipped
-            for master, _, _ in tile:
-                master.grad = None
+                    piece.grad.mul_(clip)
+            optimizer.step()  # pieces of other tiles (and unused ones) have no .grad, so they are skipped
+            for piece, _, _ in tile:
+                piece.grad = None
             if swap is not None:
-                for master, _, shard in tile:  # after_step skips swapped-out masters
-                    shard.copy_(master.detach())
+                for piece, _, shard in tile:  # the write-back after the step skips swapped-out pieces
+                    shard.copy_(piece.detach())
                 if writing is not None:
                     writing.wait()
                 writing = swap.swap_out(self._swap_items(m for m, _, _ in tile))
@@ -196,8 +207,16 @@ class OptimizerOffload:
 def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
     """Offload ``runtime``'s parameter shards and masters as the config asks (before the optimizers are narrowed
     to the masters)."""
-    offload_param_shards(runtime, config)
+    offload_param_shards(runtime.units if config.stage == 3 else [], config)
     block = config.offload_optimizer
     if block is None or block.device == "none":
         return None
     return OptimizerOffload(runtime.parts, config, rank)
+
+
+def adopt(runtime, parts: list, config, offload: Optional[OptimizerOffload]) -> None:
+    """Parts that became trainable after setup (add_param_group, unfreezing) are offloaded like the others
+    (stage 3 rebuilt their units: every unit not offloaded yet is)."""
+    offload_param_shards(runtime.units if config.stage == 3 else [], config)
+    if offload is not None:
+        offload.adopt(parts)

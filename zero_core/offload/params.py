@@ -6,15 +6,17 @@ implemented yet and is refused in setup.
 
 from __future__ import annotations
 
-from torch import nn
+import torch
 
+from ..master_shards import MasterShards
 from .placement import host_copy, pinning
 
 
-def offload_param_shards(runtime, config) -> None:
-    """Move every stage 3 unit's shard to host memory; fp32 masters that were views of it follow it."""
+def offload_param_shards(units: list, config) -> None:
+    """Move the shard of every stage 3 unit in ``units`` to host memory; fp32 masters that were views of it
+    follow it (frozen units have none)."""
     block = config.offload_param
-    if block is None or block.device == "none":
+    if block is None or block.device == "none" or not units:
         return
     if block.device == "nvme":
         raise ValueError(
@@ -22,12 +24,16 @@ def offload_param_shards(runtime, config) -> None:
             "host memory), and offload_optimizer.device 'nvme' for the optimizer state"
         )
     pin = pinning(block.pin_memory)
-    for unit in runtime.units:
+    for unit in units:
         old = unit.shard
+        if old.device.type == "cpu" and old.is_pinned() == pin and getattr(unit, "_host_shard", False):
+            continue  # already offloaded
         unit.shard = host_copy(old, old.dtype, pin)
-        # An fp32 master is the shard itself (make_masters): re-point it at the host shard.
-        unit.masters = [nn.Parameter(unit._bucket_shard(unit.shard, b.index)) if _aliases(m, old) else m
-                        for m, b in zip(unit.masters, unit.layout.buckets)]
+        unit._host_shard = True
+        masters = unit.master_shards
+        if masters is not None and any(_aliases(b, old) for b in masters.buckets):
+            # An fp32 master is the shard itself (MasterShards): rebuild it over the host shard.
+            unit.master_shards = MasterShards(unit.layout, unit.rank, unit._shard_buckets(), torch.float32)
 
 
 def _aliases(master, shard) -> bool:

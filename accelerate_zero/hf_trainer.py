@@ -1,0 +1,135 @@
+"""Hugging Face ``Trainer`` checkpoints under ZeRO: whole weights from ``save_model``, and exact resumes.
+
+``Trainer`` builds its own ``Accelerator`` (``ZeroAccelerator`` under ``accelerate_zero.swap``) and, for anything
+that is neither DeepSpeed nor FSDP, saves as under DDP: ``model.state_dict()`` and ``optimizer.state_dict()``
+on rank 0 only, loaded back on every rank. Under ZeRO rank 0 holds one shard of the optimizer state (and at
+stage 3 of the weights), so the methods where ``Trainer`` itself branches for DeepSpeed and FSDP are
+wrapped, for trainers whose model runs under a ZeRO engine (any other trainer runs the original method):
+
+- ``save_model``: every rank joins ``engine.full_state_dict()`` (the fp32 master weights, as a DDP model holds
+  them); rank 0 writes them with ``save_pretrained``, as for DeepSpeed.
+- ``_save_optimizer_and_scheduler``: every rank writes the engine's sharded checkpoint (fp32 masters, optimizer
+  state, fp16 loss scale) into ``checkpoint-N/zero_model``, as ``accelerator.save_state`` does; rank 0 saves
+  the scheduler. There is no ``optimizer.pt``.
+- ``_load_optimizer_and_scheduler``: every rank loads ``zero_model`` (resharding when the world size or stage
+  changed), or, from a checkpoint written by plain DDP, the whole ``optimizer.pt`` with ``model.safetensors``;
+  then the scheduler.
+- ``_load_best_model`` (``load_best_model_at_end``): every rank loads the best checkpoint's weights into the
+  engine, fp32 masters included (``model.load_state_dict`` would miss the masters, and at stage 3 the
+  partitioned parameters).
+
+Wrapping is process-local (nothing is written to the installed package) and happens when a ``ZeroAccelerator``
+is created while ``transformers.trainer`` is imported, which is always the case when a ``Trainer`` creates it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+_WRAPPED = "_accelerate_zero_wrapped"
+SCHEDULER_NAME = "scheduler.pt"
+OPTIMIZER_NAME = "optimizer.pt"
+MODEL_FILES = ("model.safetensors", "pytorch_model.bin")
+
+
+def install_if_loaded() -> None:
+    """Wrap ``transformers.Trainer``'s checkpoint methods once, if ``transformers.trainer`` is imported."""
+    module = sys.modules.get("transformers.trainer")
+    trainer = getattr(module, "Trainer", None)
+    if trainer is None or getattr(trainer, _WRAPPED, False):
+        return
+    for name, replacement in (("save_model", save_model), ("_save_optimizer_and_scheduler", save_optimizer),
+                              ("_load_optimizer_and_scheduler", load_optimizer), ("_load_best_model", load_best)):
+        setattr(trainer, name, _under_zero(getattr(trainer, name), replacement))
+    setattr(trainer, _WRAPPED, True)
+
+
+def _under_zero(original: Callable, replacement: Callable) -> Callable:
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        managed = _managed(self)
+        if managed is None:
+            return original(self, *args, **kwargs)
+        return replacement(self, managed, *args, **kwargs)
+
+    return method
+
+
+def _managed(trainer):
+    """The ``ManagedModel`` training ``trainer.model``, or None (not a ZeroAccelerator, or not prepared yet)."""
+    from .accelerator import ZeroAccelerator
+
+    accelerator = getattr(trainer, "accelerator", None)
+    if not isinstance(accelerator, ZeroAccelerator) or getattr(trainer, "model", None) is None:
+        return None
+    return accelerator._managed_for(trainer.model)
+
+
+def save_model(trainer, managed, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
+    output_dir = output_dir if output_dir is not None else trainer.args.output_dir
+    state_dict = managed.engine.full_state_dict(rank0_only=True)  # a collective; {} on other ranks
+    trainer._save(output_dir, state_dict=state_dict)
+    if trainer.args.push_to_hub and not _internal_call:
+        trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
+
+
+def save_optimizer(trainer, managed, output_dir: str) -> None:
+    from .state_io import save_engines
+
+    save_engines(trainer.accelerator, output_dir)  # every rank: zero_model/ and zero_state.json
+    if trainer.args.should_save and trainer.lr_scheduler is not None:
+        torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+
+def load_optimizer(trainer, managed, checkpoint: Optional[str]) -> None:
+    if checkpoint is None:
+        return
+    directory = Path(checkpoint)
+    if (directory / "zero_model").is_dir():
+        from .state_io import load_engines
+
+        load_engines(trainer.accelerator, directory)
+    elif (directory / OPTIMIZER_NAME).is_file():
+        _load_plain(managed.engine, directory)
+    else:
+        raise FileNotFoundError(
+            f"the Trainer checkpoint {directory} has neither a zero_model/ directory (written under ZeRO) nor "
+            f"{OPTIMIZER_NAME} (written by DDP), so its optimizer state cannot be restored: resume from a "
+            "checkpoint saved with save_only_model=False"
+        )
+    scheduler = directory / SCHEDULER_NAME
+    if scheduler.is_file() and trainer.lr_scheduler is not None:
+        trainer.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+
+
+def load_best(trainer, managed) -> None:
+    """``load_best_model_at_end``: the best checkpoint's weights go into the engine (fp32 masters included, so
+    the next ``save_model`` writes them), from its ``zero_model`` or else its ``model.safetensors``."""
+    from zero_core.checkpoint import load_checkpoint, load_full_state_dict
+
+    directory = Path(trainer.state.best_model_checkpoint)
+    if (directory / "zero_model").is_dir():
+        load_checkpoint(managed.engine, directory / "zero_model", load_optimizer_states=False)
+    else:
+        load_full_state_dict(managed.engine, _model_file(directory))
+
+
+def _model_file(directory: Path) -> Path:
+    found = next((directory / f for f in MODEL_FILES if (directory / f).is_file()), None)
+    if found is None:
+        raise FileNotFoundError(f"the Trainer checkpoint {directory} has no {' or '.join(MODEL_FILES)}")
+    return found
+
+
+def _load_plain(engine, directory: Path) -> None:
+    """A checkpoint written by plain DDP: its whole weights and whole optimizer state, each rank keeping its own
+    ranges. A shard written by an earlier ZeRO Trainer (rank 0's only) is refused by the loader."""
+    from zero_core.checkpoint import load_full_state_dict
+
+    load_full_state_dict(engine, _model_file(directory), optimizer_state=directory / OPTIMIZER_NAME)

@@ -1,0 +1,75 @@
+"""The GPU tier (marker ``cuda``): the stages against plain bf16 autocast training on one GPU, the Lightning
+example and an Accelerate launch on a GPU. Skipped where CUDA is absent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.cuda
+
+
+def _run(cmd: list, cwd: Path, timeout: int = 600) -> str:
+    done = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        pytest.fail(f"{' '.join(map(str, cmd))} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def gpu_runs(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu") / "runs.pt"
+    _run([sys.executable, Path(__file__).with_name("gpu_workers.py"), out], cwd=REPO)
+    return torch.load(out, weights_only=True)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_stage_trains_like_plain_bf16_autocast(gpu_runs, stage):
+    plain, zero = gpu_runs["plain"], gpu_runs[f"zero{stage}"]
+    # bf16 weights (engine) against bf16 autocast on fp32 weights (plain): the same curve within bf16 noise.
+    for a, b in zip(plain["losses"], zero["losses"]):
+        assert abs(a - b) <= 2e-2 * abs(a), (plain["losses"], zero["losses"])
+    assert zero["losses"][-1] < zero["losses"][0]
+    for name, value in plain["weights"].items():
+        assert (zero["weights"][name] - value).abs().max().item() <= 2e-2, name
+
+
+def test_peak_memory_stays_within_the_engine_state_plus_one_model_of_activations(gpu_runs):
+    plain_peak = gpu_runs["plain"]["peak"]
+    for stage in (1, 2, 3):
+        zero = gpu_runs[f"zero{stage}"]
+        state = sum(zero["memory"].values())  # what the engine measures it holds (estimator's classes)
+        assert zero["peak"] <= plain_peak + state, (stage, zero["peak"], plain_peak, zero["memory"])
+
+
+@pytest.mark.timeout(900)
+def test_lightning_example_trains_on_one_gpu(tmp_path):
+    _run([sys.executable, REPO / "examples" / "lightning_gpt.py", "fit", "--trainer.accelerator", "gpu",
+          "--trainer.devices", "1", "--trainer.precision", "bf16-mixed", "--trainer.max_steps", "20",
+          "--trainer.val_check_interval", "10", "--trainer.limit_val_batches", "2"], cwd=tmp_path)
+    assert (tmp_path / "lightning_gpt" / "model-bf16").is_dir()
+
+
+@pytest.mark.timeout(900)
+def test_accelerate_example_launches_on_one_gpu(tmp_path):
+    config = tmp_path / "zero.yaml"
+    config.write_text("distributed_type: 'NO'\nnum_processes: 1\nmixed_precision: bf16\n"
+                      "zero_optimization:\n  stage: 3\n")
+    _run([sys.executable, "-m", "accelerate_zero", "launch", "--config", config,
+          REPO / "examples" / "accelerate_train.py"], cwd=tmp_path)
+
+
+@pytest.mark.timeout(900)
+def test_gpu_benchmark_runs_every_implementation(tmp_path):
+    out = tmp_path / "bench.json"
+    _run([sys.executable, "-m", "benchmarks.gpu", "--preset", "tiny", "--steps", "3", "--repeats", "1",
+          "--json", out], cwd=REPO)
+    rows = json.loads(out.read_text())["tiny"]
+    assert set(rows) == {"plain", "fsdp2", "zero1", "zero2", "zero3"}

@@ -1,0 +1,48 @@
+"""Resume after a crash: the newest complete, verified checkpoint in a directory.
+
+A save publishes a checkpoint directory only when it is complete (save.py); an interrupted save leaves a hidden
+``.<name>.tmp-<token>`` sibling without a manifest. This module needs no process group, so a job can choose
+what to resume from before its engine exists; every rank reads the same files and reaches the same answer.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Optional
+
+from .format import MANIFEST, CheckpointError, PathLike, read_manifest
+from .verify import verify_files
+
+
+def latest_checkpoint(directory: PathLike, verify: str = "checksum") -> Optional[Path]:
+    """The newest checkpoint directory under ``directory`` (by its manifest's write time) whose files all match
+    its manifest; None if there is none. Leftovers of interrupted saves and damaged checkpoints are skipped,
+    with a warning naming each. ``verify="size"`` only compares file sizes (faster, catches truncation)."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    leftovers = sorted(p.name for p in directory.iterdir() if p.is_dir() and ".tmp-" in p.name)
+    if leftovers:
+        warnings.warn(f"skipping what interrupted saves left in '{directory}' (never complete checkpoints): "
+                      f"{', '.join(leftovers)}", stacklevel=2)
+    candidates = [p for p in directory.iterdir()
+                  if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).is_file()]
+    candidates.sort(key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, p.name), reverse=True)
+    for candidate in candidates:
+        problem = checkpoint_problem(candidate, verify)
+        if problem is None:
+            return candidate
+        warnings.warn(f"skipping damaged checkpoint '{candidate}': {problem}", stacklevel=2)
+    return None
+
+
+def checkpoint_problem(path: PathLike, verify: str = "checksum") -> Optional[str]:
+    """Why the checkpoint directory ``path`` cannot be loaded (missing manifest, missing, truncated or damaged
+    files), or None when it is complete and its files match the manifest. No process group needed."""
+    try:
+        manifest = read_manifest(path)
+        verify_files(Path(path), manifest, sorted(manifest["files"]), checksum=verify == "checksum")
+    except (CheckpointError, OSError, KeyError, ValueError) as error:
+        return str(error)
+    return None

@@ -1,0 +1,123 @@
+"""Uneven inputs: ``with engine.join(): ...`` lets ranks that run out of batches shadow the others' steps.
+
+``torch.distributed.algorithms.Join`` semantics, as DistributedDataParallel has them: each step, a rank that
+still has data tells the join context so (one tiny all-reduce before its first forward of the step); a rank
+that has left its loop runs a *shadow step* for every step the others still take, issuing the same collectives
+with a zero gradient, until every rank is done. Gradients are averaged over the whole world (DDP's default,
+``divide_by_initial_world_size=True``), so a joined rank contributes zero. Unlike DDP, a joined rank also runs
+the optimizer step: under ZeRO it owns a shard of the weights and optimizer state, so its step is part of
+everyone's. docs/core-api.md describes the limits (one forward and backward per step inside join()).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch.distributed.algorithms.join import Join, Joinable, JoinHook
+
+from .divergence import launch_in_order, skipped_backward, skipped_forward
+
+if TYPE_CHECKING:
+    from .engine import ZeroEngine
+
+
+class EngineJoinable(Joinable):
+    """The engine as a ``Joinable``: notifies the context at each step, shadows steps once joined."""
+
+    def __init__(self, engine: "ZeroEngine") -> None:
+        super().__init__()
+        self.engine = engine
+        self._notified_step = -1
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return _ShadowStep(self.engine)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.engine.device
+
+    @property
+    def join_process_group(self):
+        return self.engine.topology.group or dist.group.WORLD
+
+    def notify(self, module, args) -> None:
+        """Forward pre-hook: the first forward of each step tells the join context this rank has data."""
+        step = self.engine.comm.guard.step
+        if step != self._notified_step:
+            self._notified_step = step
+            Join.notify_join_context(self)
+
+
+class _ShadowStep(JoinHook):
+    def __init__(self, engine: "ZeroEngine") -> None:
+        self.engine = engine
+
+    def main_hook(self) -> None:
+        """One step of the ranks that still have data, with a zero gradient from this one."""
+        runtime = self.engine.runtime
+        self.engine.zero_grad()  # the shadow's zero gradients are reduced into clean shards
+        if hasattr(runtime, "trace"):
+            _shadow_stage3_pass(runtime)
+        elif self.engine.config.stage == 2:
+            _shadow_stage2_backward(runtime.reducer)
+        for pending in self.engine._pending:
+            pending.saw_grad = True  # the others' gradients arrive in this rank's shards
+        self.engine.step()
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        pass  # every rank stepped every step: weights and optimizer state already agree
+
+
+def _shadow_stage2_backward(reducer) -> None:
+    """Stage 2 reduces every bucket in backward, last first: the same buckets, holding zeros."""
+    reducer._expected = [len(reducer._active_indices(position)) for position in range(len(reducer.order))]
+    reducer.finish_backward()
+
+
+def _shadow_stage3_pass(runtime) -> None:
+    """Stage 3: the forward and backward of a rank that skipped every module of the agreed trace."""
+    if runtime.trace.state.value != "valid":
+        raise RuntimeError(
+            "engine.join(): this rank ran out of batches before stage 3 agreed on its execution trace (the first "
+            "step); every rank needs at least one full step before it can shadow the others"
+        )
+    runtime._root_pre_forward(runtime.module, ())
+    positions = range(len(runtime.trace.order))
+    for position in positions:
+        skipped_forward(runtime, position)
+    runtime.trace.position = len(runtime.trace.order)
+    runtime._in_backward = True
+    for position in reversed(positions):
+        skipped_backward(runtime, position)
+    launch_in_order(runtime)
+    for unit in runtime._reduce_order[runtime._reduce_cursor:]:
+        if unit not in runtime._reduced and unit.active_count():
+            runtime._reduce(unit)  # units no trace position holds: reduced last, as at the end of a backward
+    runtime._complete_inflight()
+    runtime._active.clear()
+    runtime.release_all()
+    runtime._reset_backward_state()
+    runtime.unsynced_grads = False
+
+
+def join_context(engine: "ZeroEngine", enable: bool = True, throw_on_early_termination: bool = False) -> Join:
+    """``torch.distributed.algorithms.Join`` over the engine; see :meth:`ZeroEngine.join`."""
+    joinable = EngineJoinable(engine)
+    handle = engine.module.register_forward_pre_hook(joinable.notify, prepend=True)
+    return _JoinWithHook(joinable, handle, enable, throw_on_early_termination)
+
+
+class _JoinWithHook(Join):
+    """Join that removes the engine's notify hook when it ends."""
+
+    def __init__(self, joinable: EngineJoinable, handle, enable: bool, throw_on_early_termination: bool) -> None:
+        super().__init__([joinable], enable=enable, throw_on_early_termination=throw_on_early_termination)
+        self._handle = handle
+
+    def __exit__(self, *exc) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            self._handle.remove()
