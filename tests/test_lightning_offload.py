@@ -12,7 +12,7 @@ from lightning_zero import ZeroStrategy
 @pytest.mark.parametrize("name, stage, optimizer_device, param_device", [
     ("zero2_offload", 2, "cpu", None),
     ("zero3_offload", 3, "cpu", "cpu"),
-    ("zero3_offload_nvme", 3, "nvme", "cpu"),
+    ("zero3_offload_nvme", 3, "nvme", "nvme"),
 ])
 def test_registered_offload_names(name, stage, optimizer_device, param_device):
     entry = StrategyRegistry[name]

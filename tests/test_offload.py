@@ -51,8 +51,11 @@ class Case:
 
     def config(self, nvme_dir: str) -> dict:
         block = {"device": self.device, **({"nvme_path": nvme_dir} if self.device == "nvme" else {})}
+        options = dict(self.options)
+        if options.get("offload_param", {}).get("device") == "nvme":
+            options["offload_param"] = {**options["offload_param"], "nvme_path": nvme_dir}
         return {"stage": self.stage, "param_persistence_threshold": 0, "offload_optimizer": block,
-                "aio": {"block_size": 256, "queue_depth": 2, "thread_count": 2}, **self.options}
+                "aio": {"block_size": 256, "queue_depth": 2, "thread_count": 2}, **options}
 
 
 def cases() -> list[Case]:
@@ -65,6 +68,11 @@ def cases() -> list[Case]:
         Case(2, "nvme", options={**SMALL, "aio": {"single_submit": True, "overlap_events": False}}),
         Case(3, "cpu", options={**SMALL, "offload_param": {"device": "cpu"}}),  # parameter shards in host memory
         Case(3, "nvme", model="mlp", options={**SMALL, "offload_param": {"device": "cpu", "pin_memory": True}}),
+        # parameter shards in a file too (ZeRO-Infinity): all of them, through 2 buffers
+        Case(3, "nvme", options={**SMALL, "offload_param": {"device": "nvme", "max_in_cpu": 0, "buffer_count": 2}}),
+        # the first 150 elements of shards stay in host memory, the rest in a file read through one buffer
+        Case(3, "cpu", model="mlp", options={**SMALL, "offload_param": {"device": "nvme", "max_in_cpu": 150,
+                                                                       "buffer_count": 1}}),
     ]
 
 
@@ -87,8 +95,11 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         "masters_apart": all(m.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
                              for part in engine.runtime.parts for m, s in zip(part.masters, part.grad_shards())),
         "swap_file": offload.swapper.path if offload.swapper else None,
-        "param_shards_apart": all(u.shard.untyped_storage().data_ptr() != u.full.untyped_storage().data_ptr()
+        "param_shards_apart": all((u.shard.numel() == 0 and u.swap is not None)
+                                  or u.shard.untyped_storage().data_ptr() != u.full.untyped_storage().data_ptr()
                                   and u._source is None for u in getattr(engine.runtime, "units", [])),
+        "units_in_file": sum(1 for u in getattr(engine.runtime, "units", []) if u.swap is not None),
+        "units_in_host": sum(1 for u in getattr(engine.runtime, "units", []) if u.swap is None and u.shard.numel()),
         "swap_files": swap_files,
         "resident_master_bytes": memory["fp32_master"],
         "resident_state_bytes": memory["optimizer_state"],
@@ -104,6 +115,9 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         in_place = HOST_GRAD_BYTES * estimate.shard_numel
         report["host_estimate"] = (host, placement_bytes(estimate, case.config(nvme_dir)).host - in_place)
     offload.close()
+    if getattr(engine.runtime, "param_swap", None) is not None:
+        report["param_swap_buffers_free"] = len(engine.runtime.param_swap._free)
+        engine.runtime.param_swap.close()
     report["after_close"] = sorted(os.listdir(nvme_dir))
     return report
 
@@ -139,7 +153,8 @@ def setup_errors(nvme_dir: str) -> list[str]:
     messages = []
     bad = [{"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": path}}
            for path in (os.path.join(nvme_dir, "missing"), __file__)]
-    bad.append({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme_dir}})
+    bad.append({"stage": 3, "offload_param": {"device": "nvme", "nvme_path": nvme_dir, "max_in_cpu": 0,
+                                              "buffer_size": 2}})
     for config in bad:
         model = build_model("mlp")
         try:
@@ -192,6 +207,13 @@ def check(case: Case, r: dict) -> list[str]:
                             f"{r['resident_state_bytes']} optimizer bytes")
     elif r["resident_state_bytes"] == 0 or r["resident_master_bytes"] == 0:
         problems.append("CPU offload should keep masters and state in memory")
+    param_device = case.options.get("offload_param", {}).get("device")
+    if param_device == "nvme":
+        max_in_cpu = case.options["offload_param"]["max_in_cpu"]
+        if r["units_in_file"] == 0 or (r["units_in_host"] > 0) != (max_in_cpu > 0):
+            problems.append(f"{r['units_in_file']} units in the file, {r['units_in_host']} in host memory")
+        if r["param_swap_buffers_free"] != case.options["offload_param"]["buffer_count"]:
+            problems.append("a parameter swap buffer was not given back")
     if "host_estimate" in r:
         measured, estimated = r["host_estimate"]
         if abs(measured / estimated - 1) > 0.02:
@@ -214,7 +236,7 @@ def test_offload_matches_ddp(world_size):
         assert len(errors) == 3, errors
         assert "offload_optimizer.nvme_path" in errors[0] and "not an existing directory" in errors[0]
         assert "not an existing directory" in errors[1]
-        assert "offload_param.device 'nvme' is not implemented yet: use 'cpu'" in errors[2]
+        assert "offload_param.buffer_size=2 elements is smaller than this rank's largest" in errors[2]
         os.rmdir(nvme_dir)
 
 
@@ -228,6 +250,13 @@ def test_estimate_by_place():
     assert place.nvme == shard * (4 + 8)  # fp32 master + Adam's two moments
     assert place.host == shard * 2 + (3 + 2) * 1000 * 12 + 4 * 1000  # param shard, tiles, one tile's gradients
     assert place.accelerator == estimate.total - estimate.fp32_master - estimate.optimizer_state - shard * 2
+    # parameter shards in the file beyond max_in_cpu elements, read through buffer_count buffers
+    config["offload_param"] = {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 500, "buffer_count": 3,
+                               "buffer_size": 100}
+    nvme = placement_bytes(estimate, config)
+    assert nvme.nvme == place.nvme + (shard - 500) * 2
+    assert nvme.host == place.host - shard * 2 + 500 * 2 + 3 * 100 * 2
+    assert nvme.accelerator == place.accelerator
 
 
 def test_full_disk_is_an_error_before_training(monkeypatch, tmp_path):

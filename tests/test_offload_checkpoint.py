@@ -28,7 +28,12 @@ class _NoScheduler:
 
 
 def _config(stage: int, device: str, nvme_dir: str) -> dict:
+    """``device``: where offload_optimizer puts the optimizer; "nvme+params": stage 3's parameter shards in a
+    file too (ZeRO-Infinity)."""
     config = {"stage": stage, **SMALL}
+    if device == "nvme+params":
+        device = "nvme"
+        config["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "max_in_cpu": 0, "buffer_count": 2}
     if device != "none":
         config["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_dir} if device == "nvme" else {})}
     return config
@@ -70,6 +75,8 @@ def checkpoint_worker(rank, world_size, pairs):
         for engine in (source, target):
             if engine._offload is not None:
                 engine._offload.close()
+            if getattr(engine.runtime, "param_swap", None) is not None:
+                engine.runtime.param_swap.close()
     return diffs, os.listdir(nvme_dir)
 
 
@@ -79,6 +86,8 @@ PAIRS = [
     ((1, "none"), (2, "cpu")),  # plain -> offloaded
     ((2, "none"), (3, "nvme")),
     ((2, "nvme"), (1, "cpu")),  # NVMe -> CPU
+    ((3, "nvme+params"), (2, "none")),  # parameters in a file too
+    ((1, "none"), (3, "nvme+params")),
 ]
 
 

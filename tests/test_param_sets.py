@@ -119,7 +119,7 @@ class Case:
     resume_after: Optional[int] = None  # save after this step, continue on a fresh model and engine
     replay: bool = True  # on resume, add the groups before loading (else load_checkpoint adds them)
     leaf: str = ""  # stage 3: declare the MoE block a leaf through "api" (set_z3_leaf_modules) or "config"
-    offload: str = ""  # offload_optimizer device ("cpu" or "nvme"); at stage 3 also offload_param cpu
+    offload: str = ""  # offload_optimizer device ("cpu", "nvme"); stage 3 also offload_param cpu ("nvme+params": nvme)
 
     @property
     def reference(self) -> str:
@@ -186,9 +186,12 @@ def setup(model: MoENet, optimizers, case: Case):
     elif case.leaf == "config":
         config["leaf_module"] = {"classes": [f"{ExpertLoop.__module__}.ExpertLoop"], "names": ["moe"]}
     if case.offload:
-        config["offload_optimizer"] = {"device": case.offload, "nvme_path": NVME_DIR[0]}
+        device = case.offload.removesuffix("+params")
+        config["offload_optimizer"] = {"device": device, "nvme_path": NVME_DIR[0]}
         if case.stage == 3:
             config["offload_param"] = {"device": "cpu"}
+        if case.offload.endswith("+params"):
+            config["offload_param"] = {"device": "nvme", "nvme_path": NVME_DIR[0], "max_in_cpu": 0}
     return zero_core.setup(model, optimizers, config)
 
 
@@ -237,7 +240,9 @@ CASES = [Case(f"same-s{s}", s) for s in (1, 2, 3)] + \
                                                           accumulation=2, offload="nvme"),
      Case("freeze-s3-offload-cpu", 3, two=True, schedule="freeze", offload="cpu"),
      Case("add-group-s2-offload-nvme", 2, two=True, schedule="add-group", offload="nvme"),
-     Case("add-group-resume-s3-offload-nvme", 3, schedule="add-group", resume_after=2, offload="nvme")]
+     Case("add-group-resume-s3-offload-nvme", 3, schedule="add-group", resume_after=2, offload="nvme"),
+     Case("add-group-s3-offload-nvme-params", 3, two=True, schedule="add-group", offload="nvme+params"),
+     Case("unfreeze-s3-offload-cpu-params", 3, schedule="unfreeze", offload="cpu+params")]
 NVME_DIR = [""]  # the swap directory of the offloaded cases (set by the worker)
 
 

@@ -60,7 +60,7 @@ FIELD_STATUS = {
     "overlap_comm": HONOURED,
     "load_from_fp32_weights": HONOURED,
     "elastic_checkpoint": _mapped("checkpoints always load at any world size"),
-    "offload_param": _mapped("device cpu: shards in host memory, copied in before each gather; nvme: an error"),
+    "offload_param": HONOURED,
     "offload_optimizer": HONOURED,
     "sub_group_size": _mapped("the optimizer steps one piece per parameter fragment; offloaded steps run in tiles "
                               "of whole pieces up to this many elements"),

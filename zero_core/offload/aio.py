@@ -41,8 +41,9 @@ def _pwrite(fd: int, view: memoryview, offset: int) -> None:
     except OSError as error:
         if error.errno != errno.ENOSPC:
             raise
-        raise OSError(errno.ENOSPC, f"the NVMe swap file (fd {fd}) filled its disk: free space, or point "
-                                    "offload_optimizer.nvme_path at a larger drive") from error
+        message = (f"the NVMe swap file (fd {fd}) filled its disk: free space or point "
+                   "offload_optimizer.nvme_path / offload_param.nvme_path at a bigger drive")
+        raise OSError(errno.ENOSPC, message) from error
 
 
 class Transfer:

@@ -39,6 +39,19 @@ def _param_shards(part) -> list[torch.Tensor]:
     return [part._bucket_shard(part.shard, b.index) for b in part.layout.buckets]  # stage 3: ParamUnit
 
 
+def _write_back(tile: list[tuple]) -> None:
+    """Copy a tile's updated pieces into the model's parameter shards (read in and out again when those are
+    offloaded to NVMe themselves)."""
+    by_part: dict = {}
+    for piece, _, part, index in tile:
+        by_part.setdefault(part, []).append((index, piece))
+    for part, entries in by_part.items():
+        with getattr(part, "_shard_in_memory", contextlib.nullcontext)():
+            shards = _param_shards(part)
+            for index, piece in entries:
+                part.master_shards.piece_shard(shards, index).copy_(piece.detach())
+
+
 class OptimizerOffload:
     """Host-resident (or NVMe-swapped) master pieces and state, and the tiled CPU step over them."""
 
@@ -100,11 +113,11 @@ class OptimizerOffload:
             )
 
     def _tiles(self, parts: list, used: list[list[bool]]) -> list[list[tuple]]:
-        """(piece, grad slice, param shard slice) of every piece whose parameter got a gradient, grouped into
+        """(piece, grad slice, part, piece index) of every piece whose parameter got a gradient, grouped into
         tiles of at most sub_group_size elements."""
         tiles, current, size = [], [], 0
         for part, mask in zip(parts, used):
-            shards, grads, masters = _param_shards(part), part.grad_shards(), part.master_shards
+            grads, masters = part.grad_shards(), part.master_shards
             for index, (piece, fragment) in enumerate(zip(masters.params, masters.pieces)):
                 if not mask[fragment.param_index]:
                     continue  # no rank produced a gradient: not stepped (grad stays None)
@@ -112,7 +125,7 @@ class OptimizerOffload:
                 if current and size + grad.numel() > self.sub_group_size:
                     tiles.append(current)
                     current, size = [], 0
-                current.append((piece, grad, masters.piece_shard(shards, index)))
+                current.append((piece, grad, part, index))
                 size += grad.numel()
         return tiles + ([current] if current else [])
 
@@ -131,37 +144,36 @@ class OptimizerOffload:
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
         tiles = self._tiles(parts, used)
         swap = self.swapper
-        reading = swap.swap_in(self._swap_items(m for m, _, _ in tiles[0])) if swap and tiles else None
+        reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
         for index, tile in enumerate(tiles):
             if swap is not None:
                 reading.wait()
                 if index + 1 < len(tiles):  # read the next tile while this one steps
-                    reading = swap.swap_in(self._swap_items(m for m, _, _ in tiles[index + 1]))
+                    reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[index + 1]))
                     if not swap.pool.overlap:
                         reading.wait()
-            for piece, grad, _ in tile:
+            for piece, grad, *_ in tile:
                 if grad.device.type == "cpu" and grad.dtype == torch.float32:
                     host = grad  # already fp32 in host memory: used in place, as without offload
                 else:
                     host = self._host_grad(piece, grad.numel())
                     copy_to_host(host, grad)
                 piece.grad = host.view(piece.shape)
-            wait_for_copies([grad for _, grad, _ in tile])
-            for piece, _, _ in tile:  # the same arithmetic as MasterShards.attach_grads
+            wait_for_copies([grad for _, grad, *_ in tile])
+            for piece, *_ in tile:  # the same arithmetic as MasterShards.attach_grads
                 if inv_scale != 1.0:
                     piece.grad.mul_(inv_scale)
                 if clip is not None:
                     piece.grad.mul_(clip)
             optimizer.step()  # pieces of other tiles (and unused ones) have no .grad, so they are skipped
-            for piece, _, _ in tile:
+            for piece, *_ in tile:
                 piece.grad = None
             if swap is not None:
-                for piece, _, shard in tile:  # the write-back after the step skips swapped-out pieces
-                    shard.copy_(piece.detach())
+                _write_back(tile)  # the write-back after the step skips swapped-out pieces
                 if writing is not None:
                     writing.wait()
-                writing = swap.swap_out(self._swap_items(m for m, _, _ in tile))
+                writing = swap.swap_out(self._swap_items(m for m, *_ in tile))
                 if not swap.pool.overlap:
                     writing.wait()
         if writing is not None:
@@ -207,7 +219,7 @@ class OptimizerOffload:
 def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
     """Offload ``runtime``'s parameter shards and masters as the config asks (before the optimizers are narrowed
     to the masters)."""
-    offload_param_shards(runtime.units if config.stage == 3 else [], config)
+    offload_param_shards(runtime, runtime.units if config.stage == 3 else [], config, rank)
     block = config.offload_optimizer
     if block is None or block.device == "none":
         return None
@@ -217,6 +229,6 @@ def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
 def adopt(runtime, parts: list, config, offload: Optional[OptimizerOffload]) -> None:
     """Parts that became trainable after setup (add_param_group, unfreezing) are offloaded like the others
     (stage 3 rebuilt their units: every unit not offloaded yet is)."""
-    offload_param_shards(runtime.units if config.stage == 3 else [], config)
+    offload_param_shards(runtime, runtime.units if config.stage == 3 else [], config, runtime.comm.topology.rank)
     if offload is not None:
         offload.adopt(parts)

@@ -36,10 +36,18 @@ def placement_bytes(estimate, config) -> Placement:
             per_element = moved / shard if shard else 0
             host += int((TILES_IN_FLIGHT + cfg.offload_optimizer.buffer_count) * tile * per_element)
             host += HOST_GRAD_BYTES * tile
-    if estimate.stage == 3 and cfg.offload_param and cfg.offload_param.device == "cpu":
+    param_device = cfg.offload_param.device if cfg.offload_param else "none"
+    if estimate.stage == 3 and param_device != "none":
         param_shard = _param_shard_bytes(estimate)
         accelerator -= param_shard
-        host += param_shard
+        if param_device == "cpu":
+            host += param_shard
+        else:  # max_in_cpu elements stay in host memory; buffer_count buffers of buffer_size elements read the rest
+            block = cfg.offload_param
+            element = param_shard // shard if shard else 0
+            in_cpu = min(block.max_in_cpu, shard) * element
+            host += in_cpu + block.buffer_count * min(block.buffer_size, shard) * element
+            nvme += param_shard - in_cpu
     return Placement(accelerator=accelerator, host=host, nvme=nvme)
 
 

@@ -40,6 +40,9 @@ class HostMasterShards(MasterShards):
         piece = self.pieces[index]
         return param_shards[piece.bucket][piece.shard_range.as_slice()]
 
+    def holds_values(self) -> bool:
+        return not self.separate or any(master.numel() for master in self.params)
+
     def write_back(self, param_shards: Sequence[torch.Tensor]) -> None:
         if not self.separate:
             super().write_back(param_shards)
