@@ -101,9 +101,9 @@ def bench_nvme(args) -> dict:
 
 
 def bench_step(args) -> dict:
-    from types import SimpleNamespace
-
     from zero_core.config import ZeroConfig
+    from zero_core.flat_param_group import FlatParamGroup
+    from zero_core.layout import compute_layout
     from zero_core.offload import OptimizerOffload
 
     n = args.numel
@@ -111,52 +111,63 @@ def bench_step(args) -> dict:
     bare_param.grad = torch.randn(n)
     bare = torch.optim.AdamW([bare_param], lr=1e-3, fused=True)
 
-    # The offloaded side: one part holding n elements in buckets (what a flat group hands the offload), its
-    # gradient shards on "the device" (here also the CPU), tiles of sub_group_size.
-    buckets = [min(args.bucket, n - s) for s in range(0, n, args.bucket)]
-    device_flat = torch.randn(n)
-    device_grads = torch.randn(n)
-    offsets = [sum(buckets[:i]) for i in range(len(buckets))]
+    # The offloaded side: the flat group a stage 1-2 engine builds (one rank) over n elements in parameters of
+    # --param elements, its reduced gradient shards on "the device" (here also the CPU), tiles of sub_group_size.
+    # --dtype bf16: 16-bit parameters and gradients, so the gradients are copied into fp32 host buffers and the
+    # write-back casts (as from a GPU, these copies cannot be avoided); fp32 here: the shards are their own masters.
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    sizes = [min(args.param, n - s) for s in range(0, n, args.param)]
 
-    class Part:
-        masters = [torch.nn.Parameter(device_flat[o:o + b]) for o, b in zip(offsets, buckets)]
-        layout = SimpleNamespace(buckets=[SimpleNamespace(index=i) for i in range(len(buckets))])
+    def flat_group():
+        params = [torch.nn.Parameter(torch.randn(size, dtype=dtype)) for size in sizes]
+        group = FlatParamGroup(params, [f"p{i}" for i in range(len(params))], 0,
+                               compute_layout(sizes, 1, args.bucket), rank=0, full_grads=False)
+        group.build_masters(torch.float32)
+        for grad in group.grad_shards():
+            grad.copy_(torch.randn_like(grad))
+        return group
 
-        def grad_shards(self):
-            return [device_grads[o:o + b] for o, b in zip(offsets, buckets)]
+    # The same engine step without offload (MasterShards.attach_grads, the optimizer, the write-back), fused too.
+    plain = flat_group()
+    plain_optimizer = torch.optim.AdamW(plain.masters, lr=1e-3, fused=True)
 
-        def shard_of_params(self, index):
-            return device_flat[offsets[index]:offsets[index] + buckets[index]]
+    def not_offloaded():
+        plain.master_shards.attach_grads(plain.grad_shards(), [True] * len(sizes), 1.0, None)
+        plain_optimizer.step()
+        plain.master_shards.clear_grads()
+        plain.write_back_masters()
 
-    part = Part()
+    group = flat_group()
     config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"}, sub_group_size=args.sub_group_size)
-    offload = OptimizerOffload([part], config, rank=0)
-    optimizer = torch.optim.AdamW(part.masters, lr=1e-3)
+    offload = OptimizerOffload([group], config, rank=0)
+    optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
     offload.bind([optimizer])
+    used = [[True] * len(sizes)]
 
     def offloaded():
-        offload.step(optimizer, [part], 1.0, None)
-        for master, shard in zip(part.masters, [part.shard_of_params(i) for i in range(len(buckets))]):
-            shard.copy_(master.detach())  # the write-back the runtime's after_step does
+        offload.step(optimizer, [group], used, 1.0, None)
+        group.write_back_masters()  # the runtime's after_step (it waits for the write-back overlapped with the step)
 
-    def copies_only():  # what the offload adds around the step here: parameters back (fp32 CPU gradients
-        # are used in place; from a GPU they would be copied in too)
-        for master, shard in zip(part.masters, [part.shard_of_params(i) for i in range(len(buckets))]):
-            shard.copy_(master.detach())
+    def copies_only():  # the write-back alone, unoverlapped (fp32 CPU gradients are used in place; from a GPU
+        # they would be copied in too)
+        for shard, master in zip(group._param_shards(), group.master_shards.buckets):
+            shard.copy_(master)
 
-    bare_times, off_times, copy_times = [], [], []
-    bare.step(), offloaded()  # state allocation outside the timing
+    bare_times, off_times, copy_times, plain_times = [], [], [], []
+    bare.step(), offloaded(), not_offloaded()  # state allocation outside the timing
     for _ in range(args.repeats):
-        for fn, times in ((bare.step, bare_times), (offloaded, off_times), (copies_only, copy_times)):
+        for fn, times in ((bare.step, bare_times), (offloaded, off_times), (copies_only, copy_times),
+                          (not_offloaded, plain_times)):
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
     b, o = min(bare_times), min(off_times)
-    return {"numel": n, "threads": torch.get_num_threads(), "bucket": args.bucket,
+    return {"numel": n, "dtype": args.dtype, "threads": torch.get_num_threads(), "bucket": args.bucket,
+            "param": args.param, "engine_step_without_offload_s": min(plain_times),
             "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
             "bare_Gparams_per_s": n / b / 1e9, "offloaded_Gparams_per_s": n / o / 1e9, "offloaded_vs_bare": b / o,
             "bare_median_s": statistics.median(bare_times), "offloaded_median_s": statistics.median(off_times),
-            "copies_s": min(copy_times)}
+            "copies_s": min(copy_times), "load_average": os.getloadavg()}
 
 
 def _status_bytes(field: str) -> int:
@@ -233,6 +244,8 @@ def main(argv=None) -> None:
     parser.add_argument("--thread-count", type=int, default=2)
     parser.add_argument("--bucket", type=int, default=5_000_000, help="elements per bucket shard")
     parser.add_argument("--sub-group-size", type=int, default=10_000_000)
+    parser.add_argument("--param", type=int, default=2_500_000, help="step: elements per parameter")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="step: parameter dtype")
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")

@@ -3,7 +3,9 @@
 The pieces are what the optimizer steps, one per parameter fragment, as without offload (master_shards.py), so
 parameters that got no gradient keep ``grad=None`` and are not stepped. Where they live:
 - ``device: cpu``: each bucket has one host fp32 tensor (pinned with ``pin_memory`` when CUDA exists) and the
-  pieces are views of it, so the write-back after a step is one copy per bucket.
+  pieces are views of it, so the write-back after a step is one copy per bucket. A bucket whose parameter shard
+  is itself fp32 in (unpinned) host memory, as in fp32 training on a CPU-only machine, is its own master, as
+  without offload: copying it would only cost time and memory.
 - ``device: nvme``: each piece is a tensor of its own, because the swap (nvme_swap.py) frees and re-reads tensors
   one by one; a piece that is swapped out is empty, and the step wrote it back before swapping it out.
 """
@@ -19,6 +21,10 @@ from ..master_shards import MasterShards
 from .placement import host_copy
 
 
+def _host_fp32(tensor: torch.Tensor, pin: bool) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and (tensor.is_pinned() or not pin)
+
+
 class HostMasterShards(MasterShards):
     """fp32 master pieces of one part on the host: bucket views (cpu) or separate tensors (nvme)."""
 
@@ -29,7 +35,7 @@ class HostMasterShards(MasterShards):
             self.buckets = []
             self.params = [nn.Parameter(host_copy(p, torch.float32, False)) for p in source.params]
         else:
-            self.buckets = [host_copy(b, torch.float32, pin) for b in source.buckets]
+            self.buckets = [b if _host_fp32(b, pin) else host_copy(b, torch.float32, pin) for b in source.buckets]
             self.params = [nn.Parameter(self.buckets[f.bucket][f.shard_range.as_slice()]) for f in self.pieces]
 
     def attach_grads(self, grad_shards, used, inv_scale, clip_coef) -> None:
