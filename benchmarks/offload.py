@@ -6,8 +6,8 @@
 - ``step``: the offloaded CPU step (gradient copy + unscale/clip + tiled fused AdamW, OptimizerOffload.step)
   over N parameters, against a bare ``AdamW(fused=True).step()`` over one N-element parameter.
 - ``rss``: peak RSS during training (the kernel's high-water mark, reset after setup) of one rank training a
-  ~100M-parameter MLP at stage 3 (world size 1), without offload and with ``offload_optimizer: nvme``, each in a
-  fresh process.
+  ~100M-parameter MLP at stage 3 (world size 1), without offload, with ``offload_optimizer: nvme``, and with
+  ``offload_param: nvme`` as well, each in a fresh process.
 
     python -m benchmarks.offload nvme --numel 67108864 --dir /tmp
     python -m benchmarks.offload step --numel 20000000
@@ -191,7 +191,10 @@ def rss_worker(args) -> None:
     config = {"stage": 3, "param_persistence_threshold": 0, "reduce_bucket_size": args.bucket,
               "allgather_bucket_size": args.bucket, "sub_group_size": args.bucket}
     if args.offload != "none":
-        config["offload_optimizer"] = {"device": args.offload, "nvme_path": args.dir}
+        config["offload_optimizer"] = {"device": args.offload.removesuffix("+params"), "nvme_path": args.dir}
+    if args.offload.endswith("+params"):  # ZeRO-Infinity: the parameter shards in a file too
+        config["offload_param"] = {"device": "nvme", "nvme_path": args.dir, "max_in_cpu": 0,
+                                   "buffer_count": args.param_buffers}
     engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
     setup_peak = _status_bytes("VmHWM")
     # The training peak, not setup's (model construction holds whole copies for a moment): hand freed heap
@@ -211,24 +214,32 @@ def rss_worker(args) -> None:
                       "memory_stats": stats}))
     if engine._offload is not None:
         engine._offload.close()
+    if getattr(engine.runtime, "param_swap", None) is not None:
+        engine.runtime.param_swap.close()
     dist.destroy_process_group()
 
 
 def bench_rss(args) -> dict:
     runs = {}
-    for offload in ("none", "nvme"):
+    for offload in ("none", "nvme", "nvme+params"):
         command = [sys.executable, "-m", "benchmarks.offload", "rss-worker", "--offload", offload, "--dir", args.dir,
-                   "--params", str(args.params), "--steps", str(args.steps), "--bucket", str(args.bucket)]
+                   "--params", str(args.params), "--steps", str(args.steps), "--bucket", str(args.bucket),
+                   "--param-buffers", str(args.param_buffers)]
         # A fixed mmap threshold (glibc's is otherwise raised by each large free) returns freed tiles to the OS
-        # at once instead of leaving them in the heap; both runs get it.
+        # at once instead of leaving them in the heap; every run gets it.
         env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else None
         output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
         runs[offload] = json.loads(output.strip().splitlines()[-1])
-    base, nvme = runs["none"], runs["nvme"]
-    offloadable = base["memory_stats"]["fp32_master"] + base["memory_stats"]["optimizer_state"]
-    saved = base["peak_rss_bytes"] - nvme["peak_rss_bytes"]
-    return {"runs": runs, "offloadable_bytes": offloadable, "rss_saved_bytes": saved,
-            "saved_fraction_of_offloadable": saved / offloadable if offloadable else None}
+    base = runs["none"]["memory_stats"]
+    # What offload can take away: Adam's state, the masters (in fp32 the parameter shard itself, so counted
+    # once) and, with offload_param, the parameter shards (stage 3 holds no gathered copy between steps).
+    out = {"runs": runs, "load_average": os.getloadavg()}
+    for offload, offloadable in (("nvme", base["fp32_master"] + base["optimizer_state"]),
+                                 ("nvme+params", base["fp32_master"] + base["optimizer_state"] + base["params"])):
+        saved = runs["none"]["peak_rss_bytes"] - runs[offload]["peak_rss_bytes"]
+        out[offload] = {"offloadable_bytes": offloadable, "rss_saved_bytes": saved,
+                        "saved_fraction_of_offloadable": saved / offloadable if offloadable else None}
+    return out
 
 
 def main(argv=None) -> None:
@@ -249,6 +260,7 @@ def main(argv=None) -> None:
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")
+    parser.add_argument("--param-buffers", type=int, default=2, help="rss: offload_param.buffer_count")
     parser.add_argument("--mmap-threshold", type=int, default=1 << 20, help="rss: MALLOC_MMAP_THRESHOLD_ (0: unset)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
     args = parser.parse_args(argv)
