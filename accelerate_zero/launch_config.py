@@ -21,6 +21,7 @@ from accelerate.commands.config.config_args import ClusterConfig, load_config_fr
 
 from zero_core import ZeroConfigError
 
+from .offload_keys import merge_offload_keys
 from .plugin import ENV_AUTOCAST, ENV_CONFIG, ENV_CONFIG_FILE, ZeroPlugin
 
 ZERO_KEY = "zero_optimization"
@@ -48,6 +49,7 @@ def read_launch_config(path) -> LaunchConfig:
             f"{path} has {got} '{ZERO_KEY}:' block; add one holding DeepSpeed's zero_optimization settings (e.g. "
             "'zero_optimization: {stage: 2}'), or run `accelerate-zero config` to write a starter file"
         )
+    zero = merge_offload_keys(path, data, zero)  # Accelerate's offload_*_device / _nvme_path keys
     ZeroPlugin(config=zero, source=str(path))  # validates names, values and the stage
     autocast = _read_autocast(path, data.pop(AUTOCAST_KEY, None))
     _check_accelerate_keys(path, data)

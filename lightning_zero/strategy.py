@@ -35,6 +35,7 @@ from zero_core.sharded_optimizer import ShardedOptimizer
 
 from . import checkpoint_io
 from .config import base_config, differing_fields, run_config
+from .offload_args import OFFLOAD_STRATEGIES, OffloadArg, apply_offload_args
 from .state_dict import checked_state_dict_type, module_state_dict
 from .placement import is_partitioned, to_device_around_partitioned
 from .precision import ZeroPrecision, as_zero_precision
@@ -129,6 +130,8 @@ class ZeroStrategy(DDPStrategy):
             the whole model on rank 0 as CPU tensors, trainable parameters as their fp32 master weights (a
             collective, one parameter at a time); other ranks get ``{}``. "sharded": ``{}`` (the engine's sharded
             checkpoint holds the weights; nothing is gathered). Checkpoints are sharded directories either way.
+        offload_optimizer, offload_parameters: True/"cpu"/"nvme" set the config's offload_optimizer / offload_param
+            device (True means "nvme" when ``nvme_path`` is given); ``nvme_path``: their swap directory.
         The other arguments are DDP's.
     """
 
@@ -147,6 +150,9 @@ class ZeroStrategy(DDPStrategy):
         timeout: Optional[timedelta] = default_pg_timeout,
         start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
         state_dict_type: Literal["full", "sharded"] = "full",
+        offload_optimizer: OffloadArg = None,
+        offload_parameters: OffloadArg = None,
+        nvme_path: Optional[str] = None,
     ) -> None:
         super().__init__(
             accelerator=accelerator,
@@ -158,7 +164,8 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.zero_config = base_config(stage, config)
+        self.zero_config = apply_offload_args(base_config(stage, config), offload_optimizer, offload_parameters,
+                                              nvme_path)
         self.state_dict_type = checked_state_dict_type(state_dict_type)
         self._forward_redirection = _ForwardRedirection()
         self._engine: Optional[zero_core.ZeroEngine] = None
@@ -460,6 +467,10 @@ class ZeroStrategy(DDPStrategy):
             name = f"zero{stage}"
             if name not in strategy_registry:
                 strategy_registry.register(name, cls, description=f"ZeRO stage {stage} (lightning_zero)", stage=stage)
+        for name, arguments in OFFLOAD_STRATEGIES.items():
+            if name not in strategy_registry:
+                strategy_registry.register(name, cls, description=f"ZeRO with offload (lightning_zero): {arguments}",
+                                           **arguments)
 
 
 def _placeholder_optimizer(module: torch.nn.Module) -> torch.optim.Optimizer:

@@ -48,6 +48,8 @@ DEEPSPEED_OFFLOAD_PARAM_DEFAULTS = {"device": "none", "nvme_path": None, "buffer
                                     "buffer_size": 100_000_000, "max_in_cpu": 1_000_000_000, "pin_memory": False}
 DEEPSPEED_OFFLOAD_OPTIMIZER_DEFAULTS = {"device": "none", "nvme_path": None, "buffer_count": 4, "pin_memory": False,
                                         "pipeline_read": False, "pipeline_write": False, "fast_init": False}
+AIO_DEFAULTS = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
+                "overlap_events": True}
 # DeepSpeed's DeepSpeedZeroLeafModuleConfig (zero_optimization.leaf_module, after override_module_apply).
 DEEPSPEED_LEAF_MODULE_DEFAULTS = {
     "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
@@ -70,8 +72,9 @@ NON_DEFAULT = {
     "zero_quantized_weights": (True, {}), "zero_quantized_nontrainable_weights": (True, {}),
     "zero_quantized_gradients": (True, {}), "mics_shard_size": (8, {}), "mics_hierarchical_params_gather": (True, {}),
     "memory_efficient_linear": (False, {}), "pipeline_loading_checkpoint": (True, {}),
-    "override_module_apply": (False, {}), "leaf_module": ({"names": ["layers.0.moe"]}, {}), "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
-    "gradient_clipping": (1.5, {}), "gradient_accumulation_steps": (4, {}),
+    "override_module_apply": (False, {}), "leaf_module": ({"names": ["layers.0.moe"]}, {}),
+    "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
+    "gradient_clipping": (1.5, {}), "gradient_accumulation_steps": (4, {}), "aio": ({"block_size": 4096}, {}),
 }
 
 
@@ -103,6 +106,7 @@ def test_defaults_equal_deepspeed():
     assert dataclasses.asdict(cfg.fp16) == FP16_DEFAULTS
     assert dataclasses.asdict(cfg.bf16) == {"enabled": False}
     assert (cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (0.0, 1)
+    assert dataclasses.asdict(cfg.aio) == AIO_DEFAULTS
 
 
 def test_fields_are_deepspeed_fields_plus_run_fields():
@@ -404,9 +408,10 @@ def test_field_status_classification():
                 "overlap_comm", "ignore_unused_parameters", "fp16", "bf16", "gradient_clipping",
                 "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
                 "max_live_parameters", "max_reuse_distance", "override_module_apply",
-                "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "leaf_module"}
+                "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "offload_optimizer",
+                "leaf_module", "offload_param"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
-              "sub_group_size", "memory_efficient_linear"}
+              "sub_group_size", "memory_efficient_linear", "aio"}
     assert list(FIELD_STATUS) == [f.name for f in dataclasses.fields(ZeroConfig)]
     assert {k for k, v in FIELD_STATUS.items() if v == "honoured"} == honoured
     assert {k for k, v in FIELD_STATUS.items() if v.startswith("mapped: ")} == mapped
@@ -414,17 +419,18 @@ def test_field_status_classification():
 
 
 def test_warn_unimplemented_lists_fields_once():
-    cfg = ZeroConfig(stage=3, offload_optimizer={"device": "cpu"}, mics_shard_size=4, reduce_bucket_size=10,
+    cfg = ZeroConfig(stage=3, zero_quantized_weights=True, mics_shard_size=4, reduce_bucket_size=10,
                      prefetch_bucket_size=50_000_000, contiguous_gradients=False,
-                     offload_param={"device": "none"})
-    assert cfg.unimplemented_fields() == ("offload_optimizer", "mics_shard_size")
+                     offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
+    assert cfg.unimplemented_fields() == ("zero_quantized_weights", "mics_shard_size")
     with pytest.warns(UserWarning) as record:
         cfg.warn_unimplemented()
     assert len(record) == 1 and record[0].filename == __file__
     message = str(record[0].message)
-    assert "zero_optimization.offload_optimizer (not yet implemented)" in message
+    assert "zero_optimization.zero_quantized_weights (not yet implemented)" in message
     assert "zero_optimization.mics_shard_size (not yet implemented)" in message
-    for quiet in ("prefetch_bucket_size", "reduce_bucket_size", "contiguous_gradients", "offload_param"):
+    for quiet in ("prefetch_bucket_size", "reduce_bucket_size", "contiguous_gradients", "offload_optimizer",
+                  "offload_param"):
         assert quiet not in message
     with _no_warnings():
         cfg.warn_unimplemented()

@@ -8,7 +8,8 @@ used. Cases: experts unused on every rank (every stage); experts used on some ra
 stage 3 with the block declared a leaf through the API or the config; without it stage 3 must stop with an
 error naming the block); a layer frozen for two steps and unfrozen; a layer frozen at setup and unfrozen later,
 in the optimizer's groups from the start or added with add_param_group (also across a checkpoint save and
-resume); two optimizers (AdamW and SGD); gradient accumulation. DDP cannot average a parameter frozen when it
+resume); two optimizers (AdamW and SGD); gradient accumulation; some of these with the optimizer offloaded to
+the CPU or NVMe (and stage 3's parameters to the CPU). DDP cannot average a parameter frozen when it
 was built, so the cases with a layer frozen at setup are checked against one process averaging every rank's
 loss instead (the same gradients DDP would average). One spawn runs every case.
 """
@@ -118,6 +119,7 @@ class Case:
     resume_after: Optional[int] = None  # save after this step, continue on a fresh model and engine
     replay: bool = True  # on resume, add the groups before loading (else load_checkpoint adds them)
     leaf: str = ""  # stage 3: declare the MoE block a leaf through "api" (set_z3_leaf_modules) or "config"
+    offload: str = ""  # offload_optimizer device ("cpu", "nvme"); stage 3 also offload_param cpu ("nvme+params": nvme)
 
     @property
     def reference(self) -> str:
@@ -183,6 +185,13 @@ def setup(model: MoENet, optimizers, case: Case):
         zero_core.set_z3_leaf_modules(model, [ExpertLoop])
     elif case.leaf == "config":
         config["leaf_module"] = {"classes": [f"{ExpertLoop.__module__}.ExpertLoop"], "names": ["moe"]}
+    if case.offload:
+        device = case.offload.removesuffix("+params")
+        config["offload_optimizer"] = {"device": device, "nvme_path": NVME_DIR[0]}
+        if case.stage == 3:
+            config["offload_param"] = {"device": "cpu"}
+        if case.offload.endswith("+params"):
+            config["offload_param"] = {"device": "nvme", "nvme_path": NVME_DIR[0], "max_in_cpu": 0}
     return zero_core.setup(model, optimizers, config)
 
 
@@ -226,7 +235,15 @@ CASES = [Case(f"same-s{s}", s) for s in (1, 2, 3)] + \
     [Case("add-group-resume-by-load-s2", 2, two=True, schedule="add-group", resume_after=3, replay=False)] + \
     [Case(f"freeze-resume-s{s}", s, schedule="freeze", resume_after=1) for s in (2,)] + \
     [Case("divergent-s3-leaf-api", 3, "divergent", two=True, accumulation=2, leaf="api"),
-     Case("divergent-s3-leaf-config", 3, "divergent", leaf="config", schedule="freeze")]
+     Case("divergent-s3-leaf-config", 3, "divergent", leaf="config", schedule="freeze")] + \
+    [Case("same-s2-offload-cpu", 2, offload="cpu"), Case("divergent-s1-offload-nvme", 1, "divergent", two=True,
+                                                          accumulation=2, offload="nvme"),
+     Case("freeze-s3-offload-cpu", 3, two=True, schedule="freeze", offload="cpu"),
+     Case("add-group-s2-offload-nvme", 2, two=True, schedule="add-group", offload="nvme"),
+     Case("add-group-resume-s3-offload-nvme", 3, schedule="add-group", resume_after=2, offload="nvme"),
+     Case("add-group-s3-offload-nvme-params", 3, two=True, schedule="add-group", offload="nvme+params"),
+     Case("unfreeze-s3-offload-cpu-params", 3, schedule="unfreeze", offload="cpu+params")]
+NVME_DIR = [""]  # the swap directory of the offloaded cases (set by the worker)
 
 
 def not_a_model_parameter() -> str:
@@ -256,6 +273,7 @@ def leaf_api() -> dict:
 def worker(rank: int, world_size: int, checkpoint_root: str) -> dict:
     results = {}
     references = {}
+    NVME_DIR[0] = checkpoint_root
     for case in CASES:
         key = (case.routing, case.two, case.schedule, case.accumulation, case.reference)
         if key not in references:

@@ -5,11 +5,13 @@ Covered at stages 1-3: one AdamW with an LR scheduler built before setup; gradie
 ``engine.clip_grad_norm_`` (DDP: ``torch.nn.utils.clip_grad_norm_``) and by ``gradient_clipping`` in the config;
 two optimizers (AdamW and SGD) with schedulers built after setup on the user's optimizers. No scheduler warning
 may appear ("lr_scheduler.step() before optimizer.step()" would mean the scheduler stopped seeing the steps).
-Also: step(closure), a scheduler on engine.optimizer, and the error for loss.backward() under fp16 loss scaling.
+Some cases offload the optimizer (to the CPU, or NVMe). Also: step(closure), a scheduler on engine.optimizer, and
+the error for loss.backward() under fp16 loss scaling.
 """
 
 from __future__ import annotations
 
+import tempfile
 import warnings
 from dataclasses import dataclass
 
@@ -33,12 +35,15 @@ class Case:
     accumulation: int = 1
     clip: str = ""  # "engine": engine.clip_grad_norm_; "config": gradient_clipping
     two_optimizers: bool = False  # AdamW + SGD, schedulers built after setup
+    offload: str = ""  # offload_optimizer device ("cpu" or "nvme", swapped under the system's temp directory)
 
     def config(self) -> dict:
         config = {"stage": self.stage, "reduce_bucket_size": 50, "allgather_bucket_size": 50,
                   "stage3_param_persistence_threshold": 0}
         if self.clip == "config":
             config["gradient_clipping"] = MAX_NORM
+        if self.offload:
+            config["offload_optimizer"] = {"device": self.offload, "nvme_path": tempfile.gettempdir()}
         return config
 
 
@@ -47,7 +52,8 @@ CASES = [case for stage in (1, 2, 3) for case in (
     Case(stage, accumulation=2, clip="engine"),
     Case(stage, clip="config", two_optimizers=True),
     Case(stage, accumulation=2, clip="engine", two_optimizers=True),
-)]
+)] + [Case(2, offload="cpu"), Case(1, clip="config", two_optimizers=True, offload="cpu"),
+      Case(3, accumulation=2, clip="engine", two_optimizers=True, offload="nvme")]
 
 
 def make_optimizers(model, two: bool) -> list[torch.optim.Optimizer]:

@@ -36,7 +36,8 @@ from zero_core.config_loading import (
 )
 
 __all__ = [
-    "BF16Config", "FIELD_STATUS", "FP16Config", "LeafModuleConfig", "OffloadOptimizerConfig", "OffloadParamConfig",
+    "AioConfig", "BF16Config", "FIELD_STATUS", "FP16Config", "LeafModuleConfig", "OffloadOptimizerConfig",
+    "OffloadParamConfig",
     "ZeroConfig", "ZeroConfigError",
 ]
 
@@ -59,9 +60,10 @@ FIELD_STATUS = {
     "overlap_comm": HONOURED,
     "load_from_fp32_weights": HONOURED,
     "elastic_checkpoint": _mapped("checkpoints always load at any world size"),
-    "offload_param": NOT_YET,
-    "offload_optimizer": NOT_YET,
-    "sub_group_size": _mapped("the optimizer steps over one piece per parameter fragment"),
+    "offload_param": HONOURED,
+    "offload_optimizer": HONOURED,
+    "sub_group_size": _mapped("the optimizer steps one piece per parameter fragment; offloaded steps run in tiles "
+                              "of whole pieces up to this many elements"),
     "prefetch_bucket_size": HONOURED,
     "param_persistence_threshold": HONOURED,
     "model_persistence_threshold": HONOURED,
@@ -85,6 +87,7 @@ FIELD_STATUS = {
     "bf16": HONOURED,
     "gradient_clipping": HONOURED,
     "gradient_accumulation_steps": _mapped("read by the front-ends; with the core API use engine.no_sync()"),
+    "aio": _mapped("a thread pool doing positioned reads and writes (docs/offload.md)"),
 }
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -189,6 +192,21 @@ class BF16Config(Block):
 @checked_init
 @documented
 @dataclass
+class AioConfig(Block):
+    """Asynchronous I/O for NVMe offload (the top-level ``aio`` block); served by a thread pool."""
+
+    _PATH: ClassVar[str] = "aio"
+
+    block_size: int = setting(1_048_576, above=0, doc="Bytes per read or write request.")
+    queue_depth: int = setting(8, minimum=1, doc="Requests of one transfer in flight per thread.")
+    thread_count: int = setting(1, minimum=1, doc="I/O threads.")
+    single_submit: bool = setting(False, doc="Submit requests one at a time instead of in batches.")
+    overlap_events: bool = setting(True, doc="Overlap NVMe transfers with the optimizer step.")
+
+
+@checked_init
+@documented
+@dataclass
 class LeafModuleConfig(Block):
     """Stage 3 leaf modules (``zero_optimization.leaf_module``): a leaf's whole subtree is gathered and released as
     one unit, so children that run on some ranks only need no collective of their own (docs/stage3.md)."""
@@ -210,6 +228,7 @@ _BLOCKS = {
     "offload_optimizer": (OffloadOptimizerConfig, True),
     "fp16": (FP16Config, False),
     "bf16": (BF16Config, False),
+    "aio": (AioConfig, False),
 }
 
 
@@ -355,6 +374,9 @@ class ZeroConfig(Block):
     gradient_accumulation_steps: int = setting(
         1, minimum=1,
         doc="Micro-batches whose gradients are accumulated before each optimizer step.")
+    aio: AioConfig = setting(
+        factory=AioConfig,
+        doc="NVMe offload I/O: the top-level aio block (block_size, queue_depth, thread_count, ...).")
 
     # --- construction hooks (see checked_init)
 
@@ -591,7 +613,7 @@ def markdown_tables() -> str:
         title = f"`{ZERO_SECTION}.{name}` block"
         lines += _table(title, block, _names(block), f"{name}.", FIELD_STATUS[name])
     lines += _table("Top-level run fields", ZeroConfig, RUN_FIELDS)
-    for name in ("fp16", "bf16"):
+    for name in ("fp16", "bf16", "aio"):
         block = _BLOCKS[name][0]
         lines += _table(f"`{name}` block", block, _names(block), f"{name}.", FIELD_STATUS[name])
     lines += ["### Other DeepSpeed top-level keys", "",

@@ -16,8 +16,9 @@ from .registry import engine_of
 def _assemble(engine, param: torch.Tensor, pick) -> torch.Tensor:
     """Sum each rank's fragments of ``param`` into one full fp32 tensor on every rank."""
     full = torch.zeros(param.shape.numel(), dtype=torch.float32, device=engine.device)
-    for fragment in engine.fragments_of(engine.name_of(param)):
-        full[fragment.param_range.as_slice()] = pick(fragment).float()
+    with engine.offload_resident():  # NVMe-offloaded masters and state are read in for the duration
+        for fragment in engine.fragments_of(engine.name_of(param)):
+            full[fragment.param_range.as_slice()] = pick(fragment).float()
     engine.comm.all_reduce(full)
     return full.view(param.shape)
 
@@ -62,8 +63,9 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the fp32 master of ``param`` (and the model's copy) from ``value``, given on every rank."""
     engine = engine_of(param)
     flat = value.detach().reshape(-1).to(torch.float32)
-    for fragment in engine.fragments_of(engine.name_of(param)):
-        fragment.master_values()[...] = flat[fragment.param_range.as_slice()]
+    with engine.offload_resident():
+        for fragment in engine.fragments_of(engine.name_of(param)):
+            fragment.master_values()[...] = flat[fragment.param_range.as_slice()]
     engine.refresh_param(param, value)
 
 
@@ -72,6 +74,7 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     engine = engine_of(param)
     _require_state(engine, optim_state_key)
     flat = value.detach().reshape(-1).to(torch.float32)
-    for fragment in engine.fragments_of(engine.name_of(param)):
-        target = _state_slice(engine, fragment, optim_state_key)
-        target[...] = flat[fragment.param_range.as_slice()]
+    with engine.offload_resident():
+        for fragment in engine.fragments_of(engine.name_of(param)):
+            target = _state_slice(engine, fragment, optim_state_key)
+            target[...] = flat[fragment.param_range.as_slice()]

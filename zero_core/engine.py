@@ -29,6 +29,7 @@ from .leaf_modules import apply_leaf_config
 from .loss_scaler import LossScaler
 from .memory import model_state_bytes
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
+from .offload import adopt as adopt_offload, attach as attach_offload
 from .plain_loop import OptimizerRoute
 from .sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from .stage12 import ReplicatedParamsRuntime
@@ -84,6 +85,8 @@ class ZeroEngine:
         self._record_groups(groups)
         trainable = self._trainable_by_group(groups)
         self.runtime = _runtime_class(config.stage)(module, trainable, self._names, config, self.comm)
+        # offload hook (zero_core/offload): host/NVMe masters replace the runtime's before optimizers bind
+        self._offload = attach_offload(self.runtime, config, topology.rank)
         if config.stage == 3 and topology.world_size > 1:
             sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
         registry.register(self.runtime.managed_params(), self)
@@ -99,6 +102,8 @@ class ZeroEngine:
     def _bind_optimizers(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         """Narrow each optimizer to this rank's master shards and give it a facade that steps through here."""
         self.inner_optimizers = list(optimizers)
+        if self._offload is not None:  # offload hook: the state it swaps with the masters
+            self._offload.bind(self.inner_optimizers)
         self.group_optimizer = [k for k, opt in enumerate(optimizers) for _ in opt.param_groups]
         self._index_parts()
         start = 0
@@ -161,6 +166,7 @@ class ZeroEngine:
             return
         had_grad = [p for params in fresh.values() for p in params if p.grad is not None]
         new_parts = self.runtime.add_trainable(fresh)
+        adopt_offload(self.runtime, new_parts, self.config, self._offload)  # offload hook: they are offloaded too
         new_params = [p for params in fresh.values() for p in params]
         registry.register(new_params, self)
         for param in new_params:
@@ -417,10 +423,14 @@ class ZeroEngine:
             return
         if pending.clip_coef is None and self.config.gradient_clipping > 0:
             self.clip_grad_norm_(self.config.gradient_clipping, optimizer=k)
-        self._attach_master_grads(k, used)
-        with self._routes[k].real_update():
-            self.inner_optimizers[k].step()  # through any LR scheduler wrapper on it, so that it counts the step
         parts = self._parts_of[k]
+        with self._routes[k].real_update():  # through any LR scheduler wrapper on it, so that it counts the step
+            if self._offload is not None:  # offload hook: tiled step on the host masters (zero_core/offload)
+                self._offload.step(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
+                                   self._pending[k].clip_coef)
+            else:
+                self._attach_master_grads(k, used)
+                self.inner_optimizers[k].step()
         for part in parts:
             part.master_shards.clear_grads()
         self.runtime.after_step(parts)
@@ -523,13 +533,19 @@ class ZeroEngine:
         parameters are partitioned and get gathered (all of them at once) into copies."""
         return self.runtime.replicated_state()
 
+    def offload_resident(self):
+        """A context in which NVMe-offloaded masters and optimizer state are in memory (a no-op otherwise):
+        wrap direct reads of ``fragments()`` / ``optimizer_state_of`` with it."""
+        return self._offload.resident() if self._offload is not None else contextlib.nullcontext()
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` of the trained model as DDP would give it (fp32 masters for trainable
         parameters), as CPU tensors, on rank 0 (every rank unless ``rank0_only``). A collective; see
         zero_core.full_state."""
         from .full_state import full_state_dict
 
-        return full_state_dict(self, rank0_only=rank0_only)
+        with self.offload_resident():
+            return full_state_dict(self, rank0_only=rank0_only)
 
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, whole, one at a time (stage 3 gathers each transiently). Call on every rank."""
@@ -566,7 +582,8 @@ class ZeroEngine:
 
     def commit_params(self, params, opened: list, modified: bool) -> None:
         """GatheredParameters' exit: keep modified values (masters included), release what was gathered."""
-        self.runtime.commit_params(params, opened, modified)
+        with self.offload_resident():
+            self.runtime.commit_params(params, opened, modified)
 
     def empty_partition_cache(self) -> None:
         """Release every gathered stage 3 parameter that is not in use (no-op for stages 1 and 2)."""
@@ -579,13 +596,15 @@ class ZeroEngine:
         """Write a sharded checkpoint directory atomically (docs/checkpoints.md)."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, client_state)
+        with self.offload_resident():
+            return save_checkpoint(self, path, client_state)
 
     def load_checkpoint(self, path, strict: bool = True, load_optimizer_states: bool = True) -> Optional[dict]:
         """Load a checkpoint saved at any world size and stage (or a plain state dict); returns client_state."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
+        with self.offload_resident():
+            return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
 
     def save_16bit_model(self, out_dir, **kwargs) -> bool:
         """16-bit safetensors of the whole model, streamed one parameter (unit) at a time."""

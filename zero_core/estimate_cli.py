@@ -16,7 +16,7 @@ from typing import Callable, Optional
 from jsonargparse import ArgumentParser
 
 from .config import ZeroConfig
-from .estimator import PRECISIONS, STAGES, UNITS, estimate_memory, format_table, model_info
+from .estimator import PRECISIONS, STAGES, UNITS, _fmt, estimate_memory, format_table, model_info
 
 
 def build_parser() -> ArgumentParser:
@@ -97,8 +97,26 @@ def run(argv: Optional[list] = None) -> str:
                                     optimizer_state_bytes=args.optimizer_state_bytes)
         numel = estimates[0].numel if estimates else 0
         blocks.append(f"{label}: Ψ = {numel:,} trainable elements, {world_size} ranks, "
-                      f"{estimates[0].precision if estimates else ''}\n\n" + format_table(estimates, args.unit))
+                      f"{estimates[0].precision if estimates else ''}\n\n" + format_table(estimates, args.unit)
+                      + placement_table(estimates, config, args.unit))
     return "\n\n".join(blocks)
+
+
+def placement_table(estimates, config: ZeroConfig, unit: str) -> str:
+    """With offload in the config: the totals by place (accelerator, host memory, NVMe), stage by stage."""
+    from .offload.estimate import placement_bytes
+
+    if not any(b is not None and b.device != "none" for b in (config.offload_optimizer, config.offload_param)):
+        return ""
+    lines = ["", "", f"with the config's offload, in {unit}", "", "| stage | accelerator | host | nvme |",
+             "| --- | --- | --- | --- |"]
+    for e in estimates:
+        if e.stage == 0:
+            continue
+        place = placement_bytes(e, config)
+        lines.append(f"| {e.stage} | " + " | ".join(_fmt(b / UNITS[unit]) for b in
+                                                    (place.accelerator, place.host, place.nvme)) + " |")
+    return "\n".join(lines)
 
 
 def main(argv: Optional[list] = None) -> None:

@@ -81,6 +81,7 @@ class MemoryEstimate:
     optimizer_state: int
     buffers: int = 0
     live_params: int = 0
+    shard_numel: int = 0  # trainable elements whose master this rank holds (placement_bytes reads it)
 
     @property
     def model_states(self) -> int:
@@ -172,7 +173,7 @@ def _estimate_stage(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k
     return MemoryEstimate(
         stage=stage, world_size=n, precision=precision, numel=sizes.full,
         params=(resident + sizes.frozen) * p, grads=grads * g, fp32_master=sizes.shard * master,
-        optimizer_state=sizes.shard * k_bytes, buffers=buffers, live_params=live * p,
+        optimizer_state=sizes.shard * k_bytes, buffers=buffers, live_params=live * p, shard_numel=sizes.shard,
     )
 
 

@@ -49,6 +49,10 @@ class MasterShards:
         for master in self.params:
             master.grad = None
 
+    def holds_values(self) -> bool:
+        """Whether some master is in memory (NVMe-offloaded ones are swapped out between steps)."""
+        return True
+
     def write_back(self, param_shards: Sequence[torch.Tensor]) -> None:
         """Copy updated values into the 16-bit shards (nothing to do where the master is the shard itself)."""
         for shard, master in zip(param_shards, self.buckets):

@@ -8,6 +8,8 @@ Gathering resizes it back and all-gathers each bucket straight into place: no co
 
 from __future__ import annotations
 
+import contextlib
+
 import enum
 from typing import Optional, Sequence
 
@@ -53,6 +55,8 @@ class ParamUnit:
         self.persistent = False
         self.state = UnitState.GATHERED
         self._works: list = []
+        self._source: Optional[torch.Tensor] = None
+        self.swap = None  # offload_param nvme (zero_core/offload/param_swap.py): the shard lives in a file
         self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()
@@ -109,9 +113,15 @@ class ParamUnit:
                 self.wait()
             return
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        # offload_param (zero_core/offload): a host shard is copied in (or read from NVMe into a pool buffer) and
+        # kept until the gather is done
+        if self.swap is not None:
+            self._source = self.swap.read(self).to(self.full.device, non_blocking=True)
+        else:
+            self._source = self.shard.to(self.full.device, non_blocking=True)
         self._works = [
-            self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(self.shard, b.index), async_op=True,
-                                 label=self.module_name)
+            self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(self._source, b.index),
+                                 async_op=True, label=self.module_name)
             for b in self.layout.buckets
         ]
         self.state = UnitState.GATHERING
@@ -123,12 +133,23 @@ class ParamUnit:
             for work in self._works:
                 work.wait()
             self._works = []
+            self._drop_source()
             self.state = UnitState.GATHERED
+
+    def _drop_source(self) -> None:
+        self._source = None
+        if self.swap is not None:
+            self.swap.release(self)
+
+    def _shard_in_memory(self):
+        """A context in which ``shard`` holds this rank's values (offload_param nvme reads and rewrites it)."""
+        return self.swap.resident(self) if self.swap is not None else contextlib.nullcontext()
 
     def drop_pending(self) -> None:
         """Forget an in-flight gather without waiting (teardown after the process group is gone)."""
         if self.state is UnitState.GATHERING:
             self._works = []
+            self._drop_source()
             self.state = UnitState.GATHERED
 
     def release(self, force: bool = False) -> None:
@@ -141,9 +162,10 @@ class ParamUnit:
 
     def write_full_into_shard(self) -> None:
         """After the full values were changed in place (GatheredParameters with a modifier): keep them."""
-        self._take_shard_from_full()
-        if self.master_shards is not None:
-            self.master_shards.read_from(self._shard_buckets())
+        with self._shard_in_memory():
+            self._take_shard_from_full()
+            if self.master_shards is not None:
+                self.master_shards.read_from(self._shard_buckets())
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
@@ -181,7 +203,10 @@ class ParamUnit:
 
     # -- optimizer side ------------------------------------------------------------------------------------
     def write_back_masters(self) -> None:
-        self.master_shards.write_back(self._shard_buckets())
+        if self.swap is not None and not self.master_shards.holds_values():
+            return  # NVMe-swapped masters: the offloaded step wrote them back tile by tile
+        with self._shard_in_memory():
+            self.master_shards.write_back(self._shard_buckets())
 
     def fragments(self) -> list[Fragment]:
         if not self.trainable:

@@ -1,0 +1,277 @@
+"""Offload benchmarks (issue 19), side by side on the same machine and disk:
+
+- ``nvme``: one optimizer pass of the swap (NvmeSwapper over the aio thread pool: read each tile of N fp32
+  elements, the next one in flight, and write it back) against a plain dd-style sequential write + fsync + read
+  of the same bytes in the same directory; the pages are dropped (posix_fadvise DONTNEED) before reading.
+- ``step``: the offloaded CPU step (gradient copy + unscale/clip + tiled fused AdamW, OptimizerOffload.step)
+  over N parameters, against a bare ``AdamW(fused=True).step()`` over one N-element parameter.
+- ``rss``: peak RSS during training (the kernel's high-water mark, reset after setup) of one rank training a
+  ~100M-parameter MLP at stage 3 (world size 1), without offload, with ``offload_optimizer: nvme``, and with
+  ``offload_param: nvme`` as well, each in a fresh process.
+
+    python -m benchmarks.offload nvme --numel 67108864 --dir /tmp
+    python -m benchmarks.offload step --numel 20000000
+    python -m benchmarks.offload rss --dir /tmp
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+MiB = 1 << 20
+
+
+def _drop_cache(fd: int) -> None:
+    os.fsync(fd)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+
+
+def plain_pass(directory: str, nbytes: int, block: int) -> float:
+    """dd if=/dev/zero of=f bs=block + fsync, then dd if=f of=/dev/null bs=block after dropping the pages."""
+    path = os.path.join(directory, "plain_dd.bin")
+    buf = bytearray(os.urandom(block))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        start = time.perf_counter()
+        for offset in range(0, nbytes, block):
+            os.pwrite(fd, buf, offset)
+        _drop_cache(fd)
+        view = memoryview(buf)
+        for offset in range(0, nbytes, block):
+            os.preadv(fd, [view], offset)
+        return time.perf_counter() - start
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
+def swap_pass(directory: str, numel: int, tile: int, aio: dict, buffer_count: int) -> float:
+    """One optimizer pass of the swap without the arithmetic: read every tile (the next one while this one
+    'steps') and write it back (overlapping the next), as OptimizerOffload.step does; the file starts on disk."""
+    from zero_core.offload.aio import AioPool
+    from zero_core.offload.nvme_swap import NvmeSwapper
+
+    swapper = NvmeSwapper(directory, 0, AioPool(**aio), pool_bytes=buffer_count * tile * 4)
+    tiles = [[(t, "__master__", t)] for t in (torch.rand(min(tile, numel - s)) for s in range(0, numel, tile))]
+    try:
+        for items in tiles:
+            swapper.swap_out(items).wait()
+        _drop_cache(swapper.fd)
+        start = time.perf_counter()
+        reading, writing = swapper.swap_in(tiles[0]), None
+        for index, items in enumerate(tiles):
+            reading.wait()
+            if index + 1 < len(tiles):
+                reading = swapper.swap_in(tiles[index + 1])
+            if writing is not None:
+                writing.wait()
+            writing = swapper.swap_out(items)
+        writing.wait()
+        os.fsync(swapper.fd)
+        return time.perf_counter() - start
+    finally:
+        swapper.close()
+
+
+def bench_nvme(args) -> dict:
+    nbytes = args.numel * 4
+    aio = dict(block_size=args.block_size, queue_depth=args.queue_depth, thread_count=args.thread_count,
+               single_submit=False, overlap_events=True)
+    plain, swap = [], []
+    for _ in range(args.repeats):  # interleaved, so load from other jobs hits both sides alike
+        plain.append(plain_pass(args.dir, nbytes, args.block_size))
+        swap.append(swap_pass(args.dir, args.numel, args.tile, aio, args.buffer_count))
+    gbps = lambda seconds: 2 * nbytes / seconds / 1e9  # noqa: E731  (every byte written once and read once)
+    out = {"bytes": nbytes, "aio": aio, "tile_elements": args.tile, "buffer_count": args.buffer_count,
+           "plain_GBps": gbps(min(plain)), "swap_GBps": gbps(min(swap)),
+           "plain_median_GBps": gbps(statistics.median(plain)), "swap_median_GBps": gbps(statistics.median(swap))}
+    out["swap_vs_plain"] = out["swap_GBps"] / out["plain_GBps"]
+    return out
+
+
+def bench_step(args) -> dict:
+    from zero_core.config import ZeroConfig
+    from zero_core.flat_param_group import FlatParamGroup
+    from zero_core.layout import compute_layout
+    from zero_core.offload import OptimizerOffload
+
+    n = args.numel
+    bare_param = torch.nn.Parameter(torch.randn(n))
+    bare_param.grad = torch.randn(n)
+    bare = torch.optim.AdamW([bare_param], lr=1e-3, fused=True)
+
+    # The offloaded side: the flat group a stage 1-2 engine builds (one rank) over n elements in parameters of
+    # --param elements, its reduced gradient shards on "the device" (here also the CPU), tiles of sub_group_size.
+    # --dtype bf16: 16-bit parameters and gradients, so the gradients are copied into fp32 host buffers and the
+    # write-back casts (as from a GPU, these copies cannot be avoided); fp32 here: the shards are their own masters.
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    sizes = [min(args.param, n - s) for s in range(0, n, args.param)]
+
+    def flat_group():
+        params = [torch.nn.Parameter(torch.randn(size, dtype=dtype)) for size in sizes]
+        group = FlatParamGroup(params, [f"p{i}" for i in range(len(params))], 0,
+                               compute_layout(sizes, 1, args.bucket), rank=0, full_grads=False)
+        group.build_masters(torch.float32)
+        for grad in group.grad_shards():
+            grad.copy_(torch.randn_like(grad))
+        return group
+
+    # The same engine step without offload (MasterShards.attach_grads, the optimizer, the write-back), fused too.
+    plain = flat_group()
+    plain_optimizer = torch.optim.AdamW(plain.masters, lr=1e-3, fused=True)
+
+    def not_offloaded():
+        plain.master_shards.attach_grads(plain.grad_shards(), [True] * len(sizes), 1.0, None)
+        plain_optimizer.step()
+        plain.master_shards.clear_grads()
+        plain.write_back_masters()
+
+    group = flat_group()
+    config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"}, sub_group_size=args.sub_group_size)
+    offload = OptimizerOffload([group], config, rank=0)
+    optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
+    offload.bind([optimizer])
+    used = [[True] * len(sizes)]
+
+    def offloaded():
+        offload.step(optimizer, [group], used, 1.0, None)
+        group.write_back_masters()  # the runtime's after_step (it waits for the write-back overlapped with the step)
+
+    def copies_only():  # the write-back alone, unoverlapped (fp32 CPU gradients are used in place; from a GPU
+        # they would be copied in too)
+        for shard, master in zip(group._param_shards(), group.master_shards.buckets):
+            shard.copy_(master)
+
+    bare_times, off_times, copy_times, plain_times = [], [], [], []
+    bare.step(), offloaded(), not_offloaded()  # state allocation outside the timing
+    for _ in range(args.repeats):
+        for fn, times in ((bare.step, bare_times), (offloaded, off_times), (copies_only, copy_times),
+                          (not_offloaded, plain_times)):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    b, o = min(bare_times), min(off_times)
+    return {"numel": n, "dtype": args.dtype, "threads": torch.get_num_threads(), "bucket": args.bucket,
+            "param": args.param, "engine_step_without_offload_s": min(plain_times),
+            "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
+            "bare_Gparams_per_s": n / b / 1e9, "offloaded_Gparams_per_s": n / o / 1e9, "offloaded_vs_bare": b / o,
+            "bare_median_s": statistics.median(bare_times), "offloaded_median_s": statistics.median(off_times),
+            "copies_s": min(copy_times), "load_average": os.getloadavg()}
+
+
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        line = next(line for line in f if line.startswith(field + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def rss_worker(args) -> None:
+    """One rank (world size 1) training an MLP of ~args.params parameters at stage 3; prints its peak RSS."""
+    import torch.distributed as dist
+
+    import zero_core
+
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    width = 2048
+    layers = max(1, round(args.params / (width * width + width)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    numel = sum(p.numel() for p in model.parameters())
+    config = {"stage": 3, "param_persistence_threshold": 0, "reduce_bucket_size": args.bucket,
+              "allgather_bucket_size": args.bucket, "sub_group_size": args.bucket}
+    if args.offload != "none":
+        config["offload_optimizer"] = {"device": args.offload.removesuffix("+params"), "nvme_path": args.dir}
+    if args.offload.endswith("+params"):  # ZeRO-Infinity: the parameter shards in a file too
+        config["offload_param"] = {"device": "nvme", "nvme_path": args.dir, "max_in_cpu": 0,
+                                   "buffer_count": args.param_buffers}
+    engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
+    setup_peak = _status_bytes("VmHWM")
+    # The training peak, not setup's (model construction holds whole copies for a moment): hand freed heap
+    # back to the OS, then reset the kernel's high-water mark (clear_refs 5).
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    after_setup = _status_bytes("VmRSS")
+    x = torch.randn(8, width)
+    for _ in range(args.steps):
+        engine.backward(engine.module(x).square().mean())
+        engine.step()
+    stats = engine.memory_stats()
+    print(json.dumps({"offload": args.offload, "params": numel, "setup_peak_rss_bytes": setup_peak,
+                      "rss_after_setup_bytes": after_setup, "peak_rss_bytes": _status_bytes("VmHWM"),
+                      "memory_stats": stats}))
+    if engine._offload is not None:
+        engine._offload.close()
+    if getattr(engine.runtime, "param_swap", None) is not None:
+        engine.runtime.param_swap.close()
+    dist.destroy_process_group()
+
+
+def bench_rss(args) -> dict:
+    runs = {}
+    for offload in ("none", "nvme", "nvme+params"):
+        command = [sys.executable, "-m", "benchmarks.offload", "rss-worker", "--offload", offload, "--dir", args.dir,
+                   "--params", str(args.params), "--steps", str(args.steps), "--bucket", str(args.bucket),
+                   "--param-buffers", str(args.param_buffers)]
+        # A fixed mmap threshold (glibc's is otherwise raised by each large free) returns freed tiles to the OS
+        # at once instead of leaving them in the heap; every run gets it.
+        env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": str(args.mmap_threshold)} if args.mmap_threshold else None
+        output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
+        runs[offload] = json.loads(output.strip().splitlines()[-1])
+    base = runs["none"]["memory_stats"]
+    # What offload can take away: Adam's state, the masters (in fp32 the parameter shard itself, so counted
+    # once) and, with offload_param, the parameter shards (stage 3 holds no gathered copy between steps).
+    out = {"runs": runs, "load_average": os.getloadavg()}
+    for offload, offloadable in (("nvme", base["fp32_master"] + base["optimizer_state"]),
+                                 ("nvme+params", base["fp32_master"] + base["optimizer_state"] + base["params"])):
+        saved = runs["none"]["peak_rss_bytes"] - runs[offload]["peak_rss_bytes"]
+        out[offload] = {"offloadable_bytes": offloadable, "rss_saved_bytes": saved,
+                        "saved_fraction_of_offloadable": saved / offloadable if offloadable else None}
+    return out
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("nvme", "step", "rss", "rss-worker"))
+    parser.add_argument("--numel", type=int, default=64 * MiB // 4 * 4)
+    parser.add_argument("--dir", default=tempfile.gettempdir())
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--tile", type=int, default=4 * MiB, help="nvme: elements per swapped tile")
+    parser.add_argument("--block-size", type=int, default=MiB)
+    parser.add_argument("--buffer-count", type=int, default=4, help="nvme: freed tile buffers kept for reuse")
+    parser.add_argument("--queue-depth", type=int, default=8)
+    parser.add_argument("--thread-count", type=int, default=2)
+    parser.add_argument("--bucket", type=int, default=5_000_000, help="elements per bucket shard")
+    parser.add_argument("--sub-group-size", type=int, default=10_000_000)
+    parser.add_argument("--param", type=int, default=2_500_000, help="step: elements per parameter")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="step: parameter dtype")
+    parser.add_argument("--params", type=int, default=100_000_000)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--offload", default="none")
+    parser.add_argument("--param-buffers", type=int, default=2, help="rss: offload_param.buffer_count")
+    parser.add_argument("--mmap-threshold", type=int, default=1 << 20, help="rss: MALLOC_MMAP_THRESHOLD_ (0: unset)")
+    parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.what == "rss-worker":
+        rss_worker(args)
+        return
+    result = {"nvme": bench_nvme, "step": bench_step, "rss": bench_rss}[args.what](args)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

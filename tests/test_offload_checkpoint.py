@@ -1,0 +1,102 @@
+"""Checkpoints of offloaded engines: saved with the masters and state on the CPU or in NVMe files, they load
+into an engine without offload (and the other way round, into CPU and NVMe placements, at another stage), and
+training continues exactly as the engine that saved them would have.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch.distributed as dist
+
+import zero_core
+from distributed import run_distributed
+from models import build_model, make_batch
+from reference import EngineDriver, make_optimizer, train_loop
+from stage3_support import full_params, max_abs_diff
+
+BEFORE, AFTER = 3, 3
+SMALL = {"reduce_bucket_size": 100, "allgather_bucket_size": 100, "sub_group_size": 120,
+         "param_persistence_threshold": 0}
+
+
+class _NoScheduler:
+    def step(self) -> None:
+        pass
+
+
+def _config(stage: int, device: str, nvme_dir: str) -> dict:
+    """``device``: where offload_optimizer puts the optimizer; "nvme+params": stage 3's parameter shards in a
+    file too (ZeRO-Infinity)."""
+    config = {"stage": stage, **SMALL}
+    if device == "nvme+params":
+        device = "nvme"
+        config["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "max_in_cpu": 0, "buffer_count": 2}
+    if device != "none":
+        config["offload_optimizer"] = {"device": device, **({"nvme_path": nvme_dir} if device == "nvme" else {})}
+    return config
+
+
+def _train(engine, first_step: int, steps: int) -> None:
+    rank = dist.get_rank()
+    batches = lambda step, micro: make_batch("transformer", rank, first_step + step, micro)  # noqa: E731
+    train_loop(EngineDriver(engine), _NoScheduler(), batches, steps, accumulation=2, clip=0.5)
+
+
+def _engine(stage: int, device: str, nvme_dir: str):
+    model = build_model("transformer", seed=1)  # other initial weights than the saver's: the load must set them
+    return zero_core.setup(model, make_optimizer(model), _config(stage, device, nvme_dir))
+
+
+def checkpoint_worker(rank, world_size, pairs):
+    nvme_dir = tempfile.mkdtemp(prefix=f"zero-offload-ckpt-{rank}-")
+    ckpt_root = tempfile.mkdtemp(prefix="zero-offload-ckpt-") if rank == 0 else None
+    holder = [ckpt_root]
+    dist.broadcast_object_list(holder, src=0)
+    diffs = []
+    for index, (saver, loader) in enumerate(pairs):
+        path = os.path.join(holder[0], f"ckpt{index}")
+        source = _engine(*saver, nvme_dir)
+        _train(source, 0, BEFORE)
+        source.save_checkpoint(path)
+        target = _engine(*loader, nvme_dir)
+        target.load_checkpoint(path)
+        loaded = max_abs_diff(full_params(target.module), full_params(source.module))
+        # The debugging API reads NVMe-swapped state too (each call swaps it in and out again).
+        params = [dict(e.module.named_parameters()) for e in (source, target)]
+        state = zero_core.safe_get_full_optimizer_state
+        loaded = max([loaded] + [(state(params[0][n], "exp_avg_sq") - state(params[1][n], "exp_avg_sq")).abs().max()
+                                 .item() for n in ("blocks.0.fc1.weight", "tok.weight")])
+        _train(source, BEFORE, AFTER)
+        _train(target, BEFORE, AFTER)
+        diffs.append((loaded, max_abs_diff(full_params(target.module), full_params(source.module))))
+        for engine in (source, target):
+            if engine._offload is not None:
+                engine._offload.close()
+            if getattr(engine.runtime, "param_swap", None) is not None:
+                engine.runtime.param_swap.close()
+    return diffs, os.listdir(nvme_dir)
+
+
+PAIRS = [
+    ((3, "nvme"), (2, "none")),  # NVMe-offloaded stage 3 -> plain stage 2
+    ((2, "cpu"), (3, "none")),
+    ((1, "none"), (2, "cpu")),  # plain -> offloaded
+    ((2, "none"), (3, "nvme")),
+    ((2, "nvme"), (1, "cpu")),  # NVMe -> CPU
+    ((3, "nvme+params"), (2, "none")),  # parameters in a file too
+    ((1, "none"), (3, "nvme+params")),
+]
+
+
+@pytest.mark.timeout(300)
+def test_offloaded_checkpoints_load_into_other_placements():
+    per_rank = run_distributed(checkpoint_worker, 2, PAIRS, timeout=240)
+    for rank, (diffs, leftovers) in enumerate(per_rank):
+        assert leftovers == [], f"rank {rank}: swap files left behind: {leftovers}"
+        for (saver, loader), (loaded, trained) in zip(PAIRS, diffs, strict=True):
+            assert loaded == 0.0, f"rank {rank} {saver} -> {loader}: loaded weights differ by {loaded}"
+            # The same fp32 arithmetic on both sides, up to float reordering between stages' buckets.
+            assert trained <= 1e-6, f"rank {rank} {saver} -> {loader}: {AFTER} steps on they differ by {trained}"

@@ -1,0 +1,234 @@
+"""The optimizer step of an offloaded engine: on host masters, with torch's fused CPU kernels, tile by tile.
+
+The engine hands over, per step, one optimizer, its parts (flat groups or stage 3 units) and which of their
+parameters got a gradient on some rank. Each part's master pieces were moved at setup to host memory
+(host_masters.py), so the user's optimizer, whose param_groups hold those pieces, steps on the CPU. The pieces of
+parameters that got a gradient are stepped in tiles of at most ``sub_group_size`` elements (a bigger piece is a
+tile of its own); the others keep ``grad=None`` and are left alone, as without offload. Reduced gradient shards
+are copied (unscaled and clipped) into host buffers tile by tile; fp32 shards already in host memory are used in
+place. With ``device: nvme`` a tile's pieces and their state are read from the swap file before it steps (the
+next tile's read overlaps this tile's step), written back to the model's parameter shards, and written out
+again (overlapping the next tile's step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from .aio import AioPool, Transfer
+from .host_masters import HostMasterShards
+from .nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
+from .params import offload_param_shards
+from .placement import copy_to_host, pinning, wait_for_copies
+
+# torch optimizers with a fused CPU kernel (torch.optim.*(fused=True) on CPU tensors).
+FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+# Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
+_SWAP_BYTES_PER_ELEMENT = 4 * 3
+
+
+def _param_shards(part) -> list[torch.Tensor]:
+    """The model-side (16-bit or fp32) bucket shards the masters of ``part`` write back into."""
+    if hasattr(part, "shard_of_params"):  # stages 1-2: FlatParamGroup
+        return [part.shard_of_params(b.index) for b in part.layout.buckets]
+    return [part._bucket_shard(part.shard, b.index) for b in part.layout.buckets]  # stage 3: ParamUnit
+
+
+def _write_back(tile: list[tuple]) -> None:
+    """Copy a tile's updated pieces into the model's parameter shards (read in and out again when those are
+    offloaded to NVMe themselves)."""
+    by_part: dict = {}
+    for piece, _, part, index in tile:
+        by_part.setdefault(part, []).append((index, piece))
+    for part, entries in by_part.items():
+        with getattr(part, "_shard_in_memory", contextlib.nullcontext)():
+            shards = _param_shards(part)
+            for index, piece in entries:
+                part.master_shards.piece_shard(shards, index).copy_(piece.detach())
+
+
+class OptimizerOffload:
+    """Host-resident (or NVMe-swapped) master pieces and state, and the tiled CPU step over them."""
+
+    def __init__(self, parts: list, config, rank: int) -> None:
+        block = config.offload_optimizer
+        self.device = block.device
+        self.sub_group_size = config.sub_group_size
+        nvme = self.device == "nvme"
+        numel = sum(m.numel() for part in parts for m in part.masters)
+        if nvme:
+            check_nvme_path(block.nvme_path, "zero_optimization.offload_optimizer.nvme_path",
+                            _SWAP_BYTES_PER_ELEMENT * numel)
+        # Resizing storage (the swap) needs ordinary host memory, so pinning is for device 'cpu' only.
+        self.pin = pinning(block.pin_memory) and not nvme
+        self.parts: list = []
+        self._grads: dict[int, torch.Tensor] = {}  # id(piece) -> host gradient buffer (device 'cpu')
+        self._noted: set[type] = set()
+        self.swapper: Optional[NvmeSwapper] = None
+        self._resident_depth = 0
+        self._optimizers: list[torch.optim.Optimizer] = []
+        if nvme:
+            # Freed tile buffers kept for reuse: buffer_count tiles of a master and Adam's two moments.
+            pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, numel)
+            self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio), pool_bytes)
+        self.adopt(parts)
+
+    def adopt(self, parts: list) -> None:
+        """Move the masters of ``parts`` (at setup, or made trainable later) to the host; with NVMe, write them
+        out one piece at a time (only one is in memory at once)."""
+        for part in parts:
+            part.master_shards = HostMasterShards(part.master_shards, self.pin, separate=self.swapper is not None)
+            if self.swapper is not None:
+                for piece in part.masters:
+                    self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
+            self.parts.append(part)
+
+    def all_masters(self) -> list[nn.Parameter]:
+        return [m for part in self.parts for m in part.masters]
+
+    def close(self) -> None:
+        """Remove the swap file (also done when the engine is collected and at exit)."""
+        if self.swapper is not None:
+            self.swapper.close()
+
+    # -- the user's optimizer on the CPU -------------------------------------------------------------------
+    def use_fused(self, optimizer: torch.optim.Optimizer) -> None:
+        """Run torch's fused CPU kernel when the optimizer has one; any other optimizer steps as written."""
+        if isinstance(optimizer, FUSED_CPU) and "fused" in optimizer.defaults:
+            optimizer.defaults["fused"] = True
+            for group in optimizer.param_groups:
+                if not group.get("differentiable"):
+                    group["fused"], group["foreach"] = True, False
+        elif type(optimizer) not in self._noted:
+            self._noted.add(type(optimizer))
+            warnings.warn(
+                f"offload_optimizer: {type(optimizer).__name__} has no fused CPU kernel in torch, so its step runs "
+                "torch's generic code on the CPU (slower). Adam, AdamW, SGD and Adagrad step with fused kernels.",
+                stacklevel=5,
+            )
+
+    def _tiles(self, parts: list, used: list[list[bool]]) -> list[list[tuple]]:
+        """(piece, grad slice, part, piece index) of every piece whose parameter got a gradient, grouped into
+        tiles of at most sub_group_size elements."""
+        tiles, current, size = [], [], 0
+        for part, mask in zip(parts, used):
+            grads, masters = part.grad_shards(), part.master_shards
+            for index, (piece, fragment) in enumerate(zip(masters.params, masters.pieces)):
+                if not mask[fragment.param_index]:
+                    continue  # no rank produced a gradient: not stepped (grad stays None)
+                grad = grads[fragment.bucket][fragment.shard_range.as_slice()]
+                if current and size + grad.numel() > self.sub_group_size:
+                    tiles.append(current)
+                    current, size = [], 0
+                current.append((piece, grad, part, index))
+                size += grad.numel()
+        return tiles + ([current] if current else [])
+
+    def _host_grad(self, piece: nn.Parameter, numel: int) -> torch.Tensor:
+        if self.swapper is not None:  # only the tile's gradients are in memory
+            return torch.empty(numel, dtype=torch.float32)
+        grad = self._grads.get(id(piece))
+        if grad is None:
+            grad = self._grads[id(piece)] = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+        return grad
+
+    def step(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
+             clip_coef: Optional[torch.Tensor]) -> None:
+        """Copy the gradients to the host, step ``optimizer`` tile by tile, write NVMe tiles back."""
+        self.use_fused(optimizer)
+        clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
+        tiles = self._tiles(parts, used)
+        swap = self.swapper
+        reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
+        writing: Optional[Transfer] = None
+        for index, tile in enumerate(tiles):
+            if swap is not None:
+                reading.wait()
+                if index + 1 < len(tiles):  # read the next tile while this one steps
+                    reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[index + 1]))
+                    if not swap.pool.overlap:
+                        reading.wait()
+            for piece, grad, *_ in tile:
+                if grad.device.type == "cpu" and grad.dtype == torch.float32:
+                    host = grad  # already fp32 in host memory: used in place, as without offload
+                else:
+                    host = self._host_grad(piece, grad.numel())
+                    copy_to_host(host, grad)
+                piece.grad = host.view(piece.shape)
+            wait_for_copies([grad for _, grad, *_ in tile])
+            for piece, *_ in tile:  # the same arithmetic as MasterShards.attach_grads
+                if inv_scale != 1.0:
+                    piece.grad.mul_(inv_scale)
+                if clip is not None:
+                    piece.grad.mul_(clip)
+            optimizer.step()  # pieces of other tiles (and unused ones) have no .grad, so they are skipped
+            for piece, *_ in tile:
+                piece.grad = None
+            if swap is not None:
+                _write_back(tile)  # the write-back after the step skips swapped-out pieces
+                if writing is not None:
+                    writing.wait()
+                writing = swap.swap_out(self._swap_items(m for m, *_ in tile))
+                if not swap.pool.overlap:
+                    writing.wait()
+        if writing is not None:
+            writing.wait()
+
+    # -- NVMe ----------------------------------------------------------------------------------------------
+    def _optimizers_state(self, master: nn.Parameter) -> dict:
+        for optimizer in self._optimizers:
+            if master in optimizer.state:
+                return optimizer.state[master]
+        return {}
+
+    def _swap_items(self, masters) -> Iterator[tuple]:
+        """A master and every optimizer state tensor shaped like it (scalars such as ``step`` stay in memory)."""
+        for master in masters:
+            yield master, _MASTER, master
+            for key, value in self._optimizers_state(master).items():
+                # master.shape: both resident; (0,): swapped out (the master may already be back in)
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape in (master.shape, torch.Size([0])):
+                    yield master, str(key), value
+
+    def bind(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """The inner optimizers whose state is swapped with the masters (set again by replace_optimizers)."""
+        self._optimizers = list(optimizers)
+
+    @contextlib.contextmanager
+    def resident(self) -> Iterator[None]:
+        """Everything in memory for the duration (checkpoints, GatheredParameters, full state dicts)."""
+        if self.swapper is None:
+            yield
+            return
+        if self._resident_depth == 0:
+            self.swapper.swap_in(self._swap_items(self.all_masters())).wait()
+        self._resident_depth += 1
+        try:
+            yield
+        finally:
+            self._resident_depth -= 1
+            if self._resident_depth == 0:
+                self.swapper.swap_out(self._swap_items(self.all_masters())).wait()
+
+
+def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
+    """Offload ``runtime``'s parameter shards and masters as the config asks (before the optimizers are narrowed
+    to the masters)."""
+    offload_param_shards(runtime, runtime.units if config.stage == 3 else [], config, rank)
+    block = config.offload_optimizer
+    if block is None or block.device == "none":
+        return None
+    return OptimizerOffload(runtime.parts, config, rank)
+
+
+def adopt(runtime, parts: list, config, offload: Optional[OptimizerOffload]) -> None:
+    """Parts that became trainable after setup (add_param_group, unfreezing) are offloaded like the others
+    (stage 3 rebuilt their units: every unit not offloaded yet is)."""
+    offload_param_shards(runtime, runtime.units if config.stage == 3 else [], config, runtime.comm.topology.rank)
+    if offload is not None:
+        offload.adopt(parts)

@@ -1,0 +1,57 @@
+"""Where an estimate's bytes live under the config's offload settings: accelerator, host memory, NVMe file
+(``zero-estimate`` prints it; docs/offload.md has the same table as formulas)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..config import ZeroConfig
+
+MASTER_BYTES = 4  # an offloaded master is always its own fp32 host copy
+HOST_GRAD_BYTES = 4  # the fp32 host gradient buffer the CPU step reads
+TILES_IN_FLIGHT = 3  # NVMe: the tile stepping, the next being read, the last being written
+
+
+@dataclass(frozen=True)
+class Placement:
+    accelerator: int
+    host: int
+    nvme: int
+
+
+def placement_bytes(estimate, config) -> Placement:
+    """Split ``estimate`` (a MemoryEstimate) by place for ``config``'s offload_optimizer / offload_param."""
+    cfg = ZeroConfig.coerce(config)
+    shard = estimate.shard_numel
+    accelerator, host, nvme = estimate.total, 0, 0
+    optimizer = cfg.offload_optimizer.device if cfg.offload_optimizer else "none"
+    if optimizer != "none":
+        accelerator -= estimate.fp32_master + estimate.optimizer_state
+        moved = MASTER_BYTES * shard + estimate.optimizer_state  # master + state, per element (4 + K)
+        if optimizer == "cpu":
+            host += moved + HOST_GRAD_BYTES * shard
+        else:
+            nvme += moved
+            tile = min(cfg.sub_group_size, shard)
+            per_element = moved / shard if shard else 0
+            host += int((TILES_IN_FLIGHT + cfg.offload_optimizer.buffer_count) * tile * per_element)
+            host += HOST_GRAD_BYTES * tile
+    param_device = cfg.offload_param.device if cfg.offload_param else "none"
+    if estimate.stage == 3 and param_device != "none":
+        param_shard = _param_shard_bytes(estimate)
+        accelerator -= param_shard
+        if param_device == "cpu":
+            host += param_shard
+        else:  # max_in_cpu elements stay in host memory; buffer_count buffers of buffer_size elements read the rest
+            block = cfg.offload_param
+            element = param_shard // shard if shard else 0
+            in_cpu = min(block.max_in_cpu, shard) * element
+            host += in_cpu + block.buffer_count * min(block.buffer_size, shard) * element
+            nvme += param_shard - in_cpu
+    return Placement(accelerator=accelerator, host=host, nvme=nvme)
+
+
+def _param_shard_bytes(estimate) -> int:
+    """Stage 3's trainable parameter shard in the training dtype (persistent and frozen parameters aside)."""
+    element = 4 if estimate.precision == "fp32" else 2
+    return estimate.shard_numel * element

@@ -1,0 +1,65 @@
+"""One part's fp32 master pieces in host memory (``offload_optimizer``), replacing its ``MasterShards``.
+
+The pieces are what the optimizer steps, one per parameter fragment, as without offload (master_shards.py), so
+parameters that got no gradient keep ``grad=None`` and are not stepped. Where they live:
+- ``device: cpu``: each bucket has one host fp32 tensor (pinned with ``pin_memory`` when CUDA exists) and the
+  pieces are views of it, so the write-back after a step is one copy per bucket. A bucket whose parameter shard
+  is itself fp32 in (unpinned) host memory, as in fp32 training on a CPU-only machine, is its own master, as
+  without offload: copying it would only cost time and memory.
+- ``device: nvme``: each piece is a tensor of its own, because the swap (nvme_swap.py) frees and re-reads tensors
+  one by one; a piece that is swapped out is empty, and the step wrote it back before swapping it out.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from ..master_shards import MasterShards
+from .placement import host_copy
+
+
+def _host_fp32(tensor: torch.Tensor, pin: bool) -> bool:
+    return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and (tensor.is_pinned() or not pin)
+
+
+class HostMasterShards(MasterShards):
+    """fp32 master pieces of one part on the host: bucket views (cpu) or separate tensors (nvme)."""
+
+    def __init__(self, source: MasterShards, pin: bool, separate: bool) -> None:
+        self.pieces = list(source.pieces)
+        self.separate = separate
+        if separate:
+            self.buckets = []
+            self.params = [nn.Parameter(host_copy(p, torch.float32, False)) for p in source.params]
+        else:
+            self.buckets = [b if _host_fp32(b, pin) else host_copy(b, torch.float32, pin) for b in source.buckets]
+            self.params = [nn.Parameter(self.buckets[f.bucket][f.shard_range.as_slice()]) for f in self.pieces]
+
+    def attach_grads(self, grad_shards, used, inv_scale, clip_coef) -> None:
+        raise RuntimeError("offloaded masters get their gradients tile by tile (zero_core/offload); a bug if reached")
+
+    def piece_shard(self, param_shards: Sequence[torch.Tensor], index: int) -> torch.Tensor:
+        """The slice of the model's parameter shards that piece ``index`` writes back into."""
+        piece = self.pieces[index]
+        return param_shards[piece.bucket][piece.shard_range.as_slice()]
+
+    def holds_values(self) -> bool:
+        return not self.separate or any(master.numel() for master in self.params)
+
+    def write_back(self, param_shards: Sequence[torch.Tensor]) -> None:
+        if not self.separate:
+            super().write_back(param_shards)
+            return
+        for index, master in enumerate(self.params):
+            if master.numel():  # swapped out: the step wrote it back before the swap
+                self.piece_shard(param_shards, index).copy_(master.detach())
+
+    def read_from(self, param_shards: Sequence[torch.Tensor]) -> None:
+        if not self.separate:
+            super().read_from(param_shards)
+            return
+        for index, master in enumerate(self.params):  # the caller holds the pieces resident
+            master.detach().copy_(self.piece_shard(param_shards, index))

@@ -1,0 +1,124 @@
+"""ZeRO-Infinity's optimizer swap: fp32 masters and their per-element optimizer state in one file per rank.
+
+A swapped-out tensor keeps its object (the optimizer's state dict and param_groups still hold it) but its
+``.data`` becomes an empty tensor; swapping in points it at a host buffer again and reads the file into it. Freed
+buffers are kept for the next tiles (up to ``pool_bytes``): reading into memory already touched runs several
+times faster than into fresh pages. Each (tensor, state key) has a fixed region of the file, aligned to the aio
+``block_size``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+import weakref
+from typing import Iterable, Optional
+
+import torch
+
+from .aio import AioPool, Transfer
+
+_MASTER = "__master__"
+
+
+def check_nvme_path(path: Optional[str], field: str, need_bytes: int) -> None:
+    """Fail before training when the swap directory cannot hold the swap file."""
+    if not path:
+        raise ValueError(f"{field} is required when device is 'nvme': set it to a directory on a fast local disk")
+    if not os.path.isdir(path):
+        raise ValueError(f"{field}={path!r} is not an existing directory: create it (on the NVMe drive) or fix "
+                         "the path")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(f"{field}={path!r} is not writable by this process: pick a directory you can write to")
+    free = shutil.disk_usage(path).free
+    if free < need_bytes:
+        raise ValueError(f"{field}={path!r} has {free / 2**30:.2f} GiB free but this rank's swap file needs about "
+                         f"{need_bytes / 2**30:.2f} GiB (fp32 masters and optimizer state): free space or use "
+                         "another directory")
+
+
+def _remove(fd: int, path: str, pool: AioPool) -> None:
+    pool.close()
+    os.close(fd)
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
+
+
+class NvmeSwapper:
+    """Swap groups of tensors in and out of this rank's file through an :class:`AioPool`."""
+
+    def __init__(self, directory: str, rank: int, pool: AioPool, pool_bytes: int = 0) -> None:
+        self.path = os.path.join(directory, f"zero_offload_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}.swp")
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        self.pool = pool
+        self._regions: dict[tuple[int, str], int] = {}  # (id(master), key) -> file offset
+        self._shapes: dict[tuple[int, str], tuple[torch.Size, torch.dtype]] = {}
+        self._free: dict[int, list[torch.Tensor]] = {}  # nbytes -> freed flat uint8 buffers
+        self._free_bytes = 0
+        self.pool_bytes = pool_bytes
+        self._end = 0
+        self.bytes_written = 0
+        self.bytes_read = 0
+        # Removed when the engine is collected or the interpreter exits, whichever comes first.
+        self._finalizer = weakref.finalize(self, _remove, self.fd, self.path, pool)
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def _offset(self, master: torch.Tensor, key: str, nbytes: int) -> int:
+        region = (id(master), key)
+        if region not in self._regions:
+            align = self.pool.block_size
+            self._regions[region] = self._end
+            self._end += -(-nbytes // align) * align
+        return self._regions[region]
+
+    def swap_out(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> Transfer:
+        """Write each (master, key, tensor) to its region; the memory is released when the transfer is waited."""
+        tensors = []
+        transfer = Transfer(then=lambda: [self._release(t) for t in tensors])
+        for master, key, tensor in items:
+            nbytes = tensor.numel() * tensor.element_size()
+            if nbytes == 0:
+                continue  # empty shard, or already out
+            self._shapes[(id(master), key)] = (tensor.shape, tensor.dtype)
+            self.pool.write(transfer, self.fd, tensor, self._offset(master, key, nbytes))
+            tensors.append(tensor)
+            self.bytes_written += nbytes
+        return transfer
+
+    def _release(self, tensor: torch.Tensor) -> None:
+        old = tensor.data
+        tensor.data = torch.empty(0, dtype=tensor.dtype)
+        nbytes = old.numel() * old.element_size()
+        if old.untyped_storage().nbytes() == nbytes and self._free_bytes + nbytes <= self.pool_bytes:
+            self._free.setdefault(nbytes, []).append(old.reshape(-1).view(torch.uint8))
+            self._free_bytes += nbytes
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        free = self._free.get(nbytes)
+        if free:
+            self._free_bytes -= nbytes
+            return free.pop()
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def swap_in(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> Transfer:
+        """Grow each tensor's storage back and read its region into it."""
+        transfer = Transfer()
+        for master, key, tensor in items:
+            region = (id(master), key)
+            if tensor.numel() or region not in self._shapes:
+                continue  # resident, or never written (an empty shard)
+            shape, dtype = self._shapes[region]
+            nbytes = shape.numel() * dtype.itemsize
+            tensor.data = self._buffer(nbytes).view(dtype).view(shape)
+            self.pool.read(transfer, self.fd, tensor, self._regions[region])
+            self.bytes_read += nbytes
+        return transfer
+
+    def file_bytes(self) -> int:
+        return os.fstat(self.fd).st_size
+
