@@ -27,6 +27,7 @@ from .fragments import Fragment
 from .generation import sync_generate_by_default
 from .leaf_modules import apply_leaf_config
 from .loss_scaler import LossScaler
+from .master_shards import step_in_tiles
 from .memory import model_state_bytes
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
 from .offload import adopt as adopt_offload, attach as attach_offload
@@ -429,8 +430,8 @@ class ZeroEngine:
                 self._offload.step(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
                                    self._pending[k].clip_coef)
             else:
-                self._attach_master_grads(k, used)
-                self.inner_optimizers[k].step()
+                step_in_tiles(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
+                              self._pending[k].clip_coef, self.step_tile_numel)
         for part in parts:
             part.master_shards.clear_grads()
         self.runtime.after_step(parts)
@@ -466,12 +467,11 @@ class ZeroEngine:
         self._pending[k] = _PendingGrads()
         self._maybe_update_scale()
 
-    def _attach_master_grads(self, k: int, used: list[list[bool]]) -> None:
-        """Give each master piece its gradient in fp32, unscaled and clipped; None where no rank produced one."""
-        inv_scale = 1.0 / self.loss_scale
-        clip_coef = self._pending[k].clip_coef
-        for part, mask in zip(self._parts_of[k], used):
-            part.master_shards.attach_grads(part.grad_shards(), mask, inv_scale, clip_coef)
+    @property
+    def step_tile_numel(self) -> int:
+        """At most this many gradient elements are copied to fp32 at once in a step (``sub_group_size``, bounded
+        by ``reduce_bucket_size``): the fp32 copy of 16-bit gradients is made and stepped tile by tile."""
+        return max(1, min(self.config.sub_group_size, self.config.reduce_bucket_size))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient: the shards, stage 1's full buffers, and unmanaged parameters' ``.grad``."""
