@@ -129,7 +129,8 @@ def run_case(case: Case, nvme_dir: str) -> dict:
 
 
 FP16 = {"enabled": True, "initial_scale_power": 8}  # keeps this model's fp16 gradients finite
-PRECISION_CASES = [(2, "bf16", "cpu"), (2, "bf16", "nvme"), (3, "fp16", "cpu"), (1, "fp16", "nvme")]
+PRECISION_CASES = [(2, "bf16", "cpu"), (2, "bf16", "nvme"), (3, "fp16", "cpu"), (1, "fp16", "nvme"),
+                   (3, "bf16", "nvme+params")]  # parameter shards in a file too
 
 
 def mixed_precision_diffs(nvme_dir: str) -> list[float]:
@@ -140,14 +141,18 @@ def mixed_precision_diffs(nvme_dir: str) -> list[float]:
         base = {"stage": stage, "param_persistence_threshold": 0, **SMALL,
                 precision: FP16 if precision == "fp16" else {"enabled": True}}
         runs = []
-        for offload in (None, {"device": device, "nvme_path": nvme_dir}):
+        for offload in (None, {"device": device.removesuffix("+params"), "nvme_path": nvme_dir}):
             config = {**base, **({"offload_optimizer": offload} if offload else {})}
+            if offload and device.endswith("+params"):
+                config["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "max_in_cpu": 0}
             result, engine = train_engine(partial(build_model, "transformer"),
                                           partial(make_batch, "transformer", dtype=dtype), config, STEPS, 2,
                                           CLIP["transformer"])
             runs.append(result.params)
             if engine._offload is not None:
                 engine._offload.close()
+            if getattr(engine.runtime, "param_swap", None) is not None:
+                engine.runtime.param_swap.close()
         diffs.append(max((runs[0][n] - runs[1][n]).abs().max().item() for n in runs[0]))
     return diffs
 
