@@ -74,6 +74,9 @@ def cases() -> list[Case]:
         # the first 150 elements of shards stay in host memory, the rest in a file read through one buffer
         Case(3, "cpu", model="mlp", options={**SMALL, "offload_param": {"device": "nvme", "max_in_cpu": 150,
                                                                        "buffer_count": 1}}),
+        # small units stay gathered (persistent); their shards are in the file all the same
+        Case(3, "cpu", options={**SMALL, "param_persistence_threshold": 40,
+                                "offload_param": {"device": "nvme", "max_in_cpu": 0}}),
     ]
 
 
@@ -120,10 +123,9 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         # place, and the master is the parameter shard itself, as without offload)
         in_place = (HOST_GRAD_BYTES + MASTER_BYTES) * estimate.shard_numel
         report["host_estimate"] = (host, placement_bytes(estimate, case.config(nvme_dir)).host - in_place)
-    offload.close()
     if getattr(engine.runtime, "param_swap", None) is not None:
         report["param_swap_buffers_free"] = len(engine.runtime.param_swap._free)
-        engine.runtime.param_swap.close()
+    engine.remove_offload_files()
     report["after_close"] = sorted(os.listdir(nvme_dir))
     return report
 
@@ -149,10 +151,7 @@ def mixed_precision_diffs(nvme_dir: str) -> list[float]:
                                           partial(make_batch, "transformer", dtype=dtype), config, STEPS, 2,
                                           CLIP["transformer"])
             runs.append(result.params)
-            if engine._offload is not None:
-                engine._offload.close()
-            if getattr(engine.runtime, "param_swap", None) is not None:
-                engine.runtime.param_swap.close()
+            engine.remove_offload_files()
         diffs.append(max((runs[0][n] - runs[1][n]).abs().max().item() for n in runs[0]))
     return diffs
 
@@ -223,7 +222,7 @@ def check(case: Case, r: dict) -> list[str]:
         max_in_cpu = case.options["offload_param"]["max_in_cpu"]
         if r["units_in_file"] == 0 or (r["units_in_host"] > 0) != (max_in_cpu > 0):
             problems.append(f"{r['units_in_file']} units in the file, {r['units_in_host']} in host memory")
-        if r["param_swap_buffers_free"] != case.options["offload_param"]["buffer_count"]:
+        if r["param_swap_buffers_free"] != case.options["offload_param"].get("buffer_count", 5):
             problems.append("a parameter swap buffer was not given back")
     if "host_estimate" in r:
         measured, estimated = r["host_estimate"]

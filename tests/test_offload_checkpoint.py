@@ -77,10 +77,7 @@ def checkpoint_worker(rank, world_size, pairs):
         _train(target, BEFORE, AFTER)
         diffs.append((loaded, max_abs_diff(full_params(target.module), full_params(source.module))))
         for engine in (source, target):
-            if engine._offload is not None:
-                engine._offload.close()
-            if getattr(engine.runtime, "param_swap", None) is not None:
-                engine.runtime.param_swap.close()
+            engine.remove_offload_files()
     return diffs, os.listdir(nvme_dir), holder[0]
 
 
@@ -94,9 +91,7 @@ def other_world_size_worker(rank, world_size, root, index, placement):
         state = zero_core.safe_get_full_optimizer_state(dict(engine.module.named_parameters())["tok.weight"],
                                                         "exp_avg_sq")
     _train(engine, BEFORE, 1)
-    engine._offload.close()
-    if getattr(engine.runtime, "param_swap", None) is not None:
-        engine.runtime.param_swap.close()
+    engine.remove_offload_files()
     return diff, float(state.abs().sum()), os.listdir(nvme_dir)
 
 

@@ -534,6 +534,15 @@ class ZeroEngine:
         wrap direct reads of ``fragments()`` / ``optimizer_state_of`` with it."""
         return self._offload.resident() if self._offload is not None else contextlib.nullcontext()
 
+    def remove_offload_files(self) -> None:
+        """Remove this rank's NVMe swap files (optimizer and parameters) now; they also go when the engine is
+        collected and at exit. The engine cannot train or save afterwards."""
+        if self._offload is not None:
+            self._offload.close()
+        swap = getattr(self.runtime, "param_swap", None)
+        if swap is not None:
+            swap.close()
+
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` of the trained model as DDP would give it (fp32 masters for trainable
         parameters), as CPU tensors, on rank 0 (every rank unless ``rank0_only``). A collective; see
