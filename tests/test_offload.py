@@ -125,6 +125,12 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         report["host_estimate"] = (host, placement_bytes(estimate, case.config(nvme_dir)).host - in_place)
     if getattr(engine.runtime, "param_swap", None) is not None:
         report["param_swap_buffers_free"] = len(engine.runtime.param_swap._free)
+        # zero-estimate's NVMe bytes for the parameter shards against what the file holds
+        only_params = {k: v for k, v in case.config(nvme_dir).items() if k != "offload_optimizer"}
+        estimate = estimate_stage(model_info(build_model(case.model)), only_params, engine.topology.world_size)
+        in_file = sum(u.swapped_shard[0] * u.swapped_shard[1].itemsize for u in engine.runtime.units
+                      if u.swap is not None and u.trainable)
+        report["param_nvme_estimate"] = (in_file, placement_bytes(estimate, only_params).nvme)
     engine.remove_offload_files()
     report["after_close"] = sorted(os.listdir(nvme_dir))
     return report
@@ -224,6 +230,10 @@ def check(case: Case, r: dict) -> list[str]:
             problems.append(f"{r['units_in_file']} units in the file, {r['units_in_host']} in host memory")
         if r["param_swap_buffers_free"] != case.options["offload_param"].get("buffer_count", 5):
             problems.append("a parameter swap buffer was not given back")
+    if case.options.get("offload_param", {}).get("max_in_cpu") == 0:
+        in_file, estimated = r["param_nvme_estimate"]
+        if in_file != estimated:
+            problems.append(f"zero-estimate says {estimated} NVMe bytes of parameters, the file holds {in_file}")
     if "host_estimate" in r:
         measured, estimated = r["host_estimate"]
         if abs(measured / estimated - 1) > 0.02:
