@@ -475,6 +475,8 @@ class ZeroEngine:
 
     def _zero(self, indices: list[int]) -> None:
         self.runtime.zero_grads(self._parts(indices))
+        if self._offload is not None:
+            self._offload.forget_grads()  # host copies of the zeroed gradients are stale
         if len(indices) == len(self.optimizers):
             for param in self.module.parameters():
                 if param not in self._optimizer_of:  # frozen, in no group, or unfrozen but not adopted yet

@@ -62,6 +62,7 @@ class ParamUnit:
         self._offsets = layout.shard_offsets()
         self.grad_shard = torch.zeros_like(self.shard) if self.trainable else None
         self.master_shards: Optional[MasterShards] = None
+        self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, None) after each reduction
 
     @property
     def trainable(self) -> bool:
