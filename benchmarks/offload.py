@@ -212,10 +212,7 @@ def rss_worker(args) -> None:
     print(json.dumps({"offload": args.offload, "params": numel, "setup_peak_rss_bytes": setup_peak,
                       "rss_after_setup_bytes": after_setup, "peak_rss_bytes": _status_bytes("VmHWM"),
                       "memory_stats": stats}))
-    if engine._offload is not None:
-        engine._offload.close()
-    if getattr(engine.runtime, "param_swap", None) is not None:
-        engine.runtime.param_swap.close()
+    engine.remove_offload_files()
     dist.destroy_process_group()
 
 

@@ -74,6 +74,9 @@ def cases() -> list[Case]:
         # the first 150 elements of shards stay in host memory, the rest in a file read through one buffer
         Case(3, "cpu", model="mlp", options={**SMALL, "offload_param": {"device": "nvme", "max_in_cpu": 150,
                                                                        "buffer_count": 1}}),
+        # small units stay gathered (persistent); their shards are in the file all the same
+        Case(3, "cpu", options={**SMALL, "param_persistence_threshold": 40,
+                                "offload_param": {"device": "nvme", "max_in_cpu": 0}}),
     ]
 
 
@@ -120,34 +123,44 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         # place, and the master is the parameter shard itself, as without offload)
         in_place = (HOST_GRAD_BYTES + MASTER_BYTES) * estimate.shard_numel
         report["host_estimate"] = (host, placement_bytes(estimate, case.config(nvme_dir)).host - in_place)
-    offload.close()
     if getattr(engine.runtime, "param_swap", None) is not None:
         report["param_swap_buffers_free"] = len(engine.runtime.param_swap._free)
-        engine.runtime.param_swap.close()
+        # zero-estimate's NVMe bytes for the parameter shards against what the file holds
+        only_params = {k: v for k, v in case.config(nvme_dir).items() if k != "offload_optimizer"}
+        estimate = estimate_stage(model_info(build_model(case.model)), only_params, engine.topology.world_size)
+        in_file = sum(u.swapped_shard[0] * u.swapped_shard[1].itemsize for u in engine.runtime.units
+                      if u.swap is not None and u.trainable)
+        report["param_nvme_estimate"] = (in_file, placement_bytes(estimate, only_params).nvme)
+    engine.remove_offload_files()
     report["after_close"] = sorted(os.listdir(nvme_dir))
     return report
 
 
 FP16 = {"enabled": True, "initial_scale_power": 8}  # keeps this model's fp16 gradients finite
-PRECISION_CASES = [(2, "bf16", "cpu"), (2, "bf16", "nvme"), (3, "fp16", "cpu"), (1, "fp16", "nvme")]
+PRECISION_CASES = [(2, "bf16", "cpu"), (2, "bf16", "nvme"), (3, "fp16", "cpu"), (1, "fp16", "nvme"), (1, "bf16", "cpu"),
+                   (3, "bf16", "nvme+params")]  # parameter shards in a file too
 
 
 def mixed_precision_diffs(nvme_dir: str) -> list[float]:
-    """16-bit training offloaded against the same run without offload: the same arithmetic on the masters."""
+    """16-bit training offloaded against the same run without offload: the same arithmetic on the masters.
+    With device 'cpu' the 16-bit gradient shards are copied to the host as they are reduced (checked)."""
     diffs = []
     for stage, precision, device in PRECISION_CASES:
         dtype = torch.bfloat16 if precision == "bf16" else torch.float16
         base = {"stage": stage, "param_persistence_threshold": 0, **SMALL,
                 precision: FP16 if precision == "fp16" else {"enabled": True}}
         runs = []
-        for offload in (None, {"device": device, "nvme_path": nvme_dir}):
+        for offload in (None, {"device": device.removesuffix("+params"), "nvme_path": nvme_dir}):
             config = {**base, **({"offload_optimizer": offload} if offload else {})}
+            if offload and device.endswith("+params"):
+                config["offload_param"] = {"device": "nvme", "nvme_path": nvme_dir, "max_in_cpu": 0}
             result, engine = train_engine(partial(build_model, "transformer"),
                                           partial(make_batch, "transformer", dtype=dtype), config, STEPS, 2,
                                           CLIP["transformer"])
             runs.append(result.params)
-            if engine._offload is not None:
-                engine._offload.close()
+            if engine._offload is not None and device == "cpu" and engine._offload.copied_during_backward == 0:
+                raise AssertionError(f"stage {stage} {precision}: no gradient was copied to the host during backward")
+            engine.remove_offload_files()
         diffs.append(max((runs[0][n] - runs[1][n]).abs().max().item() for n in runs[0]))
     return diffs
 
@@ -218,8 +231,12 @@ def check(case: Case, r: dict) -> list[str]:
         max_in_cpu = case.options["offload_param"]["max_in_cpu"]
         if r["units_in_file"] == 0 or (r["units_in_host"] > 0) != (max_in_cpu > 0):
             problems.append(f"{r['units_in_file']} units in the file, {r['units_in_host']} in host memory")
-        if r["param_swap_buffers_free"] != case.options["offload_param"]["buffer_count"]:
+        if r["param_swap_buffers_free"] != case.options["offload_param"].get("buffer_count", 5):
             problems.append("a parameter swap buffer was not given back")
+    if case.options.get("offload_param", {}).get("max_in_cpu") == 0:
+        in_file, estimated = r["param_nvme_estimate"]
+        if in_file != estimated:
+            problems.append(f"zero-estimate says {estimated} NVMe bytes of parameters, the file holds {in_file}")
     if "host_estimate" in r:
         measured, estimated = r["host_estimate"]
         if abs(measured / estimated - 1) > 0.02:

@@ -9,6 +9,7 @@ import os
 import tempfile
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import zero_core
@@ -61,6 +62,9 @@ def checkpoint_worker(rank, world_size, pairs):
         source = _engine(*saver, nvme_dir)
         _train(source, 0, BEFORE)
         source.save_checkpoint(path)
+        weights = full_params(source.module)  # a collective at stage 3
+        if rank == 0:  # what any other world size must load (test_load_at_another_world_size)
+            torch.save(weights, os.path.join(holder[0], f"weights{index}.pt"))
         target = _engine(*loader, nvme_dir)
         target.load_checkpoint(path)
         loaded = max_abs_diff(full_params(target.module), full_params(source.module))
@@ -73,11 +77,22 @@ def checkpoint_worker(rank, world_size, pairs):
         _train(target, BEFORE, AFTER)
         diffs.append((loaded, max_abs_diff(full_params(target.module), full_params(source.module))))
         for engine in (source, target):
-            if engine._offload is not None:
-                engine._offload.close()
-            if getattr(engine.runtime, "param_swap", None) is not None:
-                engine.runtime.param_swap.close()
-    return diffs, os.listdir(nvme_dir)
+            engine.remove_offload_files()
+    return diffs, os.listdir(nvme_dir), holder[0]
+
+
+def other_world_size_worker(rank, world_size, root, index, placement):
+    """A checkpoint saved by 2 ranks loads into 1 (or the other way round) with the optimizer offloaded."""
+    nvme_dir = tempfile.mkdtemp(prefix=f"zero-offload-ws-{rank}-")
+    engine = _engine(*placement, nvme_dir)
+    engine.load_checkpoint(os.path.join(root, f"ckpt{index}"))
+    diff = max_abs_diff(full_params(engine.module), torch.load(os.path.join(root, f"weights{index}.pt")))
+    with engine.offload_resident():
+        state = zero_core.safe_get_full_optimizer_state(dict(engine.module.named_parameters())["tok.weight"],
+                                                        "exp_avg_sq")
+    _train(engine, BEFORE, 1)
+    engine.remove_offload_files()
+    return diff, float(state.abs().sum()), os.listdir(nvme_dir)
 
 
 PAIRS = [
@@ -91,12 +106,25 @@ PAIRS = [
 ]
 
 
+@pytest.fixture(scope="module")
+def saved():
+    return run_distributed(checkpoint_worker, 2, PAIRS, timeout=240)
+
+
 @pytest.mark.timeout(300)
-def test_offloaded_checkpoints_load_into_other_placements():
-    per_rank = run_distributed(checkpoint_worker, 2, PAIRS, timeout=240)
-    for rank, (diffs, leftovers) in enumerate(per_rank):
+def test_offloaded_checkpoints_load_into_other_placements(saved):
+    per_rank = saved
+    for rank, (diffs, leftovers, _) in enumerate(per_rank):
         assert leftovers == [], f"rank {rank}: swap files left behind: {leftovers}"
         for (saver, loader), (loaded, trained) in zip(PAIRS, diffs, strict=True):
             assert loaded == 0.0, f"rank {rank} {saver} -> {loader}: loaded weights differ by {loaded}"
             # The same fp32 arithmetic on both sides, up to float reordering between stages' buckets.
             assert trained <= 1e-6, f"rank {rank} {saver} -> {loader}: {AFTER} steps on they differ by {trained}"
+
+
+@pytest.mark.timeout(300)
+def test_load_at_another_world_size(saved):
+    root = saved[0][2]
+    index = PAIRS.index(((3, "nvme+params"), (2, "none")))  # saved by 2 ranks with everything on NVMe
+    (diff, state, leftovers), = run_distributed(other_world_size_worker, 1, root, index, (2, "nvme"), timeout=120)
+    assert diff == 0.0 and state > 0 and leftovers == [], (diff, state, leftovers)

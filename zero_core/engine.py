@@ -479,6 +479,8 @@ class ZeroEngine:
 
     def _zero(self, indices: list[int]) -> None:
         self.runtime.zero_grads(self._parts(indices))
+        if self._offload is not None:
+            self._offload.forget_grads()  # host copies of the zeroed gradients are stale
         if len(indices) == len(self.optimizers):
             for param in self.module.parameters():
                 if param not in self._optimizer_of:  # frozen, in no group, or unfrozen but not adopted yet
@@ -537,6 +539,15 @@ class ZeroEngine:
         """A context in which NVMe-offloaded masters and optimizer state are in memory (a no-op otherwise):
         wrap direct reads of ``fragments()`` / ``optimizer_state_of`` with it."""
         return self._offload.resident() if self._offload is not None else contextlib.nullcontext()
+
+    def remove_offload_files(self) -> None:
+        """Remove this rank's NVMe swap files (optimizer and parameters) now; they also go when the engine is
+        collected and at exit. The engine cannot train or save afterwards."""
+        if self._offload is not None:
+            self._offload.close()
+        swap = getattr(self.runtime, "param_swap", None)
+        if swap is not None:
+            swap.close()
 
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` of the trained model as DDP would give it (fp32 masters for trainable

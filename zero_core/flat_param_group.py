@@ -50,6 +50,7 @@ class FlatParamGroup:
                 if grad is not None:
                     param.grad.copy_(grad)
         self.master_shards: Optional[MasterShards] = None
+        self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, bucket) after each reduction
 
     # -- storage -------------------------------------------------------------------------------------------
     def _adopt_params(self) -> torch.Tensor:

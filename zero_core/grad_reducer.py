@@ -245,5 +245,7 @@ class GradReducer:
                 target.add_(job.result)
             elif target.data_ptr() != job.result.data_ptr():
                 target.copy_(job.result)
+            if job.group.on_grad_reduced is not None:
+                job.group.on_grad_reduced(job.group, job.bucket)
             for buffer in job.scratch:
                 self.pool.release(buffer)

@@ -62,6 +62,7 @@ class ParamUnit:
         self._offsets = layout.shard_offsets()
         self.grad_shard = torch.zeros_like(self.shard) if self.trainable else None
         self.master_shards: Optional[MasterShards] = None
+        self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, None) after each reduction
 
     @property
     def trainable(self) -> bool:
@@ -116,7 +117,8 @@ class ParamUnit:
         # offload_param (zero_core/offload): a host shard is copied in (or read from NVMe into a pool buffer) and
         # kept until the gather is done
         if self.swap is not None:
-            self._source = self.swap.read(self).to(self.full.device, non_blocking=True)
+            # (blocking: the pool buffer is reused once the gather is done, possibly before an async copy ran)
+            self._source = self.swap.read(self).to(self.full.device)
         else:
             self._source = self.shard.to(self.full.device, non_blocking=True)
         self._works = [

@@ -422,6 +422,8 @@ class PartitionedParamsRuntime:
                 if work is not None:
                     work.wait()
             unit.grad_shard.add_(scratch[: unit.layout.shard_numel])
+            if unit.on_grad_reduced is not None:
+                unit.on_grad_reduced(unit, None)
             self.pool.release(staging)
             self.pool.release(scratch)
 

@@ -40,6 +40,10 @@ def _param_shards(part) -> list[torch.Tensor]:
     return [part._bucket_shard(part.shard, b.index) for b in part.layout.buckets]  # stage 3: ParamUnit
 
 
+def _in_host_fp32(grad: torch.Tensor) -> bool:
+    return grad.device.type == "cpu" and grad.dtype == torch.float32
+
+
 def _write_back(tile: list[tuple]) -> None:
     """Copy a tile's updated pieces into the model's parameter shards (read in and out again when those are
     offloaded to NVMe themselves)."""
@@ -68,7 +72,11 @@ class OptimizerOffload:
         # Resizing storage (the swap) needs ordinary host memory, so pinning is for device 'cpu' only.
         self.pin = pinning(block.pin_memory) and not nvme
         self.parts: list = []
-        self._grads: dict[int, torch.Tensor] = {}  # id(piece) -> host gradient buffer (device 'cpu')
+        self._grads: dict[tuple, torch.Tensor] = {}  # (id(part), bucket) -> host gradient buffer (device 'cpu')
+        # Buckets whose host buffer holds the latest reduced gradient: with device 'cpu' each bucket is copied to
+        # the host as soon as it is reduced (during backward), so the step need not wait for the copy.
+        self._fresh: set[tuple] = set()
+        self.copied_during_backward = 0  # buckets copied to the host as they were reduced (a counter)
         self._noted: set[type] = set()
         self.swapper: Optional[NvmeSwapper] = None
         self._resident_depth = 0
@@ -83,6 +91,8 @@ class OptimizerOffload:
         """Move the masters of ``parts`` (at setup, or made trainable later) to the host; with NVMe, write them
         out one piece at a time (only one is in memory at once)."""
         for part in parts:
+            if self.swapper is None:
+                part.on_grad_reduced = self.grad_reduced
             part.master_shards = HostMasterShards(part.master_shards, self.pin, separate=self.swapper is not None)
             if self.swapper is not None:
                 for piece in part.masters:
@@ -113,13 +123,53 @@ class OptimizerOffload:
                 stacklevel=5,
             )
 
-    def _host_grad(self, piece: nn.Parameter, numel: int) -> torch.Tensor:
+    def _host_bucket(self, part, bucket: int, numel: int) -> torch.Tensor:
+        """The host fp32 gradient buffer of one bucket shard (device 'cpu': kept; 'nvme': only for this tile)."""
         if self.swapper is not None:  # only the tile's gradients are in memory
             return torch.empty(numel, dtype=torch.float32)
-        grad = self._grads.get(id(piece))
+        key = (id(part), bucket)
+        grad = self._grads.get(key)
         if grad is None:
-            grad = self._grads[id(piece)] = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+            grad = self._grads[key] = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
         return grad
+
+    def grad_reduced(self, part, bucket: Optional[int]) -> None:
+        """The reducer finished ``bucket`` of ``part`` (None: all of them): start its copy to the host now, so it
+        overlaps the rest of backward. Later reductions (accumulation) copy again; the last one is what steps."""
+        shards = part.grad_shards()
+        for index in range(len(shards)) if bucket is None else (bucket,):
+            grad = shards[index]
+            if _in_host_fp32(grad) or grad.numel() == 0:
+                continue  # used in place at the step
+            copy_to_host(self._host_bucket(part, index, grad.numel()), grad)
+            self._fresh.add((id(part), index))
+            self.copied_during_backward += 1
+
+    def forget_grads(self) -> None:
+        """The gradient shards were zeroed (a step, zero_grad, a skipped fp16 step): no host copy is current."""
+        self._fresh.clear()
+
+    def _host_grads(self, tile: list[tuple], copied: set) -> list[torch.Tensor]:
+        """Each tile entry's fp32 host gradient, copying the buckets not already copied during backward."""
+        out = []
+        for piece, grad, part, index in tile:
+            if _in_host_fp32(grad):
+                out.append(grad)  # already fp32 in host memory: used in place, as without offload
+                continue
+            fragment = part.master_shards.pieces[index]
+            key = (id(part), fragment.bucket)
+            if self.swapper is not None:
+                host = self._host_bucket(part, fragment.bucket, grad.numel())
+                copy_to_host(host, grad)
+                out.append(host)
+                continue
+            whole = part.grad_shards()[fragment.bucket]
+            host = self._host_bucket(part, fragment.bucket, whole.numel())
+            if key not in self._fresh and key not in copied:
+                copy_to_host(host, whole)
+            copied.add(key)
+            out.append(host[fragment.shard_range.as_slice()])
+        return out
 
     def step(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
              clip_coef: Optional[torch.Tensor]) -> None:
@@ -128,6 +178,7 @@ class OptimizerOffload:
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
         tiles = master_tiles(parts, used, self.sub_group_size)
         swap = self.swapper
+        copied: set = set()  # buckets copied to the host in this step
         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
         for index, tile in enumerate(tiles):
@@ -137,12 +188,7 @@ class OptimizerOffload:
                     reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[index + 1]))
                     if not swap.pool.overlap:
                         reading.wait()
-            for piece, grad, *_ in tile:
-                if grad.device.type == "cpu" and grad.dtype == torch.float32:
-                    host = grad  # already fp32 in host memory: used in place, as without offload
-                else:
-                    host = self._host_grad(piece, grad.numel())
-                    copy_to_host(host, grad)
+            for (piece, *_), host in zip(tile, self._host_grads(tile, copied)):
                 piece.grad = host.view(piece.shape)
             wait_for_copies([grad for _, grad, *_ in tile])
             for piece, *_ in tile:  # the same arithmetic as MasterShards.attach_grads
@@ -162,6 +208,7 @@ class OptimizerOffload:
                     writing.wait()
         if writing is not None:
             writing.wait()
+        self._fresh.clear()  # the step consumed them (the engine zeroes the shards next)
 
     # -- NVMe ----------------------------------------------------------------------------------------------
     def _optimizers_state(self, master: nn.Parameter) -> dict:
