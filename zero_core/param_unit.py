@@ -14,10 +14,12 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .coalesced import CoalescedGather
 from .comm import Communicator
 from .fragments import Fragment
 from .layout import FlatLayout
 from .master_shards import MasterShards
+from .partitioned_param import unguarded
 
 
 class UnitState(enum.Enum):
@@ -69,7 +71,8 @@ class ParamUnit:
 
     def active_count(self) -> int:
         """Parameters that take part in backward now (not frozen with requires_grad=False)."""
-        return sum(1 for p in self.params if p.requires_grad)
+        with unguarded():
+            return sum(1 for p in self.params if p.requires_grad)
 
     def _bucket_shard(self, tensor: torch.Tensor, bucket: int) -> torch.Tensor:
         start = self._offsets[bucket]
@@ -104,19 +107,13 @@ class ParamUnit:
 
     # -- gather / release ----------------------------------------------------------------------------------
     def gather(self, async_op: bool = False) -> None:
-        if self.state is not UnitState.SHARDED:
-            if not async_op:
-                self.wait()
-            return
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        self._works = [
-            self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(self.shard, b.index), async_op=True,
-                                 label=self.module_name)
-            for b in self.layout.buckets
-        ]
-        self.state = UnitState.GATHERING
+        if self.state is UnitState.SHARDED:
+            gather_together([self], self.comm)
         if not async_op:
             self.wait()
+
+    def _allocate(self) -> None:
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:
@@ -128,6 +125,8 @@ class ParamUnit:
     def drop_pending(self) -> None:
         """Forget an in-flight gather without waiting (teardown after the process group is gone)."""
         if self.state is UnitState.GATHERING:
+            for work in self._works:
+                work.drop()
             self._works = []
             self.state = UnitState.GATHERED
 
@@ -152,32 +151,34 @@ class ParamUnit:
         return [self._bucket_shard(self.grad_shard, b.index) for b in self.layout.buckets]
 
     def stage_grads(self, staging: torch.Tensor) -> list[str]:
-        """Copy each parameter's ``.grad`` into ``staging`` (unit layout) and free it; names of trainable
-        parameters with none (a frozen one contributes zeros)."""
-        missing = []
-        for param, slot, name in zip(self.params, self.layout.slots, self.names):
-            if param.grad is None:  # staging comes zeroed
-                if param.requires_grad:
-                    missing.append(name)
-                continue
-            staging[slot.range.as_slice()].copy_(param.grad.reshape(-1))
-            param.grad = None
+        """Copy each parameter's ``.grad`` into ``staging`` (unit layout, any prior content) and free it; the
+        padding and parameters without a gradient get zeros. Names of trainable parameters with none (a frozen
+        one contributes zeros)."""
+        missing, written = [], 0
+        with unguarded():
+            for param, slot, name in zip(self.params, self.layout.slots, self.names):
+                target = staging[slot.range.as_slice()]
+                grad = param.grad
+                if grad is None:
+                    target.zero_()
+                    if param.requires_grad:
+                        missing.append(name)
+                    continue
+                target.copy_(grad.reshape(-1))
+                written += slot.range.size
+                param.grad = None
+        if written < self.layout.total:  # bucket padding (parameter slots are contiguous inside a bucket)
+            for bucket in self.layout.buckets:
+                end = self.layout.slots[bucket.param_indices[-1]].range.end
+                staging[end : bucket.range.end].zero_()
         return missing
-
-    def reduce_scatter_into_shard(self, staging: torch.Tensor, scratch: torch.Tensor, async_op: bool) -> list:
-        """Average ``staging`` over ranks bucket by bucket; results land in ``scratch`` (shard-shaped)."""
-        staging[: self.layout.total].div_(self.comm.topology.world_size)
-        return [
-            self.comm.reduce_scatter(self._bucket_shard(scratch, b.index), staging[b.range.as_slice()],
-                                     async_op=async_op, label=self.module_name)
-            for b in self.layout.buckets
-        ]
 
     def zero_grads(self) -> None:
         if self.grad_shard is not None:
             self.grad_shard.zero_()
-        for param in self.params:
-            param.grad = None
+        with unguarded():
+            for param in self.params:
+                param.grad = None
 
     # -- optimizer side ------------------------------------------------------------------------------------
     def write_back_masters(self) -> None:
@@ -188,3 +189,13 @@ class ParamUnit:
             return []
         shapes = [p.shape for p in self.params]
         return self.master_shards.fragments(self.names, shapes, self.dtype, self.grad_shards())
+
+
+def gather_together(units: Sequence[ParamUnit], comm: Communicator) -> None:
+    """Start one all-gather for these sharded units (coalesced.py); each completes on its ``wait()``."""
+    for unit in units:
+        unit._allocate()
+    batch = CoalescedGather(units, comm)
+    for unit in units:
+        unit._works = [batch]
+        unit.state = UnitState.GATHERING

@@ -1,0 +1,105 @@
+"""Stage 3's coalesced collectives: one all-gather for several units, one reduce-scatter for several units' gradients.
+
+Each unit keeps its own flat layout (layout.py; checkpoints read it), in which rank ``r`` owns the ``r``-th
+slice of every bucket. A collective over several units needs the data rank-major instead: every rank's shards
+of all the units side by side. So a gather copies the units' shards into one send buffer (copy-in), all-gathers
+once into one receive buffer, and copies each rank's slice of each bucket into the unit's ``full`` (copy-out,
+when waited on); a reduction copies the units' staged gradients rank-major into one buffer, reduce-scatters it
+once, and adds each unit's slice of the result to its gradient shard. That is what FSDP2 does per group of
+parameters; the copies are memory bandwidth, the saving is one collective (and its host-side cost) per unit.
+A single unit with a single bucket needs no copy: it goes straight into place, as before.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+
+if TYPE_CHECKING:
+    from .comm import Communicator
+    from .param_unit import ParamUnit
+
+
+def _pieces(units: Sequence["ParamUnit"]):
+    """(unit, bucket, offset in one rank's concatenated shards) for every bucket of every unit, in order."""
+    offset = 0
+    for unit in units:
+        for bucket, start in zip(unit.layout.buckets, unit.layout.shard_offsets()):
+            yield unit, bucket, offset + start
+        offset += unit.layout.shard_numel
+
+
+def _label(units: Sequence["ParamUnit"]) -> str:
+    first = units[0].module_name or "<root>"
+    return first if len(units) == 1 else f"{first} (+{len(units) - 1} units)"
+
+
+class CoalescedGather:
+    """One all-gather in flight for several units; ``wait`` completes it and fills every unit's ``full`` (their
+    storage must be allocated before)."""
+
+    def __init__(self, units: Sequence["ParamUnit"], comm: "Communicator") -> None:
+        self.units = list(units)
+        world = comm.topology.world_size
+        shard_total = sum(u.layout.shard_numel for u in self.units)
+        first = self.units[0]
+        self._in_place = len(self.units) == 1 and len(first.layout.buckets) == 1  # rank-major already
+        send = torch.cat([u.shard for u in self.units]) if len(self.units) > 1 else first.shard
+        self._recv: Optional[torch.Tensor] = (
+            first.full if self._in_place else torch.empty(world * shard_total, dtype=first.dtype, device=first.device))
+        self._shard_total = shard_total
+        self._work = comm.all_gather(self._recv, send, async_op=True, label=_label(self.units))
+
+    def wait(self) -> None:
+        if self._recv is None:
+            return
+        if self._work is not None:
+            self._work.wait()
+        if not self._in_place:
+            by_rank = self._recv.view(-1, self._shard_total)
+            for unit, bucket, offset in _pieces(self.units):
+                size = bucket.shard_size
+                unit.full[bucket.range.as_slice()].view(-1, size).copy_(by_rank[:, offset : offset + size])
+        self._recv, self._work = None, None
+
+    def drop(self) -> None:
+        """Forget the collective without waiting (teardown after the process group is gone)."""
+        self._recv, self._work = None, None
+
+
+class CoalescedReduce:
+    """Gradients of several units (staged in unit layout, side by side in ``staging``) averaged over ranks with
+    one reduce-scatter; ``finish`` waits and adds each unit's part to its gradient shard."""
+
+    def __init__(self, units: Sequence["ParamUnit"], staging: torch.Tensor, comm: "Communicator",
+                 async_op: bool) -> None:
+        self.units = list(units)
+        world = comm.topology.world_size
+        total = sum(u.numel for u in self.units)
+        shard_total = total // world
+        staging[:total].div_(world)
+        first = self.units[0]
+        if len(self.units) == 1 and len(first.layout.buckets) == 1:
+            send = staging[:total]  # already rank-major: no copy
+        else:
+            send = torch.empty(total, dtype=first.dtype, device=first.device)
+            by_rank, start = send.view(world, shard_total), 0
+            for unit, bucket, offset in _pieces(self.units):
+                size = bucket.shard_size
+                by_rank[:, offset : offset + size].copy_(
+                    staging[start + bucket.range.start : start + bucket.range.end].view(world, size))
+                if bucket is unit.layout.buckets[-1]:
+                    start += unit.numel
+        self._send = send
+        self.result = torch.empty(shard_total, dtype=first.dtype, device=first.device)
+        self._work = comm.reduce_scatter(self.result, send, async_op=async_op, label=_label(self.units))
+
+    def finish(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+        offset = 0
+        for unit in self.units:
+            unit.grad_shard.add_(self.result[offset : offset + unit.layout.shard_numel])
+            offset += unit.layout.shard_numel
+        self._send, self._work = None, None
