@@ -102,5 +102,7 @@ def test_stage3_graph_breaks_stay_at_unit_boundaries(results):
         counted = results[0][(stage, mode)]
         if stage < 3:
             assert counted["graph_breaks"] == 0, (stage, mode)  # the hooks of stages 1-2 run in autograd only
+        elif mode == "block":  # the hooks sit on the blocks, outside their compiled code: no break inside
+            assert counted["graph_breaks"] == 0, (mode, counted)
         else:
             assert 0 < counted["graph_breaks"] <= counted["units"], (mode, counted)

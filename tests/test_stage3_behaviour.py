@@ -304,6 +304,7 @@ def test_scratch_buffers_do_not_grow_with_depth(world_size):
 @pytest.mark.timeout(400)
 @WORLD_SIZES
 def test_gathered_parameters_stay_within_max_live_plus_one_module(world_size):
+    """One module: one hooked module, a whole block for the blocks of a ModuleList (docs/stage3.md)."""
     problems = []
     for name, max_live in LIVE_BUDGETS:
         measured = sections(world_size, f"live {name} {max_live}")

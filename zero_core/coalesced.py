@@ -21,15 +21,6 @@ if TYPE_CHECKING:
     from .param_unit import ParamUnit
 
 
-def _pieces(units: Sequence["ParamUnit"]):
-    """(unit, bucket, offset in one rank's concatenated shards) for every bucket of every unit, in order."""
-    offset = 0
-    for unit in units:
-        for bucket, start in zip(unit.layout.buckets, unit.layout.shard_offsets()):
-            yield unit, bucket, offset + start
-        offset += unit.layout.shard_numel
-
-
 def _label(units: Sequence["ParamUnit"]) -> str:
     first = units[0].module_name or "<root>"
     return first if len(units) == 1 else f"{first} (+{len(units) - 1} units)"
@@ -56,11 +47,10 @@ class CoalescedGather:
             return
         if self._work is not None:
             self._work.wait()
-        if not self._in_place:
-            by_rank = self._recv.view(-1, self._shard_total)
-            for unit, bucket, offset in _pieces(self.units):
-                size = bucket.shard_size
-                unit.full[bucket.range.as_slice()].view(-1, size).copy_(by_rank[:, offset : offset + size])
+        if not self._in_place:  # one copy-out op into every bucket of every unit
+            targets = [view for unit in self.units for view in unit.rank_views]
+            torch.split_with_sizes_copy(self._recv.view(-1, self._shard_total), [t.shape[1] for t in targets], dim=1,
+                                        out=targets)
         self._recv, self._work = None, None
 
     def drop(self) -> None:
@@ -82,15 +72,14 @@ class CoalescedReduce:
         first = self.units[0]
         if len(self.units) == 1 and len(first.layout.buckets) == 1:
             send = staging[:total]  # already rank-major: no copy
-        else:
+        else:  # one copy-in op: every bucket of every unit, rank-major
             send = torch.empty(total, dtype=first.dtype, device=first.device)
-            by_rank, start = send.view(world, shard_total), 0
-            for unit, bucket, offset in _pieces(self.units):
-                size = bucket.shard_size
-                by_rank[:, offset : offset + size].copy_(
-                    staging[start + bucket.range.start : start + bucket.range.end].view(world, size))
-                if bucket is unit.layout.buckets[-1]:
-                    start += unit.numel
+            pieces, start = [], 0
+            for unit in self.units:
+                pieces += [staging[start + b.range.start : start + b.range.end].view(world, b.shard_size)
+                           for b in unit.layout.buckets]
+                start += unit.numel
+            torch.cat(pieces, dim=1, out=send.view(world, shard_total))
         self._send = send
         self.result = torch.empty(shard_total, dtype=first.dtype, device=first.device)
         self._work = comm.reduce_scatter(self.result, send, async_op=async_op, label=_label(self.units))
@@ -98,8 +87,6 @@ class CoalescedReduce:
     def finish(self) -> None:
         if self._work is not None:
             self._work.wait()
-        offset = 0
-        for unit in self.units:
-            unit.grad_shard.add_(self.result[offset : offset + unit.layout.shard_numel])
-            offset += unit.layout.shard_numel
+        parts = self.result.split([unit.layout.shard_numel for unit in self.units])
+        torch._foreach_add_([unit.grad_shard for unit in self.units], parts)
         self._send, self._work = None, None

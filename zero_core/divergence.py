@@ -38,12 +38,14 @@ def launch_in_order(runtime: "PartitionedParamsRuntime") -> None:
     order = runtime._reduce_order
     while runtime._reduce_cursor < len(order):
         unit = order[runtime._reduce_cursor]
-        if unit not in runtime._reduced and unit.active_count():
+        if unit not in runtime._reduced and runtime._wanted(unit):
             skipped = unit in runtime._skipped_units and unit not in runtime._touched
-            complete = skipped or runtime._seen[unit] >= unit.active_count()
+            complete = skipped or unit in runtime._block_complete or runtime._seen[unit] >= runtime._wanted(unit)
             if not complete:
                 return
-            runtime._reduce(unit)
+            missing = runtime._reduce(unit)
+            if not skipped and unit in runtime._block_complete:  # a parameter of the block got no gradient
+                runtime._block_missing += missing
         runtime._reduce_cursor += 1
 
 

@@ -48,6 +48,7 @@ class ParamUnit:
         self.names = list(names)
         self.group_index = group_index  # None: frozen (or in no optimizer group): no gradient, no master
         self.layout = layout
+        self.numel = layout.total  # elements of the gathered flat buffer, padding included
         self.comm = comm
         self.rank = comm.topology.rank
         self.dtype = dtype  # the training dtype; adopt() casts the values
@@ -58,16 +59,16 @@ class ParamUnit:
         self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()
+        # Each bucket of ``full`` seen as (rank, slice): where a coalesced all-gather's rank-major result goes.
+        # Views of ``full`` stay valid while its storage is resized to zero and back.
+        self.rank_views = [self.full[b.range.as_slice()].view(layout.world_size, b.shard_size)
+                           for b in layout.buckets]
         self.grad_shard = torch.zeros_like(self.shard) if self.trainable else None
         self.master_shards: Optional[MasterShards] = None
 
     @property
     def trainable(self) -> bool:
         return self.group_index is not None
-
-    @property
-    def numel(self) -> int:
-        return self.layout.total
 
     def active_count(self) -> int:
         """Parameters that take part in backward now (not frozen with requires_grad=False)."""
@@ -154,6 +155,14 @@ class ParamUnit:
         """Copy each parameter's ``.grad`` into ``staging`` (unit layout, any prior content) and free it; the
         padding and parameters without a gradient get zeros. Names of trainable parameters with none (a frozen
         one contributes zeros)."""
+        with unguarded():
+            grads = [param.grad for param in self.params]
+            if len(self.layout.buckets) == 1 and all(g is not None and g.dtype == staging.dtype for g in grads):
+                torch.cat([g.reshape(-1) for g in grads], out=staging[: self.layout.numel])  # one op, the usual case
+                staging[self.layout.numel : self.numel].zero_()
+                for param in self.params:
+                    param.grad = None
+                return []
         missing, written = [], 0
         with unguarded():
             for param, slot, name in zip(self.params, self.layout.slots, self.names):

@@ -19,6 +19,7 @@ from torch.autograd import Variable
 
 from . import param_sources
 from .backward_hooks import PreBackward, after_input_grads, attach
+from .block_units import block_of
 from .buffer_pool import BufferPool
 from .comm import Communicator
 from .config import ZeroConfig
@@ -68,6 +69,9 @@ class PartitionedParamsRuntime:
         # Prefetch cursors into the trace, forward and backward (see _next_prefetch).
         self._prefetch_state = {False: _Cursor(), True: _Cursor()}
         self._inside_leaf = leaf_of(module)  # modules below a leaf module -> that leaf (leaf_modules.py)
+        self._inside_block = block_of(module, self._inside_leaf)  # module -> its block (block_units.py)
+        self._blocks = set(self._inside_block.values())
+        self._open_blocks: dict[nn.Module, int] = defaultdict(int)  # forwards of a block whose backward is to come
         self._deferred: set[ParamUnit] = set()  # units inside leaves: reduced at the end of backward, in order
         self.live_elements = 0  # gathered elements now, and the most ever (max_live_parameters is checked on it)
         self.peak_live_elements = 0
@@ -198,8 +202,9 @@ class PartitionedParamsRuntime:
         return pieces
 
     def _hooked(self, mod: nn.Module) -> nn.Module:
-        """The module whose hooks gather ``mod``'s parameters: itself, or the leaf module enclosing it."""
-        return self._inside_leaf.get(mod, mod)
+        """The module whose hooks gather ``mod``'s parameters: the leaf module or block enclosing it, or itself."""
+        leaf = self._inside_leaf.get(mod)
+        return leaf if leaf is not None else self._inside_block.get(mod, mod)
 
     def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
         if unit not in self._externals[mod] and unit not in self._own[mod]:
@@ -278,7 +283,8 @@ class PartitionedParamsRuntime:
         for unit in units:
             self._active[unit] += 1
         if torch.is_grad_enabled():
-            after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs))
+            if after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs)) and mod in self._blocks:
+                self._open_blocks[mod] += 1
         return args, kwargs
 
     def _leaf_hint(self, mod: nn.Module) -> str:
@@ -347,6 +353,26 @@ class PartitionedParamsRuntime:
         for unit in self._units_for(mod):
             if self._active[unit] == 0 and unit not in self._held:
                 self._release(unit)
+        if mod in self._blocks and self._open_blocks[mod] > 0:
+            self._open_blocks[mod] -= 1
+            if self._open_blocks[mod] == 0:
+                self._block_backward_done(mod)
+
+    def _block_backward_done(self, block: nn.Module) -> None:
+        """Every gradient this backward gives the block's own units has been accumulated by now (autograd runs
+        gradient accumulation before the nodes that consume the block's input gradients): what is still missing
+        belongs to a child that did not run on this rank; it goes with zeros, where the other ranks reduce it."""
+        if not self.sync:
+            return
+        for unit in self._own.get(block, []):
+            if unit.trainable and self._wanted(unit) and unit not in self._deferred:
+                self._block_complete.add(unit)
+        if self._reduce_order is not None:
+            launch_in_order(self)
+            return
+        for unit in self._own.get(block, []):
+            if unit in self._block_complete and unit not in self._reduced:
+                self._block_missing += self._reduce(unit)
 
     # -- gather / release / prefetch -----------------------------------------------------------------------
     def _note_live(self, delta: int) -> None:
@@ -434,10 +460,21 @@ class PartitionedParamsRuntime:
         self._skipped_positions: set[int] = set()  # trace positions this rank skipped in those forwards
         self._skipped_units: set[ParamUnit] = set()  # their units, once backward passed their place
         self._reduce_cursor = 0  # next unit of _reduce_order to reduce-scatter
+        self._wanted_counts: dict[ParamUnit, int] = {}  # _wanted, for this backward
+        self._block_complete: set[ParamUnit] = set()  # units of blocks whose backward is over (_block_backward_done)
+        self._block_missing: list[str] = []  # parameters those reductions found without a gradient
+        self._open_blocks.clear()
         self._bucket: list[ParamUnit] = []  # units staged for the next coalesced reduce-scatter
         self._bucket_filled = 0
         self._staging: Optional[torch.Tensor] = None
         self._prefetch_state[True] = _Cursor()
+
+    def _wanted(self, unit: ParamUnit) -> int:
+        """How many of ``unit``'s parameters take part in this backward (``active_count``, read once per unit)."""
+        count = self._wanted_counts.get(unit)
+        if count is None:
+            count = self._wanted_counts[unit] = unit.active_count()
+        return count
 
     def _enter_backward(self) -> None:
         self._in_backward = True
@@ -451,19 +488,20 @@ class PartitionedParamsRuntime:
             return
         self._enter_backward()
         self._seen[unit] += 1
-        if unit in self._deferred:
-            return
+        if unit in self._deferred or self._seen[unit] < self._wanted(unit):
+            return  # an incomplete unit unblocks nothing
         if self._reduce_order is not None:
             launch_in_order(self)
-        elif self._seen[unit] >= unit.active_count() and unit not in self._reduced:
+        elif unit not in self._reduced:
             self._reduce(unit)
 
     def _bucket_numel(self) -> int:
         """Elements of a coalesced reduce-scatter: ``reduce_bucket_size``, or what the trainable units hold if
-        less, and never less than the largest unit."""
+        less, or ``max_live_parameters`` if less (a run tuned for the least memory keeps its gradient scratch
+        small too); never less than the largest unit."""
         total = sum(u.numel for u in self.parts)
         largest = max((u.numel for u in self.parts), default=1)
-        return max(largest, min(self.config.reduce_bucket_size, total), 1)
+        return max(largest, min(self.config.reduce_bucket_size, total, self.config.max_live_parameters), 1)
 
     def _reduce(self, unit: ParamUnit) -> list[str]:
         """Stage ``unit``'s gradients into the reduction bucket (freeing ``param.grad``); a full bucket is
@@ -480,7 +518,7 @@ class PartitionedParamsRuntime:
         self._bucket_filled += unit.numel
         # While the collectives are checked (the first trace is recorded, when ranks' orders may still differ),
         # each unit goes alone, so that a mismatch is caught and named by its module.
-        if self._bucket_filled >= self.config.reduce_bucket_size or self.comm.check:
+        if self._bucket_filled >= min(self.config.reduce_bucket_size, self.pool.largest) or self.comm.check:
             self._flush_bucket()
         return missing
 
@@ -505,7 +543,7 @@ class PartitionedParamsRuntime:
         Under no_sync nothing is reduced: the gradients wait in ``param.grad`` for the next synced backward.
         Units none of whose parameters requires a gradient now (frozen for this backward) wait too.
         ``only``: flush just these units (one optimizer's step), whatever their requires_grad."""
-        unused, pending = [], self.unsynced_grads and not self.sync
+        unused, pending = list(self._block_missing), self.unsynced_grads and not self.sync
         if self.sync:
             for unit in self._reduce_order if self._reduce_order is not None else reversed(self.parts):
                 skip = unit not in only if only is not None else unit.active_count() == 0
