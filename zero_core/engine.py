@@ -31,6 +31,7 @@ from .master_shards import step_in_tiles
 from .memory import model_state_bytes
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
 from .offload import adopt as adopt_offload, attach as attach_offload
+from .partitioned_param import unguarded
 from .plain_loop import OptimizerRoute
 from .sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from .stage12 import ReplicatedParamsRuntime
@@ -160,8 +161,9 @@ class ZeroEngine:
         """Parameters of an optimizer group that require a gradient now but did not when their group was set up
         get their master shards here (stage 3: their units become trainable). Every rank runs this at the same
         points (before reducing gradients, and in add_param_group), as requires_grad is the same everywhere."""
-        fresh = {i: [p for p in params if p.requires_grad and p not in self._optimizer_of]
-                 for i, params in enumerate(self.group_params)}
+        with unguarded():  # metadata of every parameter, every step: not the user's code the guard watches
+            fresh = {i: [p for p in params if p.requires_grad and p not in self._optimizer_of]
+                     for i, params in enumerate(self.group_params)}
         fresh = {i: params for i, params in fresh.items() if params}
         if not fresh:
             return
