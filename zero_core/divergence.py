@@ -54,7 +54,7 @@ def skipped_forward(runtime: "PartitionedParamsRuntime", position: int) -> None:
     runtime._skipped_positions.add(position)
     units = runtime._units_for(module)
     for unit in units:
-        runtime._gather(unit)
+        runtime._gather(unit, phase="forward")
     runtime._prefetch(position, backward=False)
     for unit in units:
         if runtime._active[unit] == 0 and unit not in runtime._held and not runtime._reused_soon(position, unit):
@@ -65,7 +65,7 @@ def skipped_backward(runtime: "PartitionedParamsRuntime", position: int) -> None
     """The backward of a module this rank skipped: gather its units and prefetch as the others do, release."""
     units = runtime._units_for(runtime.trace.order[position])
     for unit in units:
-        runtime._gather(unit)
+        runtime._gather(unit, phase="backward")
     runtime._prefetch(position, backward=True)
     for unit in units:
         if runtime._active[unit] == 0 and unit not in runtime._held:

@@ -103,7 +103,8 @@ class ParamUnit:
             self._bucket_shard(self.shard, bucket.index).copy_(self.full[bucket.shard_range(self.rank).as_slice()])
 
     # -- gather / release ----------------------------------------------------------------------------------
-    def gather(self, async_op: bool = False) -> None:
+    def gather(self, async_op: bool = False, phase: Optional[str] = None) -> None:
+        """``phase`` ("forward"/"backward", from the hooks) lets the comm layer pick ZeRO++'s paths."""
         if self.state is not UnitState.SHARDED:
             if not async_op:
                 self.wait()
@@ -111,7 +112,8 @@ class ParamUnit:
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
         self._works = [
             self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(self.shard, b.index), async_op=True,
-                                 label=self.module_name)
+                                 label=self.module_name, phase=phase, key=(self.index, b.index),
+                                 frozen=not self.trainable)
             for b in self.layout.buckets
         ]
         self.state = UnitState.GATHERING

@@ -243,14 +243,14 @@ class PartitionedParamsRuntime:
             # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
             # hook never runs; nothing is counted here and backward releases what it gathered.
             for unit in units:
-                self._gather(unit)
+                self._gather(unit, phase="backward")
             return args, kwargs
         position = self.trace.visit(mod)
         try:
             for skipped in self.trace.take_skipped():
                 skipped_forward(self, skipped)  # modules this rank skipped: their gathers, as the others issue them
             for unit in units:
-                self._gather(unit)
+                self._gather(unit, phase="forward")
         except RuntimeError as error:
             if "collective mismatch" not in str(error):
                 raise
@@ -313,7 +313,7 @@ class PartitionedParamsRuntime:
     def _pre_backward(self, mod) -> None:
         self._enter_backward()
         for unit in self._units_for(mod):
-            self._gather(unit)
+            self._gather(unit, phase="backward")
         position = self._backward_position(mod)
         if position is not None:
             self._prefetch(position, backward=True)
@@ -341,10 +341,10 @@ class PartitionedParamsRuntime:
         self.live_elements += delta
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
 
-    def _gather(self, unit: ParamUnit, async_op: bool = False) -> None:
+    def _gather(self, unit: ParamUnit, async_op: bool = False, phase: Optional[str] = None) -> None:
         if unit.state is UnitState.SHARDED:
             self._note_live(unit.numel)
-        unit.gather(async_op=async_op)
+        unit.gather(async_op=async_op, phase=phase)
 
     def _release(self, unit: ParamUnit) -> None:
         if unit.state is not UnitState.SHARDED and not unit.persistent:
@@ -368,7 +368,7 @@ class PartitionedParamsRuntime:
                 if unit.numel > budget or self.live_elements + unit.numel > self.config.max_live_parameters:
                     return
                 budget -= unit.numel
-                self._gather(unit, async_op=True)
+                self._gather(unit, async_op=True, phase="backward" if backward else "forward")
 
     # -- gradients -----------------------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
