@@ -78,9 +78,43 @@ def _checkpoints(rank: int, directory: str) -> dict:
     return {"files": files, "errors": errors}
 
 
+def _frozen_model():
+    """The embedding frozen (a LoRA-like run): its gathers are the non-trainable weights qwZ can quantise."""
+    model = _model()
+    model.tok.weight.requires_grad_(False)
+    return model
+
+
+def _frozen(rank: int) -> dict:
+    """``zero_quantized_nontrainable_weights``: frozen units' gathers are int8, trainable ones stay exact."""
+    reference = train_ddp(_frozen_model, _data, STEPS)
+    out = {"ddp_losses": reference.losses}
+    for name, extra in {"plain": {}, "quantized": {"zero_quantized_nontrainable_weights": True}}.items():
+        result, engine = train_engine(_frozen_model, _data, {**Z3, **extra}, STEPS)
+        out[name] = {"losses": result.losses, "diff": max((result.params[k] - reference.params[k]).abs().max().item()
+                                                          for k in reference.params), **_one_step_stats(engine, rank)}
+        engine.close()
+    return out
+
+
+def _bad_sizes() -> dict:
+    """Sizes that do not divide the 4 ranks: a clear error on every rank, before any collective."""
+    import zero_core
+
+    errors = {}
+    for name, config in {"mics": {"stage": 3, "mics_shard_size": 3},
+                         "hpz": {"stage": 3, "zero_hpz_partition_size": 3}}.items():
+        model = _model()
+        try:
+            zero_core.setup(model, make_optimizer(model), config)
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors
+
+
 def _run_all(rank: int, world_size: int, directory: str) -> dict:
     reference = train_ddp(_model, _data, STEPS)
-    out = {"ddp_losses": reference.losses}
+    out = {"ddp_losses": reference.losses, "frozen": _frozen(rank), "bad_sizes": _bad_sizes()}
     for name, config in {**EXACT, **QUANTIZED}.items():
         result, engine = train_engine(_model, _data, config, STEPS)
         diff = max((result.params[k] - reference.params[k]).abs().max().item() for k in reference.params)
@@ -158,3 +192,34 @@ def test_mics_checkpoint_is_written_once_and_loads_at_other_stages(results):
     for rank_result in results:
         for name, error in rank_result["checkpoint"]["errors"].items():
             assert error == 0.0, (name, error)
+
+
+def test_quantized_nontrainable_weights_shrink_frozen_gathers_only(results):
+    for rank_result in results:
+        frozen = rank_result["frozen"]
+        assert frozen["plain"]["diff"] <= WEIGHT_TOLERANCE
+        plain, quantized = (frozen[k]["comm"]["all_gather"] for k in ("plain", "quantized"))
+        assert quantized["elements"] == plain["elements"] and quantized["bytes"] < plain["bytes"]
+        assert frozen["quantized"]["diff"] > 0
+        gaps = [abs(a - b) / abs(b) for a, b in zip(frozen["quantized"]["losses"], frozen["ddp_losses"])]
+        assert max(gaps) < 0.02, gaps
+
+
+def test_group_sizes_that_do_not_divide_the_world_are_named(results):
+    for rank_result in results:
+        errors = rank_result["bad_sizes"]
+        assert "mics_shard_size=3 must divide the number of ranks (4)" in errors["mics"]
+        assert "zero_hpz_partition_size=3 must divide the number of ranks (4)" in errors["hpz"]
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"stage": 2, "zero_quantized_weights": True}, "zero_quantized_weights \\(ZeRO\\+\\+\\) needs stage 3"),
+    ({"stage": 1, "zero_hpz_partition_size": 2}, "zero_hpz_partition_size \\(ZeRO\\+\\+\\) needs stage 3"),
+    ({"stage": 3, "mics_shard_size": 2, "zero_hpz_partition_size": 2}, "does not combine with"),
+    ({"stage": 3, "mics_shard_size": 2, "zero_quantized_gradients": True}, "does not combine with"),
+])
+def test_config_rejects_zeropp_combinations_that_cannot_work(config, message):
+    from zero_core import ZeroConfig, ZeroConfigError
+
+    with pytest.raises(ZeroConfigError, match=message):
+        ZeroConfig(**config)
