@@ -8,12 +8,14 @@ fp32 after dequantising (never on the codes).
 
 from __future__ import annotations
 
+import time
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
-from .quantize import Quantized, dequantize, quantize, wire_bytes
+from . import quantize as _quantize
+from .quantize import Quantized, wire_bytes
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the first names.
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
@@ -40,6 +42,14 @@ class Paths:
         self.comm = comm
         self.topology = comm.topology
         self._secondary: dict = {}  # hpZ: gathered-buffer key -> this rank's in-node slice of its last forward
+        self.codec_seconds = 0.0  # CPU time spent quantising and dequantising (benchmarks/nodes.py reports it)
+
+    def _timed(self, fn, *args):
+        start = time.perf_counter()
+        try:
+            return fn(*args)
+        finally:
+            self.codec_seconds += time.perf_counter() - start
 
     # -- hpZ ----------------------------------------------------------------------------------------------
     def keeps_secondary(self, key) -> bool:
@@ -75,13 +85,13 @@ class Paths:
         """All-gather, int8-quantised when ``quantized`` (dequantised into ``output``), flat or hierarchical."""
         world, numel = self.topology.world_size, input.numel()
         if quantized:
-            packed = quantize(input.reshape(1, -1), 8)
+            packed = self._timed(_quantize.quantize, input.reshape(1, -1), 8)
             call = self.comm._count("all_gather", output, label, wire_bytes=wire_bytes(world, numel, 8))
             codes = torch.empty(world, packed.codes.shape[1], dtype=packed.codes.dtype, device=input.device)
             scales = torch.empty(world, packed.scales.shape[1], dtype=packed.scales.dtype, device=input.device)
             self._route(codes, packed.codes.reshape(-1), call)
             self._route(scales, packed.scales.reshape(-1), call)
-            output.view(world, numel).copy_(dequantize(Quantized(codes, scales), 8, numel))
+            output.view(world, numel).copy_(self._timed(_quantize.dequantize, Quantized(codes, scales), 8, numel))
         else:
             call = self.comm._count("all_gather", output, label)
             self._route(output, input, call)
@@ -127,12 +137,12 @@ class Paths:
 
     def _all_to_all_sum(self, rows: torch.Tensor, group, call) -> torch.Tensor:
         """Row i goes to member i (int4 on the wire); the rows received are summed in fp32."""
-        packed = quantize(rows, 4)
+        packed = self._timed(_quantize.quantize, rows, 4)
         codes, scales = torch.empty_like(packed.codes), torch.empty_like(packed.scales)
         self.comm.count_link("reduce_scatter", group, packed.codes[0].numel() + packed.scales[0].numel() * 4)
         self.comm.run(call, lambda a: dist.all_to_all_single(codes, packed.codes, group=group, async_op=a))
         self.comm.run(call, lambda a: dist.all_to_all_single(scales, packed.scales, group=group, async_op=a))
-        return dequantize(Quantized(codes, scales), 4, rows.shape[1]).sum(0)
+        return self._timed(_quantize.dequantize, Quantized(codes, scales), 4, rows.shape[1]).sum(0)
 
     # -- MiCS replicas -----------------------------------------------------------------------------------
     def average_over_replicas(self, tensor: torch.Tensor, label: str) -> None:
