@@ -42,3 +42,19 @@ def test_zero_blocks_and_extremes_are_exact():
 def test_bad_bit_width_names_the_choices():
     with pytest.raises(ValueError, match="bits must be 8 or 4"):
         quantize(torch.ones(1, 4), 2)
+
+
+def test_stochastic_rounding_is_unbiased_and_within_one_step():
+    rows = torch.randn(2, 1000, generator=torch.Generator().manual_seed(1)) * torch.tensor([[1e-3], [1.0]])
+    generator = torch.Generator().manual_seed(0)
+    draws = 400
+    total = torch.zeros_like(rows)
+    for _ in range(draws):
+        packed = quantize(rows, 4, 64, generator)
+        back = dequantize(packed, 4, rows.shape[1], 64)
+        steps = packed.scales.repeat_interleave(64, dim=1)[:, : rows.shape[1]]
+        assert ((back - rows).abs() <= steps + 1e-7).all()
+        total += back
+    # the mean of the draws converges to the values: a draw's error has a standard deviation of at most half
+    # a step, so the mean's stays within 5 standard errors
+    assert ((total / draws - rows).abs() <= 5 * 0.5 * steps / draws ** 0.5 + 1e-7).all()
