@@ -43,6 +43,7 @@ class Paths:
         self.topology = comm.topology
         self._secondary: dict = {}  # hpZ: gathered-buffer key -> this rank's in-node slice of its last forward
         self.codec_seconds = 0.0  # CPU time spent quantising and dequantising (benchmarks/nodes.py reports it)
+        self._rounding: Optional[torch.Generator] = None  # qgZ's stochastic rounding: its own stream, per rank
 
     def _timed(self, fn, *args):
         start = time.perf_counter()
@@ -121,13 +122,13 @@ class Paths:
     # -- qgZ ---------------------------------------------------------------------------------------------
     def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool):
         """Sum ``input`` over ranks into this rank's slice, through an all-to-all inside the node and then one
-        across nodes, each sending int4 codes with per-block scales; partial sums are fp32."""
+        across nodes, each sending int4 codes with per-block scales (stochastic rounding: unbiased); partial sums are fp32."""
         topology, numel = self.topology, output.numel()
         mesh = topology.mesh
         nodes, per_node = (mesh.size(0), mesh.size(1)) if mesh is not None else (1, topology.world_size)
         local = topology.local_group() if mesh is not None else topology.group
         call = self.comm._count("reduce_scatter", input, label,
-                                wire_bytes=wire_bytes(topology.world_size, numel, 4))
+                                wire_bytes=wire_bytes(topology.world_size, numel, 4, _quantize.GRAD_BLOCK))
         # row l: the slices of every node's l-th rank, sent to this node's l-th rank
         rows = input.view(nodes, per_node, numel).transpose(0, 1).reshape(per_node, nodes * numel)
         partial = self._all_to_all_sum(rows, local, call).view(nodes, numel)
@@ -137,12 +138,14 @@ class Paths:
 
     def _all_to_all_sum(self, rows: torch.Tensor, group, call) -> torch.Tensor:
         """Row i goes to member i (int4 on the wire); the rows received are summed in fp32."""
-        packed = self._timed(_quantize.quantize, rows, 4)
+        if self._rounding is None:
+            self._rounding = torch.Generator(device=rows.device).manual_seed(0x5EED + dist.get_rank())
+        packed = self._timed(_quantize.quantize, rows, 4, _quantize.GRAD_BLOCK, self._rounding)
         codes, scales = torch.empty_like(packed.codes), torch.empty_like(packed.scales)
         self.comm.count_link("reduce_scatter", group, packed.codes[0].numel() + packed.scales[0].numel() * 4)
         self.comm.run(call, lambda a: dist.all_to_all_single(codes, packed.codes, group=group, async_op=a))
         self.comm.run(call, lambda a: dist.all_to_all_single(scales, packed.scales, group=group, async_op=a))
-        return self._timed(_quantize.dequantize, Quantized(codes, scales), 4, rows.shape[1]).sum(0)
+        return self._timed(_quantize.dequantize, Quantized(codes, scales), 4, rows.shape[1], _quantize.GRAD_BLOCK).sum(0)
 
     # -- MiCS replicas -----------------------------------------------------------------------------------
     def average_over_replicas(self, tensor: torch.Tensor, label: str) -> None:

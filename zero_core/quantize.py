@@ -5,7 +5,9 @@ zero-padded); a block keeps one
 fp32 scale (its largest magnitude over the largest code) and one signed integer code per element:
 - int8 (qwZ, weights in the forward all-gather): codes in [-127, 127], one byte each;
 - int4 (qgZ, gradients through the all-to-all): codes in [-7, 7], two per byte (low nibble first).
-Dequantising gives values within half a step (scale / 2) of the originals; all-zero blocks stay exact.
+Dequantising gives values within half a step (scale / 2) of the originals; all-zero blocks stay exact. With a
+``generator``, codes are rounded stochastically instead (within one step, unbiased: the expected value is the
+original), which keeps gradients far below their block's largest from vanishing (qgZ uses it).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import NamedTuple
 import torch
 
 BLOCK = 256  # elements per scale: DeepSpeed's ZeRO++ uses group sizes of this order
+GRAD_BLOCK = 64  # int4 gradients: a smaller block keeps more of the small values (4.5 bits per element)
 _LEVELS = {8: 127, 4: 7}
 
 
@@ -32,8 +35,10 @@ def blocks_per_row(numel: int, block: int = BLOCK) -> int:
     return max(1, -(-numel // block_size(numel, block)))
 
 
-def quantize(rows: torch.Tensor, bits: int, block: int = BLOCK) -> Quantized:
-    """Quantise every row of ``rows`` (2-D, floating) to ``bits`` (8 or 4) in blocks of ``block`` elements."""
+def quantize(rows: torch.Tensor, bits: int, block: int = BLOCK,
+             generator: "torch.Generator | None" = None) -> Quantized:
+    """Quantise every row of ``rows`` (2-D, floating) to ``bits`` (8 or 4) in blocks of ``block`` elements;
+    rounding to nearest, or stochastically with ``generator``."""
     if bits not in _LEVELS:
         raise ValueError(f"quantize: bits must be 8 or 4, got {bits}")
     count, numel = rows.shape
@@ -45,7 +50,13 @@ def quantize(rows: torch.Tensor, bits: int, block: int = BLOCK) -> Quantized:
     levels = _LEVELS[bits]
     scales = padded.abs().amax(dim=2) / levels
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    codes = torch.round(padded / safe.unsqueeze(2)).clamp_(-levels, levels).to(torch.int8).view(count, -1)
+    scaled = padded / safe.unsqueeze(2)
+    if generator is None:
+        scaled = torch.round(scaled)
+    else:
+        noise = torch.rand(scaled.shape, generator=generator, device=scaled.device)
+        scaled = torch.floor(scaled + noise)
+    codes = scaled.clamp_(-levels, levels).to(torch.int8).view(count, -1)
     if bits == 4:
         nibbles = (codes + 8).to(torch.uint8).view(count, -1, 2)
         codes = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
