@@ -31,8 +31,12 @@ class RankFailed(RuntimeError):
         self.rank = rank
 
 
-def run_distributed(fn, world_size: int, *args, timeout: float = 120, **kwargs) -> list:
+def run_distributed(fn, world_size: int, *args, timeout: float = 120, nodes: int = 1, **kwargs) -> list:
     """Run `fn(rank, world_size, *args, **kwargs)` on `world_size` fresh processes.
+
+    `nodes` > 1 simulates that many machines of `world_size / nodes` ranks each: every process gets the
+    environment a launcher gives a multi-node run (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK as torchrun sets
+    them), numbered node by node.
 
     Returns each rank's (picklable) return value in rank order. Raises `RankFailed` with the
     traceback of the first rank that raised, or `TimeoutError` naming the ranks still running after
@@ -48,7 +52,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, **kwargs) 
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker,
-                args=(fn, rank, world_size, port, timeout, sender, args, kwargs),
+                args=(fn, rank, world_size, port, timeout, sender, args, kwargs, nodes),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -117,14 +121,18 @@ def _stop(ranks, grace: float) -> None:
         receiver.close()
 
 
-def _worker(fn, rank, world_size, port, timeout, sender, args, kwargs) -> None:
+def _worker(fn, rank, world_size, port, timeout, sender, args, kwargs, nodes=1) -> None:
+    if world_size % nodes:
+        raise ValueError(f"run_distributed: {world_size} ranks do not split into {nodes} equal nodes")
+    per_node = world_size // nodes
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
         RANK=str(rank),
-        LOCAL_RANK=str(rank),
+        LOCAL_RANK=str(rank % per_node),
         WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(per_node),
+        GROUP_RANK=str(rank // per_node),
     )
     torch.set_num_threads(1)
     torch.manual_seed(SEED)

@@ -68,9 +68,9 @@ NON_DEFAULT = {
     "sub_group_size": (77, {}), "prefetch_bucket_size": (11, {}), "param_persistence_threshold": (12, {}),
     "model_persistence_threshold": (13, {}), "max_live_parameters": (14, {}), "max_reuse_distance": (15, {}),
     "gather_16bit_weights_on_model_save": (True, {}), "ignore_unused_parameters": (False, {}),
-    "legacy_stage1": (True, {}), "round_robin_gradients": (True, {}), "zero_hpz_partition_size": (8, {}),
-    "zero_quantized_weights": (True, {}), "zero_quantized_nontrainable_weights": (True, {}),
-    "zero_quantized_gradients": (True, {}), "mics_shard_size": (8, {}), "mics_hierarchical_params_gather": (True, {}),
+    "legacy_stage1": (True, {}), "round_robin_gradients": (True, {}), "zero_hpz_partition_size": (8, {"stage": 3}),
+    "zero_quantized_weights": (True, {"stage": 3}), "zero_quantized_nontrainable_weights": (True, {"stage": 3}),
+    "zero_quantized_gradients": (True, {"stage": 3}), "mics_shard_size": (8, {}), "mics_hierarchical_params_gather": (True, {}),
     "memory_efficient_linear": (False, {}), "pipeline_loading_checkpoint": (True, {}),
     "override_module_apply": (False, {}), "leaf_module": ({"names": ["layers.0.moe"]}, {}),
     "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
@@ -409,9 +409,10 @@ def test_field_status_classification():
                 "prefetch_bucket_size", "param_persistence_threshold", "model_persistence_threshold",
                 "max_live_parameters", "max_reuse_distance", "override_module_apply",
                 "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "offload_optimizer",
-                "leaf_module", "offload_param"}
+                "leaf_module", "offload_param", "zero_hpz_partition_size", "zero_quantized_weights",
+                "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
-              "sub_group_size", "memory_efficient_linear", "aio"}
+              "sub_group_size", "memory_efficient_linear", "aio", "zero_quantized_nontrainable_weights"}
     assert list(FIELD_STATUS) == [f.name for f in dataclasses.fields(ZeroConfig)]
     assert {k for k, v in FIELD_STATUS.items() if v == "honoured"} == honoured
     assert {k for k, v in FIELD_STATUS.items() if v.startswith("mapped: ")} == mapped
@@ -419,16 +420,16 @@ def test_field_status_classification():
 
 
 def test_warn_unimplemented_lists_fields_once():
-    cfg = ZeroConfig(stage=3, zero_quantized_weights=True, mics_shard_size=4, reduce_bucket_size=10,
+    cfg = ZeroConfig(stage=3, round_robin_gradients=True, pipeline_loading_checkpoint=True, reduce_bucket_size=10,
                      prefetch_bucket_size=50_000_000, contiguous_gradients=False,
                      offload_optimizer={"device": "cpu"}, offload_param={"device": "cpu"})
-    assert cfg.unimplemented_fields() == ("zero_quantized_weights", "mics_shard_size")
+    assert cfg.unimplemented_fields() == ("round_robin_gradients", "pipeline_loading_checkpoint")
     with pytest.warns(UserWarning) as record:
         cfg.warn_unimplemented()
     assert len(record) == 1 and record[0].filename == __file__
     message = str(record[0].message)
-    assert "zero_optimization.zero_quantized_weights (not yet implemented)" in message
-    assert "zero_optimization.mics_shard_size (not yet implemented)" in message
+    assert "zero_optimization.round_robin_gradients (not yet implemented)" in message
+    assert "zero_optimization.pipeline_loading_checkpoint (not yet implemented)" in message
     for quiet in ("prefetch_bucket_size", "reduce_bucket_size", "contiguous_gradients", "offload_optimizer",
                   "offload_param"):
         assert quiet not in message

@@ -23,6 +23,7 @@ a divergence into an error on every rank that names the ranks, the module, the s
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
 import pickle
@@ -347,6 +348,7 @@ class _Watchdog:
     _guards: "weakref.WeakSet[CollectiveGuard]" = weakref.WeakSet()
     _thread: Optional[threading.Thread] = None
     _lock = threading.Lock()
+    _stopping = threading.Event()
 
     @classmethod
     def watch(cls, guard: CollectiveGuard) -> None:
@@ -357,11 +359,21 @@ class _Watchdog:
             if cls._thread is None:
                 cls._thread = threading.Thread(target=cls._run, name="zero_core-collective-guard", daemon=True)
                 cls._thread.start()
+                atexit.register(cls.stop)
+
+    @classmethod
+    def stop(cls) -> None:
+        """At interpreter exit, before finalisation: a daemon thread still inside a store call while the process
+        finalises aborts it ("terminate called without an active exception", seen with torchrun scripts that
+        return normally), so the thread ends here first."""
+        cls._stopping.set()
+        thread = cls._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
 
     @classmethod
     def _run(cls) -> None:
-        while True:
-            time.sleep(0.5)
+        while not cls._stopping.wait(0.5):
             for guard in list(cls._guards):
                 try:
                     guard.post_if_stalled()

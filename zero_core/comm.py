@@ -2,24 +2,35 @@
 
 Elements are counted as the size of the whole (unsharded) tensor a collective covers: the input of a
 reduce-scatter, the output of an all-gather, the tensor of an all-reduce or broadcast. That is the unit of the
-ZeRO paper's volumes (2Ψ per step for stages 1 and 2).
+ZeRO paper's volumes (2Ψ per step for stages 1 and 2). ``bytes`` is that whole in the dtype on the wire (int8 or
+packed int4 codes plus their scales under ZeRO++ quantisation).
+
+Link classes: for every collective (and every hop of a hierarchical one) the bytes this rank *sends* to each other
+member are added to ``in_node_bytes`` or ``cross_node_bytes`` by the member's node (topology.py). The model is
+the direct exchange, independent of the transport's algorithm: an all-gather sends this rank's shard to every
+other member, a reduce-scatter and an all-to-all one slice to each, an all-reduce twice its 1/n slice (a
+reduce-scatter then an all-gather), a broadcast the whole tensor from the root to each member.
+
+ZeRO++ and MiCS paths (docs/multinode.md) live in comm_paths.py; this class routes each call to them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from .collective_guard import Call, CollectiveGuard
+from . import comm_paths
 from .topology import Topology
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the first names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-_all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter = comm_paths.reduce_scatter_into
+_all_gather = comm_paths.all_gather_into
 
 # Work handles of the latest collectives stay referenced here (see Communicator._run). gloo's worker thread
 # drops its own reference to a work just after completing it; if that is the last reference, it frees the
@@ -31,12 +42,33 @@ _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 _RETAINED_WORKS = 8
 
 
+@dataclass(frozen=True)
+class CommOptions:
+    """Which ZeRO++/MiCS paths the collectives take (read from the config by the engine)."""
+
+    quantize_weights: bool = False  # qwZ: int8 blockwise in the forward all-gather of parameters
+    quantize_frozen_weights: bool = False  # the same for units without gradients, in every hooked gather
+    quantize_gradients: bool = False  # qgZ: hierarchical all-to-all with int4 blockwise on the wire
+    hierarchical_gather: bool = False  # MiCS: all-gather across nodes, then inside each node
+
+    @classmethod
+    def from_config(cls, config) -> "CommOptions":
+        return cls(quantize_weights=config.zero_quantized_weights,
+                   quantize_frozen_weights=config.zero_quantized_nontrainable_weights,
+                   quantize_gradients=config.zero_quantized_gradients,
+                   hierarchical_gather=config.mics_hierarchical_params_gather)
+
+
+_EMPTY = {"calls": 0, "elements": 0, "bytes": 0, "in_node_bytes": 0, "cross_node_bytes": 0}
+
+
 class Communicator:
     """Collectives over one topology's shard group, with per-collective counters."""
 
-    def __init__(self, topology: Topology) -> None:
+    def __init__(self, topology: Topology, options: CommOptions = CommOptions()) -> None:
         self.topology = topology
-        self._stats: dict[str, dict[str, int]] = defaultdict(lambda: {"calls": 0, "elements": 0, "bytes": 0})
+        self.options = options
+        self._stats: dict[str, dict[str, int]] = defaultdict(lambda: dict(_EMPTY))
         # Debug mode (DESIGN.md): before each collective, every rank shows what it is about to call, so a
         # mismatch becomes an error naming both sides instead of a hang. Stage 3 also turns it on while it
         # records its first trace.
@@ -45,6 +77,23 @@ class Communicator:
         # Always on (collective_guard.py): a fingerprint per call, a step barrier and a stall watchdog.
         self.guard = CollectiveGuard(topology)
         self._recent_works: deque = deque(maxlen=_RETAINED_WORKS)  # see _RETAINED_WORKS
+        self._peers: dict = {}  # group -> (in-node peers, cross-node peers) of this rank
+        self.paths = comm_paths.Paths(self)
+        self._shard_group_only = False
+
+    @property
+    def replicated(self) -> bool:
+        """MiCS replicas take part in this rank's collectives (not inside :meth:`shard_group_only`)."""
+        return self.topology.replicas > 1 and not self._shard_group_only
+
+    @contextlib.contextmanager
+    def shard_group_only(self):
+        """Collectives stay inside the shard group (MiCS: one replica saves a checkpoint alone)."""
+        self._shard_group_only = True
+        try:
+            yield
+        finally:
+            self._shard_group_only = False
 
     def _verify(self, name: str, tensor: torch.Tensor, label: str) -> None:
         mine = (name, tensor.numel(), str(tensor.dtype), label)
@@ -58,15 +107,38 @@ class Communicator:
                     f"'{theirs[3]}'. Every rank must run the same modules in the same order."
                 )
 
-    def _count(self, name: str, tensor: torch.Tensor, label: str = "") -> Optional[Call]:
+    def _count(self, name: str, tensor: torch.Tensor, label: str = "", wire_bytes: Optional[int] = None) -> Optional[Call]:
         if self.check:
             self._verify(name, tensor, label)
         entry = self._stats[name]
         entry["calls"] += 1
         entry["elements"] += tensor.numel()
-        entry["bytes"] += tensor.numel() * tensor.element_size()
+        entry["bytes"] += tensor.numel() * tensor.element_size() if wire_bytes is None else wire_bytes
         return self.guard.record(name, tensor.numel(), tensor.dtype, label)
 
+    # -- link classes ------------------------------------------------------------------------------------------
+    def _peer_counts(self, group: Optional[dist.ProcessGroup]) -> tuple[int, int]:
+        counts = self._peers.get(group)
+        if counts is None:
+            node_of = self.topology.node_of
+            members = dist.get_process_group_ranks(group or dist.group.WORLD)
+            me = dist.get_rank()
+            others = [m for m in members if m != me]
+            cross = sum(1 for m in others if node_of.get(m, 0) != node_of.get(me, 0))
+            counts = self._peers[group] = (len(others) - cross, cross)
+        return counts
+
+    def count_link(self, name: str, group: Optional[dist.ProcessGroup], per_peer_bytes: int) -> None:
+        """This rank sends ``per_peer_bytes`` to every other member of ``group``: add them by link class."""
+        in_node, cross = self._peer_counts(group)
+        entry = self._stats[name]
+        entry["in_node_bytes"] += in_node * per_peer_bytes
+        entry["cross_node_bytes"] += cross * per_peer_bytes
+
+    def group_size(self, group: Optional[dist.ProcessGroup]) -> int:
+        return dist.get_world_size(group)
+
+    # -- issuing ---------------------------------------------------------------------------------------------
     def _issue(self, call: Optional[Call], async_op: bool, launch) -> Optional[dist.Work]:
         """Launch a collective; with the guard on, its wait goes through the stall watchdog."""
         work = launch(True)  # always async, so that its handle can be kept (see _RETAINED_WORKS)
@@ -81,35 +153,115 @@ class Communicator:
             return None
         return _GuardedWork(work, call, self.guard)
 
+    def run(self, call: Optional[Call], launch) -> None:
+        """One hop of a composite collective, waited for at once."""
+        self._issue(call, False, launch)
+
+    # -- the collectives -------------------------------------------------------------------------------------
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
     ) -> Optional[dist.Work]:
-        """Sum ``input`` over ranks; this rank receives its equal slice in ``output``."""
+        """Sum ``input`` over ranks; this rank receives its equal slice in ``output`` (gradients: with MiCS the
+        sum also runs over the replicas, and averages over them; with qgZ it is the quantised all-to-all)."""
+        if self.options.quantize_gradients and input.is_floating_point() and self.topology.world_size > 1:
+            return self.paths.quantized_reduce_scatter(output, input, label, async_op)
+        group = self.topology.group
         call = self._count("reduce_scatter", input, label)
-        return self._issue(call, async_op, lambda a: _reduce_scatter(output, input, group=self.topology.group, async_op=a))
+        self.count_link("reduce_scatter", group, output.numel() * output.element_size())
+        work = self._issue(call, async_op and not self.replicated,
+                           lambda a: _reduce_scatter(output, input, group=group, async_op=a))
+        if self.replicated:
+            self.paths.average_over_replicas(output, label)
+            return comm_paths.DONE if async_op else None
+        return work
 
     def all_gather(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "",
+        phase: Optional[str] = None, key: Optional[object] = None, frozen: bool = False,
     ) -> Optional[dist.Work]:
-        """Concatenate every rank's ``input`` into ``output`` in rank order."""
+        """Concatenate every rank's ``input`` into ``output`` in rank order.
+
+        Stage 3's hooks say which ``phase`` ("forward" or "backward") a parameter gather serves and give a
+        ``key`` per gathered buffer: qwZ quantises forward gathers (and, for ``frozen`` units with
+        ``zero_quantized_nontrainable_weights``, every hooked gather); hpZ keeps this rank's slice of the
+        forward result inside its node and serves the backward's gather from there."""
+        paths = self.paths
+        if phase == "backward" and paths.has_secondary(key):
+            return paths.gather_secondary(output, key, label, async_op)
+        quantized = input.is_floating_point() and (
+            (phase == "forward" and self.options.quantize_weights)
+            or (phase is not None and frozen and self.options.quantize_frozen_weights))
+        if quantized or paths.hierarchical(phase) or (phase == "forward" and paths.keeps_secondary(key)):
+            return paths.gather(output, input, label, async_op, quantized, phase, key)
+        group = self.topology.group
         call = self._count("all_gather", output, label)
-        return self._issue(call, async_op, lambda a: _all_gather(output, input, group=self.topology.group, async_op=a))
+        self.count_link("all_gather", group, input.numel() * input.element_size())
+        return self._issue(call, async_op, lambda a: _all_gather(output, input, group=group, async_op=a))
+
+    def plain_gather(self, phase: Optional[str], frozen: bool = False) -> bool:
+        """Whether a stage-3 parameter gather in ``phase`` is one plain all-gather over the shard group (no ZeRO++
+        path): only those may be coalesced across units (param_unit.gather_together)."""
+        if self.paths.hierarchical(phase):
+            return False
+        if phase is None:
+            return True
+        if self.topology.secondary_group is not None:
+            return False  # hpZ keeps, then serves, each gathered buffer's in-node slice
+        quantized = (phase == "forward" and self.options.quantize_weights) or (
+            frozen and self.options.quantize_frozen_weights)
+        return not quantized
 
     def all_reduce(
-        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False
+        self, tensor: torch.Tensor, op: dist.ReduceOp = dist.ReduceOp.SUM, async_op: bool = False,
+        over: str = "shard",
     ) -> Optional[dist.Work]:
+        """All-reduce over the shard group (``over="shard"``: norms of shards, which replicas hold alike); over
+        every rank (``"world"``: flags); or ``"gradients"``: over every rank, averaged over the MiCS replicas
+        (the caller divided by the shard group's size)."""
+        group = self.topology.group
         call = self._count("all_reduce", tensor)
-        return self._issue(call, async_op, lambda a: dist.all_reduce(tensor, op=op, group=self.topology.group, async_op=a))
+        size = self.group_size(group)
+        self.count_link("all_reduce", group, 2 * tensor.numel() * tensor.element_size() // max(size, 1))
+        if over == "shard" or not self.replicated:
+            return self._issue(call, async_op, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a))
+        self.run(call, lambda a: dist.all_reduce(tensor, op=op, group=group, async_op=a))
+        self.paths.reduce_over_replicas(tensor, op, average=over == "gradients")
+        return comm_paths.DONE if async_op else None
 
     def broadcast(self, tensor: torch.Tensor, src: int, async_op: bool = False) -> Optional[dist.Work]:
-        """Broadcast from shard-group rank ``src``."""
+        """Broadcast from shard-group rank ``src`` (with MiCS: then from the first replica to the others, so
+        every rank starts from global rank ``src``'s values, as with DDP)."""
+        group = self.topology.group
         call = self._count("broadcast", tensor)
+        if self.topology.rank == src:
+            self.count_link("broadcast", group, tensor.numel() * tensor.element_size())
         root = self.topology.global_rank(src)
-        return self._issue(call, async_op, lambda a: dist.broadcast(tensor, src=root, group=self.topology.group, async_op=a))
+        if not self.replicated:
+            return self._issue(call, async_op, lambda a: dist.broadcast(tensor, src=root, group=group, async_op=a))
+        self.run(call, lambda a: dist.broadcast(tensor, src=root, group=group, async_op=a))
+        self.paths.broadcast_over_replicas(tensor)
+        return comm_paths.DONE if async_op else None
+
+    def barrier_world(self) -> None:
+        """Every rank of the data-parallel world (MiCS replicas included) reaches this point."""
+        flag = torch.zeros(1, device=self.guard_device())
+        self.all_reduce(flag, over="world")
+
+    def guard_device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+    def forget_secondary(self) -> None:
+        """Parameters changed (a step, a load): hpZ's in-node copies are stale until the next forward."""
+        self.paths.forget_secondary()
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Calls, elements and bytes per collective since the last reset."""
+        """Calls, elements, bytes and bytes sent per link class, per collective since the last reset."""
         return {name: dict(entry) for name, entry in self._stats.items()}
+
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes this rank sent to ranks on its own node and on other nodes, over every collective."""
+        return {"in_node": sum(e["in_node_bytes"] for e in self._stats.values()),
+                "cross_node": sum(e["cross_node_bytes"] for e in self._stats.values())}
 
     def reset(self) -> None:
         self._stats.clear()

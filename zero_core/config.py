@@ -74,12 +74,13 @@ FIELD_STATUS = {
     "ignore_unused_parameters": HONOURED,
     "legacy_stage1": _mapped("there is one stage 1 implementation"),
     "round_robin_gradients": NOT_YET,
-    "zero_hpz_partition_size": NOT_YET,
-    "zero_quantized_weights": NOT_YET,
-    "zero_quantized_nontrainable_weights": NOT_YET,
-    "zero_quantized_gradients": NOT_YET,
-    "mics_shard_size": NOT_YET,
-    "mics_hierarchical_params_gather": NOT_YET,
+    "zero_hpz_partition_size": HONOURED,
+    "zero_quantized_weights": HONOURED,
+    "zero_quantized_nontrainable_weights": _mapped("frozen units' gathers are int8 on the wire; their shards stay "
+                                                   "16-bit in memory"),
+    "zero_quantized_gradients": HONOURED,
+    "mics_shard_size": HONOURED,
+    "mics_hierarchical_params_gather": HONOURED,
     "memory_efficient_linear": _mapped("stage 3 hooks never keep gathered weights for backward"),
     "pipeline_loading_checkpoint": NOT_YET,
     "override_module_apply": HONOURED,
@@ -340,18 +341,23 @@ class ZeroConfig(Block):
         doc="Stages 1-2 with CPU offload: spread the gradient copies to CPU memory across ranks.")
     zero_hpz_partition_size: int = setting(
         1, minimum=1,
-        doc="ZeRO++ hpZ: ranks in the secondary parameter partition group; 1 turns it off.")
-    zero_quantized_weights: bool = setting(False, doc="ZeRO++ qwZ: quantize weights for the all-gather.")
+        doc="ZeRO++ hpZ: a second copy of the 16-bit parameters partitioned over blocks of this many consecutive "
+            "ranks (a node's); the backward gathers from it. 1 turns it off.")
+    zero_quantized_weights: bool = setting(
+        False, doc="ZeRO++ qwZ: the forward all-gather sends int8 blockwise-quantised weights; fp32 masters stay exact.")
     zero_quantized_nontrainable_weights: bool = setting(
         False,
-        doc="Store non-trainable weights quantized (useful for LoRA).")
-    zero_quantized_gradients: bool = setting(False, doc="ZeRO++ qgZ: quantize gradients for the reduction.")
+        doc="ZeRO++: gathers of parameters without gradients (frozen, e.g. under LoRA) send int8 weights.")
+    zero_quantized_gradients: bool = setting(
+        False, doc="ZeRO++ qgZ: gradients go through an all-to-all inside each node, then across nodes, int4 on the "
+        "wire, summed in fp32.")
     mics_shard_size: int = setting(
         -1, check=lambda v: v == -1 or v >= 1, rule="-1 or >= 1",
-        doc="MiCS: number of devices that partition the model states; -1 turns MiCS off.")
+        doc="MiCS: partition model states over blocks of this many consecutive ranks, replicated across blocks; -1: "
+            "over all ranks.")
     mics_hierarchical_params_gather: bool = setting(
         False,
-        doc="MiCS: gather parameters in two stages, within and then across nodes.")
+        doc="Gather parameters in two hops, across nodes then inside each node, when the shard group spans nodes.")
     memory_efficient_linear: bool = setting(
         True,
         doc="Stage 3: use a linear layer that does not keep gathered weights for backward.")
@@ -411,6 +417,23 @@ class ZeroConfig(Block):
                                   f"set {key_path('stage')} or remove offload_optimizer")
         if self.fp16.enabled and self.bf16.enabled:
             raise ZeroConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        self._check_zeropp()
+
+    def _check_zeropp(self) -> None:
+        """ZeRO++ works on stage 3's parameter gathers; MiCS replaces the shard group that hpZ and qgZ assume."""
+        zeropp = {"zero_hpz_partition_size": self.zero_hpz_partition_size > 1,
+                  "zero_quantized_weights": self.zero_quantized_weights,
+                  "zero_quantized_nontrainable_weights": self.zero_quantized_nontrainable_weights,
+                  "zero_quantized_gradients": self.zero_quantized_gradients}
+        for name, on in zeropp.items():
+            if on and self.stage != 3:
+                raise ZeroConfigError(f"{key_path(name)} (ZeRO++) needs stage 3, got stage {self.stage}; set "
+                                      f"{key_path('stage')} to 3 or turn {name} off")
+        mics = self.mics_shard_size != -1
+        for name in ("zero_hpz_partition_size", "zero_quantized_gradients"):
+            if mics and zeropp[name]:
+                raise ZeroConfigError(f"{key_path(name)} does not combine with {key_path('mics_shard_size')} "
+                                      f"({self.mics_shard_size}): pick MiCS or hpZ/qgZ")
 
     # --- derived values
 
@@ -568,6 +591,12 @@ _CROSS_RULES = {
     "offload_optimizer": "device other than none needs stage 1-3",
     "fp16": "not together with bf16.enabled",
     "nvme_path": "required when device is nvme",
+    "zero_hpz_partition_size": "> 1 needs stage 3; divides the world size; not with mics_shard_size",
+    "zero_quantized_weights": "needs stage 3",
+    "zero_quantized_nontrainable_weights": "needs stage 3",
+    "zero_quantized_gradients": "needs stage 3; not with mics_shard_size",
+    "mics_shard_size": "divides the world size",
+    "mics_hierarchical_params_gather": "shard group spanning nodes: a multiple of the ranks per node",
 }
 
 

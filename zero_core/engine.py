@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import registry, shard_identity, teardown
-from .comm import Communicator
+from .comm import CommOptions, Communicator
 from .config import ZeroConfig
 from .fragments import Fragment
 from .generation import sync_generate_by_default
@@ -68,7 +68,7 @@ class ZeroEngine:
         self.module = module
         self.config = config
         self.topology = topology
-        self.comm = Communicator(topology)
+        self.comm = Communicator(topology, CommOptions.from_config(config))
         self.skipped_steps = 0
         self._no_sync_depth = 0
         self._engine_backward = False  # inside engine.backward (which applies the fp16 loss scale)
@@ -384,7 +384,7 @@ class ZeroEngine:
         flags = flags.to(self.device)
         if self._scaler is not None:  # one max-norm kernel per dtype, no host sync: inf and nan propagate
             flags[0] = ~torch.isfinite(_shard_norms(self._grad_shards([k]), math.inf, self.device).max())
-        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
+        self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, over="world")  # MiCS: a gradient on any replica counts
         agreed = [bool(v) for v in flags.tolist()]
         masks, start = [], 1
         for part in parts:
@@ -436,6 +436,7 @@ class ZeroEngine:
                               self._pending[k].clip_coef, self.step_tile_numel)
         for part in parts:
             part.master_shards.clear_grads()
+        self.comm.forget_secondary()  # hpZ: the in-node copies hold the old values
         self.runtime.after_step(parts)
         self._record_overflow(False)
         self._finish_step(k)
@@ -523,6 +524,7 @@ class ZeroEngine:
 
     def refresh_params_from_masters(self) -> None:
         """Make the model's parameters equal the fp32 masters again (after masters were loaded). A collective."""
+        self.comm.forget_secondary()
         self.runtime.after_step(self.runtime.parts)
 
     def optimizer_state_of(self, master: torch.Tensor) -> dict:
@@ -627,17 +629,25 @@ class ZeroEngine:
 
     # -- introspection -------------------------------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Calls, elements and bytes per collective since the last :meth:`reset_comm_stats`."""
-        stats = {name: {"calls": 0, "elements": 0, "bytes": 0} for name in ("reduce_scatter", "all_gather", "all_reduce")}
+        """Calls, elements, bytes, and bytes sent to this node's ranks (``in_node_bytes``) and to other nodes'
+        (``cross_node_bytes``), per collective since the last :meth:`reset_comm_stats` (zero_core/comm.py)."""
+        empty = {"calls": 0, "elements": 0, "bytes": 0, "in_node_bytes": 0, "cross_node_bytes": 0}
+        stats = {name: dict(empty) for name in ("reduce_scatter", "all_gather", "all_reduce")}
         stats.update(self.comm.stats())
         return stats
+
+    def link_bytes(self) -> dict[str, int]:
+        """Bytes this rank sent inside its node and across nodes since the last :meth:`reset_comm_stats`."""
+        return self.comm.link_bytes()
 
     def reset_comm_stats(self) -> None:
         self.comm.reset()
 
     def memory_stats(self) -> dict[str, int]:
         """Bytes held on this rank now: params, grads, fp32_master, optimizer_state, buffers."""
-        return model_state_bytes(self.module, self.inner_optimizers, self.runtime)
+        stats = model_state_bytes(self.module, self.inner_optimizers, self.runtime)
+        stats["params"] += self.comm.paths.secondary_nbytes()  # hpZ's in-node copy of the 16-bit parameters
+        return stats
 
 
 def _as_optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
@@ -670,7 +680,10 @@ def setup(
         )
     optimizers = _as_optimizer_list(optimizer)
     config.warn_unimplemented()
-    return ZeroEngine(model, optimizers, config, Topology.from_process_group(process_group))
+    topology = Topology.from_process_group(process_group, mics_shard_size=config.mics_shard_size,
+                                           hpz_partition_size=config.zero_hpz_partition_size,
+                                           hierarchical_gather=config.mics_hierarchical_params_gather)
+    return ZeroEngine(model, optimizers, config, topology)
 
 
 def _shard_norms(shards: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:

@@ -13,6 +13,8 @@ elements, N ranks, p / g bytes per parameter / gradient element and K bytes of o
 
 Mixed precision (fp16/bf16) with Adam: p = g = 2, K = 4 (master) + 8 (two moments) = 12, so 16Ψ for DDP.
 fp32 with Adam: p = g = 4 and the master is the parameter itself, so K = 8 and DDP needs 16Ψ as well.
+With MiCS (``mics_shard_size``) N is the shard group's size (states are replicated across groups); hpZ
+(``zero_hpz_partition_size`` R) adds pΨ/R of parameters in stage 3, the in-node copy held from forward to step.
 docs/estimator.md explains every class and the CLI (`zero-estimate`).
 """
 
@@ -156,9 +158,19 @@ def estimate_stage(model_or_numel, config=None, world_size: int = 1, stage: Opti
 
 # -- the arithmetic ----------------------------------------------------------------------------------------
 
-def _estimate_stage(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k_bytes: int) -> MemoryEstimate:
+def _shard_ranks(cfg: ZeroConfig, n: int) -> int:
+    """Ranks that partition the model states: MiCS's shard group (replicated across groups), else all."""
+    if cfg.mics_shard_size in (-1, n):
+        return n
+    if n % cfg.mics_shard_size:
+        raise ValueError(f"mics_shard_size={cfg.mics_shard_size} must divide world_size ({n})")
+    return cfg.mics_shard_size
+
+
+def _estimate_stage(info, cfg: ZeroConfig, world: int, stage: int, precision: str, k_bytes: int) -> MemoryEstimate:
     p, g, _ = _element_bytes(precision, k_bytes)
     master = 0 if precision == "fp32" else 4  # fp32 training steps the parameters themselves
+    n = _shard_ranks(cfg, world)
     if isinstance(info, int):
         sizes = _Sizes(full=info, padded=info, shard=math.ceil(info / n))
         buffers = 0
@@ -170,9 +182,11 @@ def _estimate_stage(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k
     resident = {0: sizes.full, 1: sizes.padded, 2: sizes.padded, 3: sizes.shard + sizes.persistent}[stage]
     grads = {0: sizes.full, 1: sizes.padded, 2: sizes.shard, 3: sizes.shard}[stage]
     live = min(sizes.full, max(cfg.max_live_parameters, sizes.largest_unit)) if stage == 3 else 0
+    # hpZ: each gathered (non-persistent) unit's 1/R slice, kept from the forward to the step
+    secondary = sizes.gathered // cfg.zero_hpz_partition_size if stage == 3 and cfg.zero_hpz_partition_size > 1 else 0
     return MemoryEstimate(
-        stage=stage, world_size=n, precision=precision, numel=sizes.full,
-        params=(resident + sizes.frozen) * p, grads=grads * g, fp32_master=sizes.shard * master,
+        stage=stage, world_size=world, precision=precision, numel=sizes.full,
+        params=(resident + sizes.frozen + secondary) * p, grads=grads * g, fp32_master=sizes.shard * master,
         optimizer_state=sizes.shard * k_bytes, buffers=buffers, live_params=live * p, shard_numel=sizes.shard,
     )
 
@@ -188,6 +202,7 @@ class _Sizes:
     frozen: int = 0
     persistent: int = 0
     largest_unit: int = 0
+    gathered: int = 0  # stage 3: padded elements of the units the hooks gather (not persistent)
 
 
 def _flat_sizes(info: ModelInfo, cfg: ZeroConfig, n: int) -> _Sizes:
@@ -218,7 +233,7 @@ def _units(info: ModelInfo) -> list[tuple[bool, list[int]]]:
 def _stage3_sizes(info: ModelInfo, cfg: ZeroConfig, n: int) -> _Sizes:
     """Each unit has its own padded layout; a unit of parameters all under param_persistence_threshold stays
     gathered while model_persistence_threshold lasts (frozen units are sharded too, without gradients)."""
-    shard = frozen = persistent = largest = 0
+    shard = frozen = persistent = largest = gathered = 0
     budget = cfg.model_persistence_threshold
     for trainable, numels in _units(info):
         layout = compute_layout(numels, n, cfg.reduce_bucket_size)
@@ -227,12 +242,13 @@ def _stage3_sizes(info: ModelInfo, cfg: ZeroConfig, n: int) -> _Sizes:
             persistent += layout.total
         else:
             largest = max(largest, layout.total)
+            gathered += layout.total
         if trainable:
             shard += layout.shard_numel
         else:
             frozen += layout.shard_numel
     return _Sizes(full=info.trainable_numel, padded=shard * n, shard=shard, frozen=frozen, persistent=persistent,
-                  largest_unit=largest)
+                  largest_unit=largest, gathered=gathered)
 
 
 def _scratch_bytes(info: ModelInfo, cfg: ZeroConfig, n: int, stage: int) -> int:

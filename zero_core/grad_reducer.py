@@ -226,7 +226,7 @@ class GradReducer:
         source.div_(self.world_size)  # pre-divide as DDP does, so the sum stays in range
         shard_size = group.layout.buckets[bucket].shard_size
         if not self.use_reduce_scatter:
-            work = self.comm.all_reduce(source, async_op=self.overlap)
+            work = self.comm.all_reduce(source, async_op=self.overlap, over="gradients")
             own = source[self.rank * shard_size : (self.rank + 1) * shard_size]
             return _InFlight(group, bucket, work, own, [], accumulate)
         scratch = self.pool.acquire(shard_size, group.dtype)

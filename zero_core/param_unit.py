@@ -112,9 +112,10 @@ class ParamUnit:
             self._bucket_shard(self.shard, bucket.index).copy_(self.full[bucket.shard_range(self.rank).as_slice()])
 
     # -- gather / release ----------------------------------------------------------------------------------
-    def gather(self, async_op: bool = False) -> None:
+    def gather(self, async_op: bool = False, phase: Optional[str] = None) -> None:
+        """``phase`` ("forward"/"backward", from the hooks) lets the comm layer pick ZeRO++'s paths."""
         if self.state is UnitState.SHARDED:
-            gather_together([self], self.comm)
+            gather_together([self], self.comm, phase)
         if not async_op:
             self.wait()
 
@@ -148,11 +149,24 @@ class ParamUnit:
         """A context in which ``shard`` holds this rank's values (offload_param nvme reads and rewrites it)."""
         return self.swap.resident(self) if self.swap is not None else contextlib.nullcontext()
 
+    def _gather_alone(self, phase: Optional[str]) -> None:
+        """One all-gather per bucket through the comm layer's ZeRO++ paths (quantised, hierarchical, hpZ's
+        secondary partition), which keep per-buffer state (``key``) and so are not coalesced with other units."""
+        source = self.gather_source()
+        self._works = [
+            self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(source, b.index), async_op=True,
+                                 label=self.module_name, phase=phase, key=(self.index, b.index),
+                                 frozen=not self.trainable)
+            for b in self.layout.buckets
+        ]
+        self.state = UnitState.GATHERING
+
     def drop_pending(self) -> None:
         """Forget an in-flight gather without waiting (teardown after the process group is gone)."""
         if self.state is UnitState.GATHERING:
             for work in self._works:
-                work.drop()
+                if isinstance(work, CoalescedGather):
+                    work.drop()
             self._works = []
             self._drop_source()
             self.state = UnitState.GATHERED
@@ -230,11 +244,18 @@ class ParamUnit:
         return self.master_shards.fragments(self.names, shapes, self.dtype, self.grad_shards())
 
 
-def gather_together(units: Sequence[ParamUnit], comm: Communicator) -> None:
-    """Start one all-gather for these sharded units (coalesced.py); each completes on its ``wait()``."""
+def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optional[str] = None) -> None:
+    """Start one all-gather for these sharded units (coalesced.py); each completes on its ``wait()``. Units whose
+    gather takes a ZeRO++ path in this ``phase`` gather alone."""
+    plain = []
     for unit in units:
         unit._allocate()
-    batch = CoalescedGather(units, comm)
-    for unit in units:
-        unit._works = [batch]
-        unit.state = UnitState.GATHERING
+        if comm.plain_gather(phase, frozen=not unit.trainable):
+            plain.append(unit)
+        else:
+            unit._gather_alone(phase)
+    if plain:
+        batch = CoalescedGather(plain, comm)
+        for unit in plain:
+            unit._works = [batch]
+            unit.state = UnitState.GATHERING

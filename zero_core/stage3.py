@@ -267,7 +267,7 @@ class PartitionedParamsRuntime:
         if self._in_backward:
             # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
             # hook never runs; nothing is counted here and backward releases what it gathered.
-            self._fetch(units, None, backward=False)
+            self._fetch(units, None, backward=False, phase="backward")
             return args, kwargs
         position = self.trace.visit(mod)
         try:
@@ -379,17 +379,17 @@ class PartitionedParamsRuntime:
         self.live_elements += delta
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
 
-    def _gather(self, unit: ParamUnit, async_op: bool = False) -> None:
+    def _gather(self, unit: ParamUnit, async_op: bool = False, phase: Optional[str] = None) -> None:
         if unit.state is UnitState.SHARDED:
             self._note_live(unit.numel)
-        unit.gather(async_op=async_op)
+        unit.gather(async_op=async_op, phase=phase)
 
-    def _start_gather(self, units: list[ParamUnit]) -> None:
-        """One all-gather for all these sharded units (coalesced.py)."""
+    def _start_gather(self, units: list[ParamUnit], phase: str) -> None:
+        """One all-gather for all these sharded units (coalesced.py; ZeRO++ paths gather per unit)."""
         if units:
             for unit in units:
                 self._note_live(unit.numel)
-            gather_together(units, self.comm)
+            gather_together(units, self.comm, phase)
 
     def _release(self, unit: ParamUnit) -> None:
         if unit.state is not UnitState.SHARDED and not unit.persistent:
@@ -403,13 +403,15 @@ class PartitionedParamsRuntime:
             if self._active[unit] == 0:
                 self._release(unit)
 
-    def _fetch(self, units: list[ParamUnit], position: Optional[int], backward: bool) -> None:
+    def _fetch(self, units: list[ParamUnit], position: Optional[int], backward: bool,
+               phase: Optional[str] = None) -> None:
         """Gather a module's ``units`` and, following the trace from ``position``, the next prefetch batch, in one
-        collective; return once ``units`` are gathered."""
+        collective; return once ``units`` are gathered. ``phase`` (default: from ``backward``) is what the gather
+        serves, for ZeRO++'s paths (hpZ serves backward gathers from the in-node copy)."""
         batch = list(dict.fromkeys(u for u in units if u.state is UnitState.SHARDED))
         if position is not None and self.trace.following:
             batch += self._next_prefetch(position, backward, set(batch))
-        self._start_gather(batch)
+        self._start_gather(batch, phase or ("backward" if backward else "forward"))
         for unit in units:
             unit.wait()
 

@@ -64,3 +64,15 @@ def run_agreed(engine, fn, *args, **kwargs):
         error = caught
     agree(engine, error)
     return result
+
+
+def on_first_replica(engine, write, *args) -> None:
+    """MiCS: every replica holds the same shards, so the first one writes them alone (its collectives stay
+    inside its shard group); every rank returns once the files are complete."""
+    if engine.topology.replicas == 1:
+        write(*args)
+        return
+    if engine.topology.replica_index == 0:
+        with engine.comm.shard_group_only():
+            write(*args)
+    engine.comm.barrier_world()

@@ -14,7 +14,7 @@ from typing import Optional, Union
 
 import torch
 
-from .collective import run_agreed, shared_token
+from .collective import on_first_replica, run_agreed, shared_token
 from .consolidate import DTYPES, DtypeName
 from .files import check_replaceable, publish, remove_stale_temps, temp_sibling
 from .format import PathLike
@@ -36,7 +36,12 @@ def save_16bit_model(engine, out_dir: PathLike, dtype: Optional[DtypeName] = Non
         return False
     if dtype is not None and dtype not in DTYPES:
         raise ValueError(f"dtype must be None or one of {sorted(DTYPES)}, got {dtype!r}")
-    out = Path(out_dir).absolute()
+    on_first_replica(engine, _save, engine, Path(out_dir).absolute(), dtype, max_shard_size,
+                     exclude_frozen_parameters)  # MiCS: replicas hold the same weights
+    return True
+
+
+def _save(engine, out: Path, dtype, max_shard_size, exclude_frozen_parameters: bool) -> None:
     leader = engine.topology.rank == 0
     temp = temp_sibling(out, shared_token(engine))
     run_agreed(engine, _prepare, out, temp, leader)
@@ -48,7 +53,6 @@ def save_16bit_model(engine, out_dir: PathLike, dtype: Optional[DtypeName] = Non
         if leader:
             shutil.rmtree(temp, ignore_errors=True)
         raise
-    return True
 
 
 def _prepare(out: Path, temp: Path, leader: bool) -> None:

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import torch
 
-from .collective import gather_json, run_agreed, shared_token
+from .collective import gather_json, on_first_replica, run_agreed, shared_token
 from .files import check_replaceable, publish, remove_stale_temps, temp_sibling, write_safetensors
 from .format import (
     FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
@@ -39,6 +39,11 @@ def save_checkpoint(engine, path: PathLike, client_state: Optional[Any] = None) 
     is complete; see docs/checkpoints.md.
     """
     path = Path(path).absolute()
+    on_first_replica(engine, _save, engine, path, client_state)  # MiCS: replicas hold the same shards
+    return path
+
+
+def _save(engine, path: Path, client_state: Optional[Any]) -> None:
     leader = engine.topology.rank == 0
     temp = temp_sibling(path, shared_token(engine))
     run_agreed(engine, _prepare, path, temp, leader)
@@ -51,7 +56,6 @@ def save_checkpoint(engine, path: PathLike, client_state: Optional[Any] = None) 
         if leader:
             shutil.rmtree(temp, ignore_errors=True)
         raise
-    return path
 
 
 def _prepare(path: Path, temp: Path, leader: bool) -> None:
