@@ -80,6 +80,9 @@ class Communicator:
         self._peers: dict = {}  # group -> (in-node peers, cross-node peers) of this rank
         self.paths = comm_paths.Paths(self)
         self._shard_group_only = False
+        # No ZeRO++ gather path is configured: every stage-3 gather is plain (the hot path asks per unit).
+        self._all_gathers_plain = not (options.quantize_weights or options.quantize_frozen_weights
+                                       or topology.secondary_group is not None or self.paths.hierarchical(None))
 
     @property
     def replicated(self) -> bool:
@@ -201,6 +204,8 @@ class Communicator:
     def plain_gather(self, phase: Optional[str], frozen: bool = False) -> bool:
         """Whether a stage-3 parameter gather in ``phase`` is one plain all-gather over the shard group (no ZeRO++
         path): only those may be coalesced across units (param_unit.gather_together)."""
+        if self._all_gathers_plain:
+            return True
         if self.paths.hierarchical(phase):
             return False
         if phase is None:
