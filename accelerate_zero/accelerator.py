@@ -28,6 +28,7 @@ from accelerate.utils import (
     is_compiled_module,
 )
 from torch import nn
+from torch.distributed.algorithms.join import Join
 
 import zero_core
 from zero_core import ZeroConfigError
@@ -219,6 +220,38 @@ class ZeroAccelerator(Accelerator):
         with managed.forced():
             yield
 
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables, even_batches=None):
+        """Accelerate's uneven-inputs context: a prepared ZeRO model (or its optimizer) joins as its engine, whose
+        ranks that run out of batches shadow the others' steps (zero_core/join.py); other joinables are passed on
+        as they are. Every rank steps every step, with one forward and backward per step (no accumulation)."""
+        engines, passed_on = [], []
+        for item in joinables:
+            managed = self._managed_for(item) if isinstance(item, nn.Module) else self._owner_of_optimizer(item)
+            if managed is None:
+                passed_on.append(item)
+            elif managed.engine not in engines:
+                engines.append(managed.engine)
+        if engines and self.gradient_accumulation_steps > 1:
+            raise NotImplementedError(
+                "join_uneven_inputs with a ZeRO model runs one optimizer step per forward and backward: use "
+                "gradient_accumulation_steps=1 (or even_batches=True, which needs no join)"
+            )
+        if not engines or not self.use_distributed:
+            with super().join_uneven_inputs(joinables, even_batches):
+                yield
+            return
+        # Accelerate's own context joins only on GPUs (``multi_device``); the engine joins wherever it runs
+        with _even_batches_set(self, even_batches), contextlib.ExitStack() as stack:
+            passed_on = [stack.enter_context(engine.joinable()) for engine in engines] + passed_on
+            with Join(passed_on, enable=not self.even_batches if even_batches is None else not even_batches,
+                      throw_on_early_termination=False):
+                yield
+
+    def _owner_of_optimizer(self, optimizer) -> Optional[ManagedModel]:
+        inner = getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer wraps the engine's
+        return next((m for m in self._managed if any(inner is o or optimizer is o for o in m.engine.optimizers)), None)
+
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
         params = list(parameters)
         managed = self._owner_of(params)
@@ -315,6 +348,24 @@ class ZeroAccelerator(Accelerator):
         """Finish every engine's in-flight collectives (engine.close; docs/reliability.md)."""
         for managed in self._managed:
             managed.engine.close()
+
+
+@contextlib.contextmanager
+def _even_batches_set(accelerator: Accelerator, even_batches: Optional[bool]) -> Iterator[None]:
+    """``join_uneven_inputs(even_batches=...)`` overrides the prepared map-style loaders' setting for its block,
+    as Accelerate's own context does."""
+    saved = []
+    if even_batches is not None:
+        for loader in accelerator._dataloaders:
+            sampler = getattr(loader, "batch_sampler", None)
+            if hasattr(sampler, "even_batches"):
+                saved.append((sampler, sampler.even_batches))
+                sampler.even_batches = even_batches
+    try:
+        yield
+    finally:
+        for sampler, value in saved:
+            sampler.even_batches = value
 
 
 def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> list[tuple[int, list[int]]]:

@@ -271,7 +271,16 @@ def expected_units(model: nn.Module, world_size: int, threshold: int = 0, model_
     return units
 
 
+def is_block(model: nn.Module, module: nn.Module) -> bool:
+    """The documented block rule: a child of a ModuleList with parameters in more than one module of its subtree
+    (stage 3 hooks it as a whole)."""
+    in_list = any(isinstance(m, nn.ModuleList) and any(c is module for c in m.children()) for m in model.modules())
+    holders = [m for m in module.modules() if next(m.parameters(recurse=False), None) is not None]
+    return in_list and len(holders) > 1
+
+
 def module_gather_numel(model: nn.Module, module: nn.Module, world_size: int) -> int:
-    """Padded elements gathered to run ``module``: the units of every parameter it holds (tied ones too)."""
-    held = {id(p) for p in module.parameters(recurse=False)}
+    """Padded elements gathered to run ``module``: the units of every parameter it holds (tied ones too), and of
+    its whole subtree when it is a block."""
+    held = {id(p) for p in module.parameters(recurse=is_block(model, module))}
     return sum(u["padded"] for u in expected_units(model, world_size) if any(id(p) in held for p in u["params"]))

@@ -229,3 +229,17 @@ def gan(tmp_path_factory):
 @pytest.mark.parametrize("run_name", ["zero2", "zero3", "zero3_resumed", "ddp_from_exported"])
 def test_two_optimizers_of_one_model_match_ddp(gan, run_name):
     assert max_diff(gan["ddp"], gan[run_name]) <= TOLERANCE
+
+
+# -- uneven inputs: join_uneven_inputs with even_batches=False, against DDP under the same Join ----------------
+@pytest.fixture(scope="module")
+def uneven(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uneven")
+    accelerate_launch(tmp, "uneven.py", tmp / "out.json", env=clean_env())
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.mark.parametrize("run_name", ["zero1", "zero2", "zero3", "zero3_override"])
+def test_join_uneven_inputs_matches_ddp_under_join(uneven, run_name):
+    assert uneven["ddp"]["batches"] == [4, 3] == uneven[run_name]["batches"]  # the ranks really were uneven
+    assert max_diff(uneven["ddp"]["weights"], uneven[run_name]["weights"]) <= TOLERANCE

@@ -32,6 +32,12 @@ class PreBackward(torch.autograd.Function):
 def after_input_grads(callback: Callable[[], None], tree: Any) -> int:
     """Call ``callback`` once the gradients of every tensor in ``tree`` that requires grad are computed (those
     this backward needs); returns how many tensors it waits for."""
+    single = _single_tensor(tree)
+    if single is not None:  # the common case (one input tensor): a plain tensor hook, same timing, less work
+        if not single.requires_grad:
+            return 0
+        single.register_hook(lambda grad: callback())
+        return 1
     leaves, _ = tree_flatten(tree)
     tensors = [leaf for leaf in leaves if torch.is_tensor(leaf) and leaf.requires_grad]
     if tensors:
@@ -39,8 +45,20 @@ def after_input_grads(callback: Callable[[], None], tree: Any) -> int:
     return len(tensors)
 
 
+def _single_tensor(tree: Any):
+    """The tensor when ``tree`` is a tensor, or ((tensor,), {}) as hooks see a one-argument call; else None."""
+    if torch.is_tensor(tree):
+        return tree
+    if (isinstance(tree, tuple) and len(tree) == 2 and isinstance(tree[0], tuple) and len(tree[0]) == 1
+            and not tree[1] and torch.is_tensor(tree[0][0])):
+        return tree[0][0]
+    return None
+
+
 def attach(function: type[torch.autograd.Function], callback: Callable[[], None], tree: Any) -> tuple[Any, int]:
     """Route every tensor in ``tree`` that requires grad through ``function``; returns the tree and a count."""
+    if torch.is_tensor(tree):  # one output tensor: no flattening
+        return (function.apply(callback, tree)[0], 1) if tree.requires_grad else (tree, 0)
     leaves, spec = tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad]
     if not positions:

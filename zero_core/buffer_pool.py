@@ -19,15 +19,17 @@ class BufferPool:
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
         self._all: list[torch.Tensor] = []
 
-    def acquire(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        """A zeroed buffer of at least ``numel`` elements; slice it, then ``release`` the whole buffer."""
+    def acquire(self, numel: int, dtype: torch.dtype, zeroed: bool = True) -> torch.Tensor:
+        """A buffer of at least ``numel`` elements, its first ``numel`` zeroed unless ``zeroed=False`` (the caller
+        writes every element it uses); slice it, then ``release`` the whole buffer."""
         if numel > self.largest:
             raise ValueError(f"scratch request of {numel} elements exceeds the largest pool size {self.largest}")
         capacity = min(1 << max(int(numel) - 1, 0).bit_length(), self.largest)
         free = self._free.get((dtype, capacity))
         if free:
             buffer = free.pop()
-            buffer[:numel].zero_()
+            if zeroed:
+                buffer[:numel].zero_()
             return buffer
         buffer = torch.zeros(capacity, dtype=dtype, device=self.device)
         self._all.append(buffer)

@@ -62,8 +62,9 @@ FIELD_STATUS = {
     "elastic_checkpoint": _mapped("checkpoints always load at any world size"),
     "offload_param": HONOURED,
     "offload_optimizer": HONOURED,
-    "sub_group_size": _mapped("the optimizer steps one piece per parameter fragment; offloaded steps run in tiles "
-                              "of whole pieces up to this many elements"),
+    "sub_group_size": _mapped("the optimizer steps one piece per parameter fragment, in tiles of whole pieces up to "
+                              "this many elements (on the accelerator also at most reduce_bucket_size) wherever "
+                              "gradients need an fp32 copy or live offloaded"),
     "prefetch_bucket_size": HONOURED,
     "param_persistence_threshold": HONOURED,
     "model_persistence_threshold": HONOURED,

@@ -38,12 +38,14 @@ def launch_in_order(runtime: "PartitionedParamsRuntime") -> None:
     order = runtime._reduce_order
     while runtime._reduce_cursor < len(order):
         unit = order[runtime._reduce_cursor]
-        if unit not in runtime._reduced and unit.active_count():
+        if unit not in runtime._reduced and runtime._wanted(unit):
             skipped = unit in runtime._skipped_units and unit not in runtime._touched
-            complete = skipped or runtime._seen[unit] >= unit.active_count()
+            complete = skipped or unit in runtime._block_complete or runtime._seen[unit] >= runtime._wanted(unit)
             if not complete:
                 return
-            runtime._reduce(unit)
+            missing = runtime._reduce(unit)
+            if not skipped and unit in runtime._block_complete:  # a parameter of the block got no gradient
+                runtime._block_missing += missing
         runtime._reduce_cursor += 1
 
 
@@ -53,9 +55,7 @@ def skipped_forward(runtime: "PartitionedParamsRuntime", position: int) -> None:
     module = runtime.trace.order[position]
     runtime._skipped_positions.add(position)
     units = runtime._units_for(module)
-    for unit in units:
-        runtime._gather(unit)
-    runtime._prefetch(position, backward=False)
+    runtime._fetch(units, position, backward=False)
     for unit in units:
         if runtime._active[unit] == 0 and unit not in runtime._held and not runtime._reused_soon(position, unit):
             runtime._release(unit)
@@ -64,9 +64,7 @@ def skipped_forward(runtime: "PartitionedParamsRuntime", position: int) -> None:
 def skipped_backward(runtime: "PartitionedParamsRuntime", position: int) -> None:
     """The backward of a module this rank skipped: gather its units and prefetch as the others do, release."""
     units = runtime._units_for(runtime.trace.order[position])
-    for unit in units:
-        runtime._gather(unit)
-    runtime._prefetch(position, backward=True)
+    runtime._fetch(units, position, backward=True)
     for unit in units:
         if runtime._active[unit] == 0 and unit not in runtime._held:
             runtime._release(unit)

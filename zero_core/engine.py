@@ -27,9 +27,11 @@ from .fragments import Fragment
 from .generation import sync_generate_by_default
 from .leaf_modules import apply_leaf_config
 from .loss_scaler import LossScaler
+from .master_shards import step_in_tiles
 from .memory import model_state_bytes
 from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
 from .offload import adopt as adopt_offload, attach as attach_offload
+from .partitioned_param import unguarded
 from .plain_loop import OptimizerRoute
 from .sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from .stage12 import ReplicatedParamsRuntime
@@ -159,8 +161,9 @@ class ZeroEngine:
         """Parameters of an optimizer group that require a gradient now but did not when their group was set up
         get their master shards here (stage 3: their units become trainable). Every rank runs this at the same
         points (before reducing gradients, and in add_param_group), as requires_grad is the same everywhere."""
-        fresh = {i: [p for p in params if p.requires_grad and p not in self._optimizer_of]
-                 for i, params in enumerate(self.group_params)}
+        with unguarded():  # metadata of every parameter, every step: not the user's code the guard watches
+            fresh = {i: [p for p in params if p.requires_grad and p not in self._optimizer_of]
+                     for i, params in enumerate(self.group_params)}
         fresh = {i: params for i, params in fresh.items() if params}
         if not fresh:
             return
@@ -314,6 +317,13 @@ class ZeroEngine:
 
         return join_context(self, enable, throw_on_early_termination)
 
+    def joinable(self):
+        """``with engine.joinable() as j: with Join([j, ...]): ...``: the engine as one ``Joinable`` among others
+        in a ``Join`` the caller builds (Accelerate's ``join_uneven_inputs`` does). A context manager."""
+        from .join import attached_joinable
+
+        return attached_joinable(self)
+
     def _note_grad(self, param: torch.Tensor) -> None:
         pending = self._pending[self._optimizer_of[param]]
         pending.used.add(param)
@@ -353,15 +363,12 @@ class ZeroEngine:
         return norm
 
     def _global_norm(self, norm_type: float, grad_shards: list[torch.Tensor]) -> torch.Tensor:
-        shards = [s.float() for s in grad_shards]
-        local = torch.zeros((), device=self.device)
+        norms = _shard_norms(grad_shards, norm_type, self.device)
         if math.isinf(norm_type):
-            for shard in shards:
-                local = torch.maximum(local, shard.abs().max()) if shard.numel() else local
+            local = norms.max()
             self.comm.all_reduce(local, op=dist.ReduceOp.MAX)
             return local / self.loss_scale
-        for shard in shards:
-            local = local + shard.abs().pow(norm_type).sum()
+        local = norms.pow(norm_type).sum()
         self.comm.all_reduce(local)
         return local.pow(1.0 / norm_type) / self.loss_scale
 
@@ -374,9 +381,9 @@ class ZeroEngine:
         used = self._pending[k].used
         if used:
             flags[torch.tensor([self._flag_slot[p] + 1 for p in used], dtype=torch.long)] = 1
-        if self._scaler is not None and any(not torch.isfinite(s).all() for s in self._grad_shards([k])):
-            flags[0] = 1
         flags = flags.to(self.device)
+        if self._scaler is not None:  # one max-norm kernel per dtype, no host sync: inf and nan propagate
+            flags[0] = ~torch.isfinite(_shard_norms(self._grad_shards([k]), math.inf, self.device).max())
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX)
         agreed = [bool(v) for v in flags.tolist()]
         masks, start = [], 1
@@ -425,8 +432,8 @@ class ZeroEngine:
                 self._offload.step(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
                                    self._pending[k].clip_coef)
             else:
-                self._attach_master_grads(k, used)
-                self.inner_optimizers[k].step()
+                step_in_tiles(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
+                              self._pending[k].clip_coef, self.step_tile_numel)
         for part in parts:
             part.master_shards.clear_grads()
         self.runtime.after_step(parts)
@@ -462,12 +469,11 @@ class ZeroEngine:
         self._pending[k] = _PendingGrads()
         self._maybe_update_scale()
 
-    def _attach_master_grads(self, k: int, used: list[list[bool]]) -> None:
-        """Give each master piece its gradient in fp32, unscaled and clipped; None where no rank produced one."""
-        inv_scale = 1.0 / self.loss_scale
-        clip_coef = self._pending[k].clip_coef
-        for part, mask in zip(self._parts_of[k], used):
-            part.master_shards.attach_grads(part.grad_shards(), mask, inv_scale, clip_coef)
+    @property
+    def step_tile_numel(self) -> int:
+        """At most this many gradient elements are copied to fp32 at once in a step (``sub_group_size``, bounded
+        by ``reduce_bucket_size``): the fp32 copy of 16-bit gradients is made and stepped tile by tile."""
+        return max(1, min(self.config.sub_group_size, self.config.reduce_bucket_size))
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient: the shards, stage 1's full buffers, and unmanaged parameters' ``.grad``."""
@@ -665,3 +671,16 @@ def setup(
     optimizers = _as_optimizer_list(optimizer)
     config.warn_unimplemented()
     return ZeroEngine(model, optimizers, config, Topology.from_process_group(process_group))
+
+
+def _shard_norms(shards: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
+    """Each gradient shard's norm, accumulated in fp32 on the device: one foreach kernel per (device, dtype)
+    group and no fp32 copy of the shards. Empty shards count as zero."""
+    groups: dict = {}
+    for shard in shards:
+        if shard.numel():
+            groups.setdefault((shard.device, shard.dtype), []).append(shard)
+    norms = [torch.zeros((), device=device)]
+    for tensors in groups.values():
+        norms += [n.to(device) for n in torch._foreach_norm(tensors, norm_type, dtype=torch.float32)]
+    return torch.stack(norms)

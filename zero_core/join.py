@@ -11,7 +11,8 @@ everyone's. docs/core-api.md describes the limits (one forward and backward per 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+import contextlib
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 import torch.distributed as dist
@@ -41,6 +42,10 @@ class EngineJoinable(Joinable):
     @property
     def join_process_group(self):
         return self.engine.topology.group or dist.group.WORLD
+
+    def attach(self):
+        """Register the notify hook on the engine's module; returns its removable handle."""
+        return self.engine.module.register_forward_pre_hook(self.notify, prepend=True)
 
     def notify(self, module, args) -> None:
         """Forward pre-hook: the first forward of each step tells the join context this rank has data."""
@@ -102,10 +107,22 @@ def _shadow_stage3_pass(runtime) -> None:
     runtime.unsynced_grads = False
 
 
+@contextlib.contextmanager
+def attached_joinable(engine: "ZeroEngine") -> Iterator[EngineJoinable]:
+    """The engine as a ``Joinable`` for a ``Join`` the caller builds (e.g. with other joinables, as Accelerate's
+    ``join_uneven_inputs`` does); it notifies the context at each step while this block lasts."""
+    joinable = EngineJoinable(engine)
+    handle = joinable.attach()
+    try:
+        yield joinable
+    finally:
+        handle.remove()
+
+
 def join_context(engine: "ZeroEngine", enable: bool = True, throw_on_early_termination: bool = False) -> Join:
     """``torch.distributed.algorithms.Join`` over the engine; see :meth:`ZeroEngine.join`."""
     joinable = EngineJoinable(engine)
-    handle = engine.module.register_forward_pre_hook(joinable.notify, prepend=True)
+    handle = joinable.attach()
     return _JoinWithHook(joinable, handle, enable, throw_on_early_termination)
 
 

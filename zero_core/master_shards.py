@@ -10,7 +10,7 @@ decay stay as they are, exactly as under DDP (docs/core-api.md, "No gradient, no
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
@@ -28,22 +28,6 @@ class MasterShards:
         self.pieces = list(layout.fragments(rank))
         self.params = [nn.Parameter(self.buckets[f.bucket][f.shard_range.as_slice()], requires_grad=True)
                        for f in self.pieces]
-
-    def attach_grads(self, grad_shards: Sequence[torch.Tensor], used: Sequence[bool], inv_scale: float,
-                     clip_coef: Optional[torch.Tensor]) -> None:
-        """Give each piece its fp32 gradient (unscaled, clipped), or None when its parameter ``used[i]`` is
-        False: no rank produced a gradient for it, so the optimizer must leave it alone."""
-        grads = []
-        for bucket, grad in zip(self.buckets, grad_shards):
-            if grad.dtype != bucket.dtype:
-                grad = grad.to(bucket.dtype)
-            if inv_scale != 1.0:
-                grad.mul_(inv_scale)
-            if clip_coef is not None:
-                grad.mul_(clip_coef)
-            grads.append(grad)
-        for master, piece in zip(self.params, self.pieces):
-            master.grad = grads[piece.bucket][piece.shard_range.as_slice()] if used[piece.param_index] else None
 
     def clear_grads(self) -> None:
         for master in self.params:
@@ -75,3 +59,54 @@ class MasterShards:
                 param_range=piece.param_range, master=master, grad_shard=grad_shards[piece.bucket][local.as_slice()],
                 local=Range(0, local.size)))
         return fragments
+
+
+class TileEntry(NamedTuple):
+    """One master piece to step, its reduced gradient (a slice of the part's gradient shard), and where it is."""
+
+    piece: nn.Parameter
+    grad: torch.Tensor
+    part: object  # the FlatParamGroup or ParamUnit owning the piece
+    index: int  # the piece's index in part.master_shards
+
+
+def master_tiles(parts: Sequence, used: Sequence[Sequence[bool]], tile_numel: int) -> list[list[TileEntry]]:
+    """The pieces whose parameter got a gradient on some rank (``used``: one mask per part, by parameter index),
+    in order, grouped into tiles of at most ``tile_numel`` gradient elements (a bigger piece is a tile alone)."""
+    tiles, current, size = [], [], 0
+    for part, mask in zip(parts, used):
+        grads, masters = part.grad_shards(), part.master_shards
+        for index, (piece, fragment) in enumerate(zip(masters.params, masters.pieces)):
+            if not mask[fragment.param_index]:
+                continue  # no rank produced a gradient: not stepped (grad stays None)
+            grad = grads[fragment.bucket][fragment.shard_range.as_slice()]
+            if current and size + grad.numel() > tile_numel:
+                tiles.append(current)
+                current, size = [], 0
+            current.append(TileEntry(piece, grad, part, index))
+            size += grad.numel()
+    return tiles + ([current] if current else [])
+
+
+def step_in_tiles(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequence[Sequence[bool]],
+                  inv_scale: float, clip_coef: Optional[torch.Tensor], tile_numel: int) -> None:
+    """Step ``optimizer`` over the pieces that got a gradient, each with its gradient unscaled and clipped.
+
+    Gradients already in the masters' dtype (fp32 training) are used in place, in one step. 16-bit gradients
+    need an fp32 copy: that copy is made one tile of at most ``tile_numel`` elements at a time (DeepSpeed's
+    ``sub_group_size``), the optimizer steps the tile (pieces without ``.grad`` are skipped) and the copy is
+    freed, so the step never holds an fp32 copy of every gradient at once."""
+    tiles = master_tiles(parts, used, tile_numel)
+    if all(e.grad.dtype == e.piece.dtype for tile in tiles for e in tile):
+        tiles = [[e for tile in tiles for e in tile]]  # no copies to bound: one step over views
+    for tile in tiles:
+        grads = [e.grad if e.grad.dtype == e.piece.dtype else e.grad.to(e.piece.dtype) for e in tile]
+        if grads and inv_scale != 1.0:
+            torch._foreach_mul_(grads, inv_scale)
+        if grads and clip_coef is not None:
+            torch._foreach_mul_(grads, clip_coef)
+        for entry, grad in zip(tile, grads):
+            entry.piece.grad = grad
+        optimizer.step()
+        for entry in tile:
+            entry.piece.grad = None

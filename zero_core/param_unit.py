@@ -16,10 +16,12 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from .coalesced import CoalescedGather
 from .comm import Communicator
 from .fragments import Fragment
 from .layout import FlatLayout
 from .master_shards import MasterShards
+from .partitioned_param import unguarded
 
 
 class UnitState(enum.Enum):
@@ -48,6 +50,7 @@ class ParamUnit:
         self.names = list(names)
         self.group_index = group_index  # None: frozen (or in no optimizer group): no gradient, no master
         self.layout = layout
+        self.numel = layout.total  # elements of the gathered flat buffer, padding included
         self.comm = comm
         self.rank = comm.topology.rank
         self.dtype = dtype  # the training dtype; adopt() casts the values
@@ -64,6 +67,10 @@ class ParamUnit:
         self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()
+        # Each bucket of ``full`` seen as (rank, slice): where a coalesced all-gather's rank-major result goes.
+        # Views of ``full`` stay valid while its storage is resized to zero and back.
+        self.rank_views = [self.full[b.range.as_slice()].view(layout.world_size, b.shard_size)
+                           for b in layout.buckets]
         self.grad_shard = torch.zeros_like(self.shard) if self.trainable else None
         self.master_shards: Optional[MasterShards] = None
         self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, None) after each reduction
@@ -72,13 +79,10 @@ class ParamUnit:
     def trainable(self) -> bool:
         return self.group_index is not None
 
-    @property
-    def numel(self) -> int:
-        return self.layout.total
-
     def active_count(self) -> int:
         """Parameters that take part in backward now (not frozen with requires_grad=False)."""
-        return sum(1 for p in self.params if p.requires_grad)
+        with unguarded():
+            return sum(1 for p in self.params if p.requires_grad)
 
     def _bucket_shard(self, tensor: torch.Tensor, bucket: int) -> torch.Tensor:
         start = self._offsets[bucket]
@@ -113,26 +117,13 @@ class ParamUnit:
 
     # -- gather / release ----------------------------------------------------------------------------------
     def gather(self, async_op: bool = False) -> None:
-        if self.state is not UnitState.SHARDED:
-            if not async_op:
-                self.wait()
-            return
-        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
-        # offload_param (zero_core/offload): a host shard is copied in (or read from NVMe into a pool buffer) and
-        # kept until the gather is done
-        if self.swap is not None:
-            # (blocking: the pool buffer is reused once the gather is done, possibly before an async copy ran)
-            self._source = self.swap.read(self).to(self.full.device)
-        else:
-            self._source = self.shard.to(self.full.device, non_blocking=True)
-        self._works = [
-            self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(self._source, b.index),
-                                 async_op=True, label=self.module_name)
-            for b in self.layout.buckets
-        ]
-        self.state = UnitState.GATHERING
+        if self.state is UnitState.SHARDED:
+            gather_together([self], self.comm)
         if not async_op:
             self.wait()
+
+    def _allocate(self) -> None:
+        self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:
@@ -141,6 +132,16 @@ class ParamUnit:
             self._works = []
             self._drop_source()
             self.state = UnitState.GATHERED
+
+    def gather_source(self) -> torch.Tensor:
+        """This rank's shard on the gathering device, to send: the shard itself, or with offload_param
+        (zero_core/offload) a copy of the host shard, or the shard read from NVMe into a pool buffer (a blocking
+        copy: the buffer is reused once the gather is done). Held until ``_drop_source``."""
+        if self.swap is not None:
+            self._source = self.swap.read(self).to(self.full.device)
+        else:
+            self._source = self.shard.to(self.full.device, non_blocking=True)
+        return self._source
 
     def _drop_source(self) -> None:
         self._source = None
@@ -154,6 +155,8 @@ class ParamUnit:
     def drop_pending(self) -> None:
         """Forget an in-flight gather without waiting (teardown after the process group is gone)."""
         if self.state is UnitState.GATHERING:
+            for work in self._works:
+                work.drop()
             self._works = []
             self._drop_source()
             self.state = UnitState.GATHERED
@@ -180,32 +183,42 @@ class ParamUnit:
         return [self._bucket_shard(self.grad_shard, b.index) for b in self.layout.buckets]
 
     def stage_grads(self, staging: torch.Tensor) -> list[str]:
-        """Copy each parameter's ``.grad`` into ``staging`` (unit layout) and free it; names of trainable
-        parameters with none (a frozen one contributes zeros)."""
-        missing = []
-        for param, slot, name in zip(self.params, self.layout.slots, self.names):
-            if param.grad is None:  # staging comes zeroed
-                if param.requires_grad:
-                    missing.append(name)
-                continue
-            staging[slot.range.as_slice()].copy_(param.grad.reshape(-1))
-            param.grad = None
+        """Copy each parameter's ``.grad`` into ``staging`` (unit layout, any prior content) and free it; the
+        padding and parameters without a gradient get zeros. Names of trainable parameters with none (a frozen
+        one contributes zeros)."""
+        with unguarded():
+            grads = [param.grad for param in self.params]
+            if len(self.layout.buckets) == 1 and all(g is not None and g.dtype == staging.dtype for g in grads):
+                torch.cat([g.reshape(-1) for g in grads], out=staging[: self.layout.numel])  # one op, the usual case
+                staging[self.layout.numel : self.numel].zero_()
+                for param in self.params:
+                    param.grad = None
+                return []
+        missing, written = [], 0
+        with unguarded():
+            for param, slot, name in zip(self.params, self.layout.slots, self.names):
+                target = staging[slot.range.as_slice()]
+                grad = param.grad
+                if grad is None:
+                    target.zero_()
+                    if param.requires_grad:
+                        missing.append(name)
+                    continue
+                target.copy_(grad.reshape(-1))
+                written += slot.range.size
+                param.grad = None
+        if written < self.layout.total:  # bucket padding (parameter slots are contiguous inside a bucket)
+            for bucket in self.layout.buckets:
+                end = self.layout.slots[bucket.param_indices[-1]].range.end
+                staging[end : bucket.range.end].zero_()
         return missing
-
-    def reduce_scatter_into_shard(self, staging: torch.Tensor, scratch: torch.Tensor, async_op: bool) -> list:
-        """Average ``staging`` over ranks bucket by bucket; results land in ``scratch`` (shard-shaped)."""
-        staging[: self.layout.total].div_(self.comm.topology.world_size)
-        return [
-            self.comm.reduce_scatter(self._bucket_shard(scratch, b.index), staging[b.range.as_slice()],
-                                     async_op=async_op, label=self.module_name)
-            for b in self.layout.buckets
-        ]
 
     def zero_grads(self) -> None:
         if self.grad_shard is not None:
             self.grad_shard.zero_()
-        for param in self.params:
-            param.grad = None
+        with unguarded():
+            for param in self.params:
+                param.grad = None
 
     # -- optimizer side ------------------------------------------------------------------------------------
     def write_back_masters(self) -> None:
@@ -219,3 +232,13 @@ class ParamUnit:
             return []
         shapes = [p.shape for p in self.params]
         return self.master_shards.fragments(self.names, shapes, self.dtype, self.grad_shards())
+
+
+def gather_together(units: Sequence[ParamUnit], comm: Communicator) -> None:
+    """Start one all-gather for these sharded units (coalesced.py); each completes on its ``wait()``."""
+    for unit in units:
+        unit._allocate()
+    batch = CoalescedGather(units, comm)
+    for unit in units:
+        unit._works = [batch]
+        unit.state = UnitState.GATHERING

@@ -153,25 +153,70 @@ def _handled_by_owner(released, func):
     return owner
 
 
+# What _dispatch does with a function, decided once per function (the guard runs on every operation).
+_METADATA, _DATA_SET, _VALUES, _COMPUTE = "metadata", "data set", "values", "compute"
+_KINDS: dict = {}
+# The layers' own functions: they read parameters and return new tensors, never views of them. On gathered
+# parameters (the case of every forward), only the "is it gathered" check is needed.
+_COMPUTE_FUNCTIONS = frozenset(
+    "linear bilinear layer_norm group_norm rms_norm batch_norm instance_norm embedding embedding_bag conv1d conv2d "
+    "conv3d conv_transpose1d conv_transpose2d conv_transpose3d matmul mm bmm addmm baddbmm einsum prelu "
+    "scaled_dot_product_attention".split())
+
+
+def _kind(func) -> str:
+    try:
+        kind = _KINDS.get(func)
+    except TypeError:  # an unhashable callable: classify it every time
+        kind = None
+    if kind is None:
+        name = getattr(func, "__name__", "")
+        if name in ("__get__", "__set__"):
+            attribute = getattr(getattr(func, "__self__", None), "__name__", "")
+            if attribute == "data" and name == "__set__":
+                kind = _DATA_SET
+            else:
+                kind = _METADATA if attribute in _METADATA_ATTRIBUTES else _VALUES
+        elif name in _METADATA_METHODS:
+            kind = _METADATA
+        else:
+            kind = _COMPUTE if name in _COMPUTE_FUNCTIONS else _VALUES
+        try:
+            _KINDS[func] = kind
+        except TypeError:
+            pass
+    return kind
+
+
+def _gathered_parameter(value) -> bool:
+    """Not ours, or a partitioned parameter whose values are here (a view, or anything else, takes the full
+    check). Call with the guard disabled."""
+    if isinstance(value, PartitionedParameter):
+        return value.untyped_storage().nbytes() > 0 or value.numel() == 0
+    if isinstance(value, (list, tuple)):  # einsum's operands
+        return all(_gathered_parameter(v) for v in value)
+    return not isinstance(value, PartitionedView)
+
+
 def _dispatch(func, args, kwargs):
     """The guard shared by partitioned parameters and their views."""
     if torch.compiler.is_compiling():  # compiled code runs between the eager hooks, on gathered parameters
         with _Disable():
             return func(*args, **(kwargs or {}))
-    name = getattr(func, "__name__", "")
-    if name in ("__get__", "__set__"):
-        attribute = getattr(getattr(func, "__self__", None), "__name__", "")
-        if attribute == "data" and name == "__set__" and isinstance(args[0], PartitionedParameter):
-            owner = registry.owner_of(args[0])
-            if owner is not None and getattr(owner, "handles_released", lambda f: False)(func):
-                return owner.assign_data(args[0], args[1])  # Init: keep the partition in step with the new values
-        metadata = attribute in _METADATA_ATTRIBUTES or (attribute == "data" and name == "__set__")
-    else:
-        metadata = name in _METADATA_METHODS
+    kind = _kind(func)
+    if kind is _DATA_SET and isinstance(args[0], PartitionedParameter):
+        owner = registry.owner_of(args[0])
+        if owner is not None and getattr(owner, "handles_released", lambda f: False)(func):
+            return owner.assign_data(args[0], args[1])  # Init: keep the partition in step with the new values
     kwargs = kwargs or {}
-    if metadata:
+    if kind is _COMPUTE:
+        with _Disable():
+            if all(_gathered_parameter(a) for a in args) and all(_gathered_parameter(a) for a in kwargs.values()):
+                return func(*args, **kwargs)
+    elif kind is not _VALUES:  # metadata, or new .data for a parameter
         with _Disable():
             return func(*args, **kwargs)
+    name = getattr(func, "__name__", "")
     bases, released, stale = _scan(tensors_in(args, kwargs))
     if stale is not None:
         raise _stale_error(stale, func)
@@ -236,6 +281,12 @@ class PartitionedView(torch.Tensor):
             with _Disable():
                 plain = self.as_subclass(torch.Tensor)
         return plain.__reduce_ex__(proto)
+
+
+def unguarded() -> _Disable:
+    """A context for the engine's own metadata reads on many parameters (``requires_grad``, ``.grad``): they
+    skip the guard, which only has to watch the user's code."""
+    return _Disable()
 
 
 def mark_partitioned(param: nn.Parameter) -> None:

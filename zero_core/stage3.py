@@ -19,6 +19,7 @@ from torch.autograd import Variable
 
 from . import param_sources
 from .backward_hooks import PreBackward, after_input_grads, attach
+from .block_units import block_of
 from .buffer_pool import BufferPool
 from .comm import Communicator
 from .config import ZeroConfig
@@ -27,8 +28,19 @@ from .execution_trace import ExecutionTrace
 from .external_params import registered_externals
 from .layout import compute_layout
 from .leaf_modules import leaf_of, z3_leaf_module
-from .param_unit import ParamUnit, UnitState
-from .partitioned_param import mark_partitioned
+from .coalesced import CoalescedReduce
+from .param_unit import ParamUnit, UnitState, gather_together
+from .partitioned_param import mark_partitioned, unguarded
+
+
+class _Cursor:
+    """Where prefetch stands in the trace for one direction: the next position to look at, the position whose
+    module takes the next batch, and the position of the last call (a smaller one starts a new pass)."""
+
+    __slots__ = ("next", "trigger", "last")
+
+    def __init__(self) -> None:
+        self.next, self.trigger, self.last = 0, 0, None
 
 
 def eager(hook):
@@ -53,14 +65,20 @@ class PartitionedParamsRuntime:
         self.unit_of: dict[nn.Parameter, ParamUnit] = {}
         self._module_of: dict[ParamUnit, nn.Module] = {}
         self._unit_count = 0
+        self._unit_cache: dict[nn.Module, list[ParamUnit]] = {}  # _units_for, cleared when units change
+        # Prefetch cursors into the trace, forward and backward (see _next_prefetch).
+        self._prefetch_state = {False: _Cursor(), True: _Cursor()}
         self._inside_leaf = leaf_of(module)  # modules below a leaf module -> that leaf (leaf_modules.py)
+        self._inside_block = block_of(module, self._inside_leaf)  # module -> its block (block_units.py)
+        self._blocks = set(self._inside_block.values())
+        self._open_blocks: dict[nn.Module, int] = defaultdict(int)  # forwards of a block whose backward is to come
         self._deferred: set[ParamUnit] = set()  # units inside leaves: reduced at the end of backward, in order
         self.live_elements = 0  # gathered elements now, and the most ever (max_live_parameters is checked on it)
         self.peak_live_elements = 0
         self._build_units(trainable_by_group)
         self.parts = [u for u in self.units if u.trainable]
         device = self.units[0].device if self.units else torch.device("cpu")
-        self.pool = BufferPool(device, max((u.numel for u in self.parts), default=1))
+        self.pool = BufferPool(device, self._bucket_numel())
         module_names = {m: n for n, m in module.named_modules() if m in self._own or m in self._externals}
         self.trace = ExecutionTrace(module_names, comm)
         self.comm.check = True  # verify collectives while the first trace is recorded
@@ -128,6 +146,7 @@ class PartitionedParamsRuntime:
             self.unit_of[param] = unit
         self.units.append(unit)
         self._own[mod].append(unit)
+        self._unit_cache.clear()
         self._module_of[unit] = mod
         if z3_leaf_module(mod):
             self._deferred.add(unit)  # its children may run on some ranks only: no early, rank-dependent reduce
@@ -148,9 +167,8 @@ class PartitionedParamsRuntime:
         self.parts = [u for u in self.units if u.trainable]
         if self._reduce_order is not None:  # the agreed reduce order names units: rebuild it over the new ones
             self._reduce_order = reduce_order(self)
-        largest = max((u.numel for u in self.parts), default=1)
-        if largest > self.pool.largest:
-            self.pool = BufferPool(self.pool.device, largest)
+        if self._bucket_numel() > self.pool.largest:
+            self.pool = BufferPool(self.pool.device, self._bucket_numel())
         trainable = [u for u in new if u.trainable]
         for unit in trainable:
             for param in unit.params:
@@ -169,6 +187,7 @@ class PartitionedParamsRuntime:
         self._note_live(-unit.numel)
         self.units.remove(unit)
         self._own[mod].remove(unit)
+        self._unit_cache.clear()
         keys = sorted({group_of.get(p, -1) for p in unit.params})
         pieces = []
         for key in keys:
@@ -179,15 +198,18 @@ class PartitionedParamsRuntime:
             if unit in externals:
                 externals.remove(unit)
                 externals.extend(pieces)
+        self._unit_cache.clear()
         return pieces
 
     def _hooked(self, mod: nn.Module) -> nn.Module:
-        """The module whose hooks gather ``mod``'s parameters: itself, or the leaf module enclosing it."""
-        return self._inside_leaf.get(mod, mod)
+        """The module whose hooks gather ``mod``'s parameters: the leaf module or block enclosing it, or itself."""
+        leaf = self._inside_leaf.get(mod)
+        return leaf if leaf is not None else self._inside_block.get(mod, mod)
 
     def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
         if unit not in self._externals[mod] and unit not in self._own[mod]:
             self._externals[mod].append(unit)
+            self._unit_cache.clear()
 
     def add_external_after_setup(self, mod: nn.Module, param: nn.Parameter) -> None:
         """register_external_parameter called after setup: gather ``param`` with ``mod`` from now on."""
@@ -223,7 +245,10 @@ class PartitionedParamsRuntime:
         mod.register_forward_hook(eager(functools.partial(self._post_forward, mod)))
 
     def _units_for(self, mod: nn.Module) -> list[ParamUnit]:
-        return self._own.get(mod, []) + self._externals.get(mod, [])
+        units = self._unit_cache.get(mod)
+        if units is None:
+            units = self._unit_cache[mod] = self._own.get(mod, []) + self._externals.get(mod, [])
+        return units
 
     def _root_pre_forward(self, module, args) -> None:
         if self._in_backward:
@@ -242,15 +267,13 @@ class PartitionedParamsRuntime:
         if self._in_backward:
             # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
             # hook never runs; nothing is counted here and backward releases what it gathered.
-            for unit in units:
-                self._gather(unit)
+            self._fetch(units, None, backward=False)
             return args, kwargs
         position = self.trace.visit(mod)
         try:
             for skipped in self.trace.take_skipped():
                 skipped_forward(self, skipped)  # modules this rank skipped: their gathers, as the others issue them
-            for unit in units:
-                self._gather(unit)
+            self._fetch(units, position, backward=False)
         except RuntimeError as error:
             if "collective mismatch" not in str(error):
                 raise
@@ -259,10 +282,9 @@ class PartitionedParamsRuntime:
         self._positions[mod].append(position)
         for unit in units:
             self._active[unit] += 1
-        if position is not None and self.trace.following:
-            self._prefetch(position, backward=False)
         if torch.is_grad_enabled():
-            after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs))
+            if after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs)) and mod in self._blocks:
+                self._open_blocks[mod] += 1
         return args, kwargs
 
     def _leaf_hint(self, mod: nn.Module) -> str:
@@ -312,11 +334,7 @@ class PartitionedParamsRuntime:
 
     def _pre_backward(self, mod) -> None:
         self._enter_backward()
-        for unit in self._units_for(mod):
-            self._gather(unit)
-        position = self._backward_position(mod)
-        if position is not None:
-            self._prefetch(position, backward=True)
+        self._fetch(self._units_for(mod), self._backward_position(mod), backward=True)
 
     def _backward_position(self, mod) -> Optional[int]:
         if not self.trace.following:
@@ -335,6 +353,26 @@ class PartitionedParamsRuntime:
         for unit in self._units_for(mod):
             if self._active[unit] == 0 and unit not in self._held:
                 self._release(unit)
+        if mod in self._blocks and self._open_blocks[mod] > 0:
+            self._open_blocks[mod] -= 1
+            if self._open_blocks[mod] == 0:
+                self._block_backward_done(mod)
+
+    def _block_backward_done(self, block: nn.Module) -> None:
+        """Every gradient this backward gives the block's own units has been accumulated by now (autograd runs
+        gradient accumulation before the nodes that consume the block's input gradients): what is still missing
+        belongs to a child that did not run on this rank; it goes with zeros, where the other ranks reduce it."""
+        if not self.sync:
+            return
+        for unit in self._own.get(block, []):
+            if unit.trainable and self._wanted(unit) and unit not in self._deferred:
+                self._block_complete.add(unit)
+        if self._reduce_order is not None:
+            launch_in_order(self)
+            return
+        for unit in self._own.get(block, []):
+            if unit in self._block_complete and unit not in self._reduced:
+                self._block_missing += self._reduce(unit)
 
     # -- gather / release / prefetch -----------------------------------------------------------------------
     def _note_live(self, delta: int) -> None:
@@ -345,6 +383,13 @@ class PartitionedParamsRuntime:
         if unit.state is UnitState.SHARDED:
             self._note_live(unit.numel)
         unit.gather(async_op=async_op)
+
+    def _start_gather(self, units: list[ParamUnit]) -> None:
+        """One all-gather for all these sharded units (coalesced.py)."""
+        if units:
+            for unit in units:
+                self._note_live(unit.numel)
+            gather_together(units, self.comm)
 
     def _release(self, unit: ParamUnit) -> None:
         if unit.state is not UnitState.SHARDED and not unit.persistent:
@@ -358,17 +403,49 @@ class PartitionedParamsRuntime:
             if self._active[unit] == 0:
                 self._release(unit)
 
-    def _prefetch(self, position: int, backward: bool) -> None:
-        """Start gathering the units of the modules that run next, up to ``prefetch_bucket_size`` elements."""
-        budget = self.config.prefetch_bucket_size
-        for mod in self.trace.upcoming(position, backward):
-            for unit in self._units_for(mod):
-                if unit.state is not UnitState.SHARDED:
+    def _fetch(self, units: list[ParamUnit], position: Optional[int], backward: bool) -> None:
+        """Gather a module's ``units`` and, following the trace from ``position``, the next prefetch batch, in one
+        collective; return once ``units`` are gathered."""
+        batch = list(dict.fromkeys(u for u in units if u.state is UnitState.SHARDED))
+        if position is not None and self.trace.following:
+            batch += self._next_prefetch(position, backward, set(batch))
+        self._start_gather(batch)
+        for unit in units:
+            unit.wait()
+
+    def _next_prefetch(self, position: int, backward: bool, taken: set) -> list[ParamUnit]:
+        """The sharded units of the modules that run next, up to ``prefetch_bucket_size`` elements, taken in trace
+        order from a cursor (never rescanning the trace). The next batch is taken when the module that ends the
+        previous one runs, so at most ``prefetch_bucket_size`` elements are gathered ahead of use."""
+        cursor = self._prefetch_state[backward]
+        step = -1 if backward else 1
+        if cursor.last is None or (position - cursor.last) * step <= 0:  # a new pass over the trace
+            cursor.next, cursor.trigger = position + step, position
+        cursor.last = position
+        if (cursor.trigger - position) * step > 0:
+            return []  # the previous batch is still ahead
+        order, index = self.trace.order, cursor.next
+        if (position + step - index) * step > 0:
+            index = position + step
+        budget, live, batch = self.config.prefetch_bucket_size, self.live_elements, []
+        while 0 <= index < len(order):
+            fits = True
+            for unit in self._units_for(order[index]):
+                if unit.state is not UnitState.SHARDED or unit in taken:
                     continue
-                if unit.numel > budget or self.live_elements + unit.numel > self.config.max_live_parameters:
-                    return
+                if unit.numel > budget or live + unit.numel > self.config.max_live_parameters:
+                    fits = False
+                    break
                 budget -= unit.numel
-                self._gather(unit, async_op=True)
+                live += unit.numel
+                taken.add(unit)
+                batch.append(unit)
+            if not fits:
+                break  # this module's remaining units wait for the next batch
+            index += step
+        cursor.next = index
+        cursor.trigger = index - step if batch else index
+        return batch
 
     # -- gradients -----------------------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
@@ -383,6 +460,21 @@ class PartitionedParamsRuntime:
         self._skipped_positions: set[int] = set()  # trace positions this rank skipped in those forwards
         self._skipped_units: set[ParamUnit] = set()  # their units, once backward passed their place
         self._reduce_cursor = 0  # next unit of _reduce_order to reduce-scatter
+        self._wanted_counts: dict[ParamUnit, int] = {}  # _wanted, for this backward
+        self._block_complete: set[ParamUnit] = set()  # units of blocks whose backward is over (_block_backward_done)
+        self._block_missing: list[str] = []  # parameters those reductions found without a gradient
+        self._open_blocks.clear()
+        self._bucket: list[ParamUnit] = []  # units staged for the next coalesced reduce-scatter
+        self._bucket_filled = 0
+        self._staging: Optional[torch.Tensor] = None
+        self._prefetch_state[True] = _Cursor()
+
+    def _wanted(self, unit: ParamUnit) -> int:
+        """How many of ``unit``'s parameters take part in this backward (``active_count``, read once per unit)."""
+        count = self._wanted_counts.get(unit)
+        if count is None:
+            count = self._wanted_counts[unit] = unit.active_count()
+        return count
 
     def _enter_backward(self) -> None:
         self._in_backward = True
@@ -396,53 +488,77 @@ class PartitionedParamsRuntime:
             return
         self._enter_backward()
         self._seen[unit] += 1
-        if unit in self._deferred:
-            return
+        if unit in self._deferred or self._seen[unit] < self._wanted(unit):
+            return  # an incomplete unit unblocks nothing
         if self._reduce_order is not None:
             launch_in_order(self)
-        elif self._seen[unit] >= unit.active_count() and unit not in self._reduced:
+        elif unit not in self._reduced:
             self._reduce(unit)
 
+    def _bucket_numel(self) -> int:
+        """Elements of a coalesced reduce-scatter: ``reduce_bucket_size``, or what the trainable units hold if
+        less, or ``max_live_parameters`` if less (a run tuned for the least memory keeps its gradient scratch
+        small too); never less than the largest unit."""
+        total = sum(u.numel for u in self.parts)
+        largest = max((u.numel for u in self.parts), default=1)
+        return max(largest, min(self.config.reduce_bucket_size, total, self.config.max_live_parameters), 1)
+
     def _reduce(self, unit: ParamUnit) -> list[str]:
+        """Stage ``unit``'s gradients into the reduction bucket (freeing ``param.grad``); a full bucket is
+        reduce-scattered in one collective. Every rank fills buckets in the same unit order (the agreed reduce
+        order), so their collectives pair up."""
         self._reduced.add(unit)
-        staging = self.pool.acquire(unit.numel, unit.dtype)
-        missing = unit.stage_grads(staging)
-        scratch = self.pool.acquire(unit.layout.shard_numel, unit.dtype)
-        overlap = self.config.resolved_overlap_comm
-        works = unit.reduce_scatter_into_shard(staging, scratch, async_op=overlap)
-        self._inflight.append((unit, works, staging, scratch))
-        self._complete_inflight(keep=self.MAX_IN_FLIGHT if overlap else 0)
+        if self._bucket and (self._bucket[0].dtype != unit.dtype
+                             or self._bucket_filled + unit.numel > self.pool.largest):
+            self._flush_bucket()
+        if self._staging is None:
+            self._staging = self.pool.acquire(self.pool.largest, unit.dtype, zeroed=False)
+        missing = unit.stage_grads(self._staging[self._bucket_filled : self._bucket_filled + unit.numel])
+        self._bucket.append(unit)
+        self._bucket_filled += unit.numel
+        # While the collectives are checked (the first trace is recorded, when ranks' orders may still differ),
+        # each unit goes alone, so that a mismatch is caught and named by its module.
+        if self._bucket_filled >= min(self.config.reduce_bucket_size, self.pool.largest) or self.comm.check:
+            self._flush_bucket()
         return missing
+
+    def _flush_bucket(self) -> None:
+        if not self._bucket:
+            return
+        overlap = self.config.resolved_overlap_comm
+        batch = CoalescedReduce(self._bucket, self._staging, self.comm, async_op=overlap)
+        self._inflight.append((batch, self._staging))
+        self._bucket, self._bucket_filled, self._staging = [], 0, None
+        self._complete_inflight(keep=self.MAX_IN_FLIGHT if overlap else 0)
 
     def _complete_inflight(self, keep: int = 0) -> None:
         split = max(len(self._inflight) - keep, 0)
         done, self._inflight = self._inflight[:split], self._inflight[split:]
-        for unit, works, staging, scratch in done:
-            for work in works:
-                if work is not None:
-                    work.wait()
-            unit.grad_shard.add_(scratch[: unit.layout.shard_numel])
-            if unit.on_grad_reduced is not None:
-                unit.on_grad_reduced(unit, None)
+        for batch, staging in done:
+            batch.finish()
+            for unit in batch.units:
+                if unit.on_grad_reduced is not None:  # offload: copy the reduced shard to the host now
+                    unit.on_grad_reduced(unit, None)
             self.pool.release(staging)
-            self.pool.release(scratch)
 
     def _finish_backward(self, only: Optional[set] = None) -> None:
         """End of backward: reduce what no hook completed (fixed order), wait, release every gathered unit.
         Under no_sync nothing is reduced: the gradients wait in ``param.grad`` for the next synced backward.
         Units none of whose parameters requires a gradient now (frozen for this backward) wait too.
         ``only``: flush just these units (one optimizer's step), whatever their requires_grad."""
-        unused, pending = [], self.unsynced_grads and not self.sync
+        unused, pending = list(self._block_missing), self.unsynced_grads and not self.sync
         if self.sync:
             for unit in self._reduce_order if self._reduce_order is not None else reversed(self.parts):
                 skip = unit not in only if only is not None else unit.active_count() == 0
                 if unit not in self._reduced and not skip:
                     unused += self._reduce(unit)
+            self._flush_bucket()
             self._complete_inflight()
         self._active.clear()  # a recomputation that stopped early left no open forward behind
         self.release_all()
         self._reset_backward_state()
-        self.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
+        with unguarded():
+            self.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
         if unused and not self.config.ignore_unused_parameters:
             self.comm.guard.fail(  # raised on every rank: the others would otherwise wait for this one
                 f"rank {self.comm.topology.rank}: parameters got no gradient in this backward: {', '.join(unused)}. "
@@ -497,9 +613,11 @@ class PartitionedParamsRuntime:
         reduce-scatters) and free what they gathered. ``communicate=False`` (the process group is gone): drop
         the handles instead of waiting."""
         if communicate:
+            self._flush_bucket()
             self._complete_inflight()
         else:
             self._inflight = []
+            self._bucket, self._bucket_filled, self._staging = [], 0, None
         for unit in self.units:
             if not communicate:
                 unit.drop_pending()

@@ -20,6 +20,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
+from ..master_shards import master_tiles
 from .aio import AioPool, Transfer
 from .host_masters import HostMasterShards
 from .nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
@@ -122,23 +123,6 @@ class OptimizerOffload:
                 stacklevel=5,
             )
 
-    def _tiles(self, parts: list, used: list[list[bool]]) -> list[list[tuple]]:
-        """(piece, grad slice, part, piece index) of every piece whose parameter got a gradient, grouped into
-        tiles of at most sub_group_size elements."""
-        tiles, current, size = [], [], 0
-        for part, mask in zip(parts, used):
-            grads, masters = part.grad_shards(), part.master_shards
-            for index, (piece, fragment) in enumerate(zip(masters.params, masters.pieces)):
-                if not mask[fragment.param_index]:
-                    continue  # no rank produced a gradient: not stepped (grad stays None)
-                grad = grads[fragment.bucket][fragment.shard_range.as_slice()]
-                if current and size + grad.numel() > self.sub_group_size:
-                    tiles.append(current)
-                    current, size = [], 0
-                current.append((piece, grad, part, index))
-                size += grad.numel()
-        return tiles + ([current] if current else [])
-
     def _host_bucket(self, part, bucket: int, numel: int) -> torch.Tensor:
         """The host fp32 gradient buffer of one bucket shard (device 'cpu': kept; 'nvme': only for this tile)."""
         if self.swapper is not None:  # only the tile's gradients are in memory
@@ -192,7 +176,7 @@ class OptimizerOffload:
         """Copy the gradients to the host, step ``optimizer`` tile by tile, write NVMe tiles back."""
         self.use_fused(optimizer)
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
-        tiles = self._tiles(parts, used)
+        tiles = master_tiles(parts, used, self.sub_group_size)
         swap = self.swapper
         copied: set = set()  # buckets copied to the host in this step
         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
