@@ -207,12 +207,15 @@ def rss_worker(args) -> None:
         f.write("5")
     after_setup = _status_bytes("VmRSS")
     x = torch.randn(8, width)
+    start = time.perf_counter()
     for _ in range(args.steps):
         engine.backward(engine.module(x).square().mean())
         engine.step()
+    seconds_per_step = (time.perf_counter() - start) / args.steps
     stats = engine.memory_stats()
     print(json.dumps({"offload": args.offload, "params": numel, "setup_peak_rss_bytes": setup_peak,
                       "rss_after_setup_bytes": after_setup, "peak_rss_bytes": _status_bytes("VmHWM"),
+                      "seconds_per_step": seconds_per_step,
                       "memory_stats": stats}))
     engine.remove_offload_files()
     dist.destroy_process_group()
