@@ -59,7 +59,11 @@ class ParamUnit:
         self.state = UnitState.GATHERED
         self._works: list = []
         self._source: Optional[torch.Tensor] = None
-        self.swap = None  # offload_param nvme (zero_core/offload/param_swap.py): the shard lives in a file
+        # offload_param (zero_core/offload): the shard was moved off the accelerator; with nvme it lives in a file
+        # (param_swap.py), ``shard`` is empty between uses and ``swapped_shard`` is its (numel, dtype)
+        self.offloaded = False
+        self.swap = None
+        self.swapped_shard: Optional[tuple[int, torch.dtype]] = None
         self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()

@@ -21,7 +21,7 @@ def offload_param_shards(runtime, units: list, config, rank: int) -> None:
     """Move the shard of every stage 3 unit in ``units`` not offloaded yet off the accelerator; fp32 masters
     that were views of it follow it (frozen units have none)."""
     block = config.offload_param
-    units = [u for u in units if not getattr(u, "offloaded", False)]
+    units = [u for u in units if not u.offloaded]
     if block is None or block.device == "none" or not units:
         return
     pin = pinning(block.pin_memory)
