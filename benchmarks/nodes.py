@@ -38,6 +38,8 @@ VARIANTS = {
     "ddp": None,
     "zero3": Z3,
     "zero3+hpZ": {**Z3, "zero_hpz_partition_size": PER_NODE},
+    "zero3+qwZ": {**Z3, "zero_quantized_weights": True},
+    "zero3+qgZ": {**Z3, "zero_quantized_gradients": True},
     "zero3+qwZ+qgZ": {**Z3, "zero_quantized_weights": True, "zero_quantized_gradients": True},
     "ZeRO++ (qwZ+hpZ+qgZ)": {**Z3, "zero_quantized_weights": True, "zero_quantized_gradients": True,
                              "zero_hpz_partition_size": PER_NODE},

@@ -43,7 +43,6 @@ class Paths:
         self.topology = comm.topology
         self._secondary: dict = {}  # hpZ: gathered-buffer key -> this rank's in-node slice of its last forward
         self.codec_seconds = 0.0  # CPU time spent quantising and dequantising (benchmarks/nodes.py reports it)
-        self._rounding: Optional[torch.Generator] = None  # qgZ's stochastic rounding: its own stream, per rank
 
     def _timed(self, fn, *args):
         start = time.perf_counter()
@@ -122,7 +121,7 @@ class Paths:
     # -- qgZ ---------------------------------------------------------------------------------------------
     def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool):
         """Sum ``input`` over ranks into this rank's slice, through an all-to-all inside the node and then one
-        across nodes, each sending int4 codes with per-block scales (stochastic rounding: unbiased); partial sums are fp32."""
+        across nodes, each sending int4 codes with per-block scales (rounded to nearest); partial sums are fp32."""
         topology, numel = self.topology, output.numel()
         mesh = topology.mesh
         nodes, per_node = (mesh.size(0), mesh.size(1)) if mesh is not None else (1, topology.world_size)
@@ -138,9 +137,7 @@ class Paths:
 
     def _all_to_all_sum(self, rows: torch.Tensor, group, call) -> torch.Tensor:
         """Row i goes to member i (int4 on the wire); the rows received are summed in fp32."""
-        if self._rounding is None:
-            self._rounding = torch.Generator(device=rows.device).manual_seed(0x5EED + dist.get_rank())
-        packed = self._timed(_quantize.quantize, rows, 4, _quantize.GRAD_BLOCK, self._rounding)
+        packed = self._timed(_quantize.quantize, rows, 4, _quantize.GRAD_BLOCK)
         codes, scales = torch.empty_like(packed.codes), torch.empty_like(packed.scales)
         self.comm.count_link("reduce_scatter", group, packed.codes[0].numel() + packed.scales[0].numel() * 4)
         self.comm.run(call, lambda a: dist.all_to_all_single(codes, packed.codes, group=group, async_op=a))
