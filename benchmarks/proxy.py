@@ -8,8 +8,9 @@ per unit (hooks, gathers, bookkeeping). This benchmark makes that cost visible o
 LayerNorm + Linear 64->128->64 on a batch of 2x16, AdamW, one process (gloo, world size 1; there is no special
 path for world size 1, so the per-unit work is what any world size pays). Each implementation is built fresh
 on the same model, data and seed; the figure is process CPU time per step, the best of the interleaved
-repeats. It reports the overhead per block per step against plain training and the collectives per block per
-step (a block holds three modules with parameters; stage 3 makes each a unit).
+repeats. It reports the overhead per block per step against plain training and the collectives per block and,
+for stage 3, per unit per step (a block holds three modules with parameters, each a unit; stage 3 hooks the
+block as a whole and coalesces the units' collectives).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ def measure(impl: str, args, zero_config: dict) -> dict:
     if engine is not None:
         stats = engine.comm_stats()
         result["collectives_per_step"] = {k: v["calls"] / args.steps for k, v in stats.items()}
+        units = getattr(getattr(engine, "runtime", None), "units", None)
+        if units is not None and int(impl[-1]) == 3:
+            result["units"] = len(units)
     return result
 
 
@@ -145,14 +149,19 @@ def report(best: dict, args) -> None:
     plain = best["plain"]["step_s"]
     print(f"CPU proxy: {args.blocks} blocks of LayerNorm + Linear {args.width}->{args.hidden}->{args.width}, batch "
           f"{args.batch}x{args.seq}, AdamW, world size 1; process CPU time per step, best of {args.repeats}")
-    print("| implementation | ms per step | × plain | overhead ms per block per step | collectives per block per step |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| implementation | ms per step | × plain | overhead ms per block per step | collectives per block per step "
+          "| collectives per unit per step |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for impl, result in best.items():
         ms = result["step_s"] * 1e3
         per_block = (result["step_s"] - plain) * 1e3 / args.blocks
         calls = result.get("collectives_per_step")
         per_block_calls = ", ".join(f"{k} {v / args.blocks:.2f}" for k, v in sorted(calls.items())) if calls else "–"
-        print(f"| {impl} | {ms:.1f} | {result['step_s'] / plain:.2f} | {per_block:+.3f} | {per_block_calls} |")
+        units = result.get("units")
+        per_unit_calls = ", ".join(f"{k} {v / units:.3f}" for k, v in sorted(calls.items())
+                                   if k != "all_reduce") + f" ({units} units)" if calls and units else "–"
+        print(f"| {impl} | {ms:.1f} | {result['step_s'] / plain:.2f} | {per_block:+.3f} | {per_block_calls} "
+              f"| {per_unit_calls} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": best}, f, indent=1)

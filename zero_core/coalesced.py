@@ -66,30 +66,50 @@ class CoalescedGather:
         self._recv, self._work = None, None
 
 
-class CoalescedReduce:
-    """Gradients of several units (staged in unit layout, side by side in ``staging``) averaged over ranks with
-    one reduce-scatter; ``finish`` waits and adds each unit's part to its gradient shard."""
+class ReduceBucket:
+    """Gradients of consecutive units staged rank-major for one reduce-scatter: row ``r`` of the buffer holds
+    what rank ``r`` receives, each unit's shard-shaped part side by side (``ParamUnit.stage_grads`` writes
+    there directly, so there is no second copy). Rows are sized for a full bucket; ``send`` closes the gaps of
+    a bucket that is sent partly filled."""
 
-    def __init__(self, units: Sequence["ParamUnit"], staging: torch.Tensor, comm: "Communicator",
-                 async_op: bool) -> None:
-        self.units = list(units)
-        world = comm.topology.world_size
-        total = sum(u.numel for u in self.units)
-        shard_total = total // world
-        staging[:total].div_(world)
+    def __init__(self, buffer: torch.Tensor, world: int) -> None:
+        self.buffer, self.world = buffer, world
+        self.per_rank = buffer.numel() // world
+        self.by_rank = buffer[: world * self.per_rank].view(world, self.per_rank)
+        self.units: list = []
+        self.filled = 0  # columns used
+
+    def fits(self, unit: "ParamUnit") -> bool:
+        return self.filled + unit.layout.shard_numel <= self.per_rank
+
+    def add(self, unit: "ParamUnit") -> list[str]:
+        missing = unit.stage_grads(self.by_rank, self.filled)
+        self.units.append(unit)
+        self.filled += unit.layout.shard_numel
+        return missing
+
+    def send(self) -> torch.Tensor:
+        """The buffer as the reduce-scatter input: ``world`` rows of ``filled`` elements, contiguous."""
+        width = self.filled
+        if width < self.per_rank:
+            for row in range(1, self.world):
+                source = self.buffer[row * self.per_rank : row * self.per_rank + width]
+                if row * self.per_rank < (row + 1) * width:  # overlapping ranges: copy through a temporary
+                    source = source.clone()
+                self.buffer[row * width : (row + 1) * width].copy_(source)
+        return self.buffer[: self.world * width]
+
+
+class CoalescedReduce:
+    """A full (or final) ``ReduceBucket`` averaged over ranks with one reduce-scatter; ``finish`` waits and adds
+    each unit's part to its gradient shard."""
+
+    def __init__(self, bucket: ReduceBucket, comm: "Communicator", async_op: bool) -> None:
+        self.units = bucket.units
+        send = bucket.send()
+        send.div_(bucket.world)
         first = self.units[0]
-        if len(self.units) == 1 and len(first.layout.buckets) == 1:
-            send = staging[:total]  # already rank-major: no copy
-        else:  # one copy-in op: every bucket of every unit, rank-major
-            send = torch.empty(total, dtype=first.dtype, device=first.device)
-            pieces, start = [], 0
-            for unit in self.units:
-                pieces += [staging[start + b.range.start : start + b.range.end].view(world, b.shard_size)
-                           for b in unit.layout.buckets]
-                start += unit.numel
-            torch.cat(pieces, dim=1, out=send.view(world, shard_total))
-        self._send = send
-        self.result = torch.empty(shard_total, dtype=first.dtype, device=first.device)
+        self.result = torch.empty(bucket.filled, dtype=first.dtype, device=first.device)
         self._work = comm.reduce_scatter(self.result, send, async_op=async_op, label=_label(self.units))
 
     def finish(self) -> None:
@@ -97,4 +117,4 @@ class CoalescedReduce:
             self._work.wait()
         parts = self.result.split([unit.layout.shard_numel for unit in self.units])
         torch._foreach_add_([unit.grad_shard for unit in self.units], parts)
-        self._send, self._work = None, None
+        self._work = None

@@ -255,8 +255,7 @@ def _scratch_bytes(info: ModelInfo, cfg: ZeroConfig, n: int, stage: int) -> int:
     """Elements of the scratch pool after a step: each reduction takes a reduce-scatter output of one shard and,
     for stages 2-3, a staging buffer of its whole bucket or unit; replayed in backward order through the pool."""
     if stage == 3:
-        pieces = [(layout.total, layout.shard_numel) for trainable, numels in _units(info) if trainable
-                  for layout in [compute_layout(numels, n, cfg.reduce_bucket_size)]]
+        return _stage3_scratch(info, cfg, n)
     else:
         bucket = min(cfg.reduce_bucket_size, cfg.allgather_bucket_size)
         pieces = [(b.range.size, b.shard_size) for layout in _flat_layouts(info, n, bucket) for b in layout.buckets]
@@ -265,6 +264,19 @@ def _scratch_bytes(info: ModelInfo, cfg: ZeroConfig, n: int, stage: int) -> int:
     cap = max(whole for whole, _ in pieces)
     keep = _IN_FLIGHT if cfg.resolved_overlap_comm else 0
     return _replay_pool([[s] + ([w] if stage >= 2 else []) for w, s in reversed(pieces)], cap, keep)
+
+
+def _stage3_scratch(info: ModelInfo, cfg: ZeroConfig, n: int) -> int:
+    """Stage 3 reduces gradients in coalesced buckets (stage3.py ``_bucket_numel``): each bucket buffer holds
+    ``min(reduce_bucket_size, the trainable units, max_live_parameters)`` elements, at least the largest unit.
+    The first step reduces unit by unit (its collectives are checked), so the pool holds one bucket per unit up
+    to the buckets in flight plus the one filling: two with ``overlap_comm``, one without."""
+    totals = [compute_layout(numels, n, cfg.reduce_bucket_size).total for trainable, numels in _units(info)
+              if trainable]
+    if not totals:
+        return 0
+    bucket = max(max(totals), min(cfg.reduce_bucket_size, sum(totals), cfg.max_live_parameters), 1)
+    return min(len(totals), 2 if cfg.resolved_overlap_comm else 1) * bucket
 
 
 def _replay_pool(requests: list[list[int]], cap: int, keep: int) -> int:

@@ -100,6 +100,7 @@ def _shadow_stage3_pass(runtime) -> None:
     for unit in runtime._reduce_order[runtime._reduce_cursor:]:
         if unit not in runtime._reduced and unit.active_count():
             runtime._reduce(unit)  # units no trace position holds: reduced last, as at the end of a backward
+    runtime._flush_bucket()  # the last, partly filled reduction bucket, as _finish_backward sends it
     runtime._complete_inflight()
     runtime._active.clear()
     runtime.release_all()

@@ -196,35 +196,31 @@ class ParamUnit:
             return []
         return [self._bucket_shard(self.grad_shard, b.index) for b in self.layout.buckets]
 
-    def stage_grads(self, staging: torch.Tensor) -> list[str]:
-        """Copy each parameter's ``.grad`` into ``staging`` (unit layout, any prior content) and free it; the
-        padding and parameters without a gradient get zeros. Names of trainable parameters with none (a frozen
-        one contributes zeros)."""
+    def stage_grads(self, by_rank: torch.Tensor, column: int) -> list[str]:
+        """Copy each parameter's ``.grad`` into ``by_rank`` and free it. ``by_rank`` is a coalesced reduction's
+        rank-major buffer (row ``r``: what rank ``r`` receives); this unit's shard-shaped part starts at
+        ``column``, so bucket ``b`` occupies ``by_rank[:, column + offset_b :][:, :shard_size_b]`` with its flat
+        elements in row-major order. Padding and parameters without a gradient get zeros. Returns the names of
+        trainable parameters with none (a frozen one contributes zeros)."""
+        missing = []
         with unguarded():
-            grads = [param.grad for param in self.params]
-            if len(self.layout.buckets) == 1 and all(g is not None and g.dtype == staging.dtype for g in grads):
-                torch.cat([g.reshape(-1) for g in grads], out=staging[: self.layout.numel])  # one op, the usual case
-                staging[self.layout.numel : self.numel].zero_()
-                for param in self.params:
-                    param.grad = None
-                return []
-        missing, written = [], 0
-        with unguarded():
-            for param, slot, name in zip(self.params, self.layout.slots, self.names):
-                target = staging[slot.range.as_slice()]
-                grad = param.grad
-                if grad is None:
-                    target.zero_()
-                    if param.requires_grad:
-                        missing.append(name)
-                    continue
-                target.copy_(grad.reshape(-1))
-                written += slot.range.size
-                param.grad = None
-        if written < self.layout.total:  # bucket padding (parameter slots are contiguous inside a bucket)
-            for bucket in self.layout.buckets:
-                end = self.layout.slots[bucket.param_indices[-1]].range.end
-                staging[end : bucket.range.end].zero_()
+            for bucket, offset in zip(self.layout.buckets, self._offsets):
+                size = bucket.shard_size
+                target = by_rank[:, column + offset : column + offset + size]
+                used = bucket.range.start
+                for index in bucket.param_indices:
+                    param, slot = self.params[index], self.layout.slots[index]
+                    grad = param.grad
+                    start, end = slot.range.start - bucket.range.start, slot.range.end - bucket.range.start
+                    if grad is None:
+                        _write_rows(target, start, end, None)
+                        if param.requires_grad:
+                            missing.append(self.names[index])
+                    else:
+                        _write_rows(target, start, end, grad.reshape(-1))
+                        param.grad = None
+                    used = slot.range.end
+                _write_rows(target, used - bucket.range.start, bucket.range.size, None)  # padding
         return missing
 
     def zero_grads(self) -> None:
@@ -263,3 +259,19 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
         for unit in plain:
             unit._works = [batch]
             unit.state = UnitState.GATHERING
+
+
+def _write_rows(target: torch.Tensor, start: int, end: int, values: Optional[torch.Tensor]) -> None:
+    """Write flat elements ``[start, end)`` of the row-major 2-D view ``target`` (zeros when ``values`` is None):
+    one copy per row the range spans."""
+    width = target.shape[1]
+    while start < end:
+        row, column = divmod(start, width)
+        stop = min(end, (row + 1) * width)
+        piece = target[row, column : column + stop - start]
+        if values is None:
+            piece.zero_()
+        else:
+            piece.copy_(values[: stop - start])
+            values = values[stop - start :]
+        start = stop

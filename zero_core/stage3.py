@@ -28,7 +28,7 @@ from .execution_trace import ExecutionTrace
 from .external_params import registered_externals
 from .layout import compute_layout
 from .leaf_modules import leaf_of, z3_leaf_module
-from .coalesced import CoalescedReduce
+from .coalesced import CoalescedReduce, ReduceBucket
 from .param_unit import ParamUnit, UnitState, gather_together
 from .partitioned_param import mark_partitioned, unguarded
 
@@ -52,7 +52,7 @@ def eager(hook):
 class PartitionedParamsRuntime:
     """Owns the units, the module hooks, prefetch, and gradient reduction for stage 3."""
 
-    MAX_IN_FLIGHT = 2
+    MAX_IN_FLIGHT = 1  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
 
     def __init__(self, module, trainable_by_group, names, config: ZeroConfig, comm: Communicator) -> None:
         self.module = module
@@ -466,9 +466,7 @@ class PartitionedParamsRuntime:
         self._block_complete: set[ParamUnit] = set()  # units of blocks whose backward is over (_block_backward_done)
         self._block_missing: list[str] = []  # parameters those reductions found without a gradient
         self._open_blocks.clear()
-        self._bucket: list[ParamUnit] = []  # units staged for the next coalesced reduce-scatter
-        self._bucket_filled = 0
-        self._staging: Optional[torch.Tensor] = None
+        self._bucket: Optional[ReduceBucket] = None  # units staged for the next coalesced reduce-scatter
         self._prefetch_state[True] = _Cursor()
 
     def _wanted(self, unit: ParamUnit) -> int:
@@ -510,27 +508,26 @@ class PartitionedParamsRuntime:
         reduce-scattered in one collective. Every rank fills buckets in the same unit order (the agreed reduce
         order), so their collectives pair up."""
         self._reduced.add(unit)
-        if self._bucket and (self._bucket[0].dtype != unit.dtype
-                             or self._bucket_filled + unit.numel > self.pool.largest):
+        if self._bucket is not None and (self._bucket.buffer.dtype != unit.dtype or not self._bucket.fits(unit)):
             self._flush_bucket()
-        if self._staging is None:
-            self._staging = self.pool.acquire(self.pool.largest, unit.dtype, zeroed=False)
-        missing = unit.stage_grads(self._staging[self._bucket_filled : self._bucket_filled + unit.numel])
-        self._bucket.append(unit)
-        self._bucket_filled += unit.numel
+        if self._bucket is None:
+            buffer = self.pool.acquire(self.pool.largest, unit.dtype, zeroed=False)
+            self._bucket = ReduceBucket(buffer, self.comm.topology.world_size)
+        missing = self._bucket.add(unit)
         # While the collectives are checked (the first trace is recorded, when ranks' orders may still differ),
         # each unit goes alone, so that a mismatch is caught and named by its module.
-        if self._bucket_filled >= min(self.config.reduce_bucket_size, self.pool.largest) or self.comm.check:
+        filled = self._bucket.filled * self._bucket.world
+        if filled >= min(self.config.reduce_bucket_size, self.pool.largest) or self.comm.check:
             self._flush_bucket()
         return missing
 
     def _flush_bucket(self) -> None:
-        if not self._bucket:
+        if self._bucket is None:
             return
         overlap = self.config.resolved_overlap_comm
-        batch = CoalescedReduce(self._bucket, self._staging, self.comm, async_op=overlap)
-        self._inflight.append((batch, self._staging))
-        self._bucket, self._bucket_filled, self._staging = [], 0, None
+        batch = CoalescedReduce(self._bucket, self.comm, async_op=overlap)
+        self._inflight.append((batch, self._bucket.buffer))
+        self._bucket = None
         self._complete_inflight(keep=self.MAX_IN_FLIGHT if overlap else 0)
 
     def _complete_inflight(self, keep: int = 0) -> None:
@@ -619,7 +616,7 @@ class PartitionedParamsRuntime:
             self._complete_inflight()
         else:
             self._inflight = []
-            self._bucket, self._bucket_filled, self._staging = [], 0, None
+            self._bucket = None
         for unit in self.units:
             if not communicate:
                 unit.drop_pending()
