@@ -47,6 +47,7 @@ class CoalescedGather:
             send = first.gather_source()  # held by the unit until its wait()
         self._recv: Optional[torch.Tensor] = (
             first.full if self._in_place else torch.empty(world * shard_total, dtype=first.dtype, device=first.device))
+        self._scratch = [t for t in (send, self._recv) if len(self.units) > 1 or t is self._recv and not self._in_place]
         self._shard_total = shard_total
         self._work = comm.all_gather(self._recv, send, async_op=True, label=_label(self.units))
 
@@ -59,7 +60,11 @@ class CoalescedGather:
             targets = [view for unit in self.units for view in unit.rank_views]
             torch.split_with_sizes_copy(self._recv.view(-1, self._shard_total), [t.shape[1] for t in targets], dim=1,
                                         out=targets)
-        self._recv, self._work = None, None
+        # The comm layer keeps its latest works (and so their tensors) referenced (comm.py, _RETAINED_WORKS): free
+        # the send and receive buffers' memory now, or a few batches' worth would stay allocated.
+        for scratch in self._scratch:
+            scratch.untyped_storage().resize_(0)
+        self._recv, self._work, self._scratch = None, None, []
 
     def drop(self) -> None:
         """Forget the collective without waiting (teardown after the process group is gone)."""
