@@ -131,9 +131,11 @@ def test_gathered_node_directories_consolidate_to_the_saved_weights(saved, stage
         assert torch.equal(tensor, expected[name]), name
 
 
-def test_gather_names_a_missing_node(saved):
+def test_gather_names_a_missing_node_and_a_node_directory_alone_is_refused(saved):
     from zero_core.checkpoint.cli import main
 
     root, _ = saved
+    with pytest.raises(SystemExit, match="only node 1's directory of a node-local checkpoint"):
+        main(["consolidate", str(root / "node1" / "ckpt" / "stage2"), str(root / "alone")])
     with pytest.raises(SystemExit, match=r"directories of node\(s\) \[1\] are missing"):
         main(["gather", str(root / "node0" / "ckpt" / "stage2"), "--out", str(root / "partial")])

@@ -16,8 +16,8 @@ import torch
 
 from .collective import agree, gather_json, run_agreed
 from .format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
-from .node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
 from .model_info import persistent_replicated_state, tied_aliases, trainable_shapes
+from .node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
 from .sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
 from .values import load_client_state
 from .verify import verify_files

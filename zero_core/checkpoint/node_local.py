@@ -86,6 +86,15 @@ def check_loadable_here(manifest: dict, path: Path, place: NodePlace, world_size
             "Gather the node directories first (zero-checkpoint gather NODE_DIR... --out DIR), then load DIR")
 
 
+def require_whole(manifest: dict, path: PathLike) -> None:
+    """Offline readers need every shard: a node directory holds only its node's."""
+    info = manifest.get(NODE_LOCAL)
+    if info is not None:
+        raise CheckpointError(
+            f"'{path}' is only node {info['node']}'s directory of a node-local checkpoint ({info['nodes']} nodes); "
+            "gather the node directories first: zero-checkpoint gather NODE_DIR... --out DIR, then use DIR")
+
+
 def files_to_verify(manifest: dict, place: NodePlace, rank: int) -> list:
     """A node directory's files are split between the node's own ranks, so each is read once."""
     return sorted(manifest["files"])[place.ranks.index(rank)::len(place.ranks)]

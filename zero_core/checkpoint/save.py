@@ -30,8 +30,8 @@ from .format import (
     FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
     tensor_key, write_json,
 )
-from .node_local import NODE_LOCAL, check_not_shared, leave_probe, node_place
 from .model_info import persistent_replicated_state, tied_aliases
+from .node_local import NODE_LOCAL, check_not_shared, leave_probe, node_place
 from .values import encode_hyperparameters, encode_value, save_client_state
 
 
