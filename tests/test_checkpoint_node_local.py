@@ -63,6 +63,33 @@ def _shared_directory_error(root: Path) -> str:
     return "no error"
 
 
+def _refusals(rank: int) -> dict:
+    """A node directory loaded by another topology (each node alone, 2 ranks), and a save under MiCS."""
+    import torch.distributed as dist
+
+    import zero_core
+    from models import build_model
+    from reference import make_optimizer
+    from zero_core.checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    out = {}
+    groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    model = build_model(MODEL)
+    alone = zero_core.setup(model, make_optimizer(model), _config(2), process_group=groups[rank // 2])
+    try:
+        load_checkpoint(alone, "ckpt/stage2")
+    except CheckpointError as error:
+        out["other_topology"] = str(error)
+    alone.close()
+    run = ZeroRun(MODEL, {**_config(2), "mics_shard_size": 2})
+    try:
+        save_checkpoint(run.engine, "ckpt/mics")
+    except CheckpointError as error:
+        out["mics"] = str(error)
+    run.engine.close()
+    return out
+
+
 def node_local_worker(rank: int, world_size: int, root: str) -> dict:
     home = Path(root) / f"node{os.environ['GROUP_RANK']}"  # this node's "local disk"
     home.mkdir(exist_ok=True)
@@ -71,6 +98,7 @@ def node_local_worker(rank: int, world_size: int, root: str) -> dict:
     try:
         out = {stage: _save_and_resume(stage, rank) for stage in STAGES}
         out["shared"] = _shared_directory_error(Path(root))
+        out["refused"] = _refusals(rank)
     finally:
         os.chdir(before)
     return out
@@ -129,6 +157,17 @@ def test_gathered_node_directories_consolidate_to_the_saved_weights(saved, stage
     assert sorted(state) == sorted(k for k in expected if k != "head.weight")  # the tied head is written once
     for name, tensor in state.items():
         assert torch.equal(tensor, expected[name]), name
+
+
+def test_a_node_directory_is_refused_by_another_topology_and_under_mics(saved):
+    _, per_rank = saved
+    for rank, result in enumerate(per_rank):
+        refused = result["refused"]
+        assert (f"is node {rank // 2}'s directory of a node-local checkpoint saved by 4 ranks on 2 node(s); this "
+                "rank is on node 0 of 1 with 2 ranks") in refused.get("other_topology", ""), refused
+        assert "zero-checkpoint gather" in refused["other_topology"]
+        assert "use_node_local_storage does not combine with zero_optimization.mics_shard_size" in refused.get(
+            "mics", ""), refused
 
 
 def test_gather_names_a_missing_node_and_a_node_directory_alone_is_refused(saved):
