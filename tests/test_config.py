@@ -50,6 +50,8 @@ DEEPSPEED_OFFLOAD_OPTIMIZER_DEFAULTS = {"device": "none", "nvme_path": None, "bu
                                         "pipeline_read": False, "pipeline_write": False, "fast_init": False}
 AIO_DEFAULTS = {"block_size": 1_048_576, "queue_depth": 8, "thread_count": 1, "single_submit": False,
                 "overlap_events": True}
+# DeepSpeed's checkpoint block (its parallel_write sub-block is not accepted: no pipeline parallelism here).
+CHECKPOINT_DEFAULTS = {"tag_validation": "Warn", "load_universal": False, "use_node_local_storage": False}
 # DeepSpeed's DeepSpeedZeroLeafModuleConfig (zero_optimization.leaf_module, after override_module_apply).
 DEEPSPEED_LEAF_MODULE_DEFAULTS = {
     "classes": ["transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
@@ -75,6 +77,7 @@ NON_DEFAULT = {
     "override_module_apply": (False, {}), "leaf_module": ({"names": ["layers.0.moe"]}, {}),
     "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
     "gradient_clipping": (1.5, {}), "gradient_accumulation_steps": (4, {}), "aio": ({"block_size": 4096}, {}),
+    "checkpoint": ({"use_node_local_storage": True}, {}),
 }
 
 
@@ -107,6 +110,7 @@ def test_defaults_equal_deepspeed():
     assert dataclasses.asdict(cfg.bf16) == {"enabled": False}
     assert (cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (0.0, 1)
     assert dataclasses.asdict(cfg.aio) == AIO_DEFAULTS
+    assert dataclasses.asdict(cfg.checkpoint) == CHECKPOINT_DEFAULTS
 
 
 def test_fields_are_deepspeed_fields_plus_run_fields():
@@ -410,7 +414,7 @@ def test_field_status_classification():
                 "max_live_parameters", "max_reuse_distance", "override_module_apply",
                 "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "offload_optimizer",
                 "leaf_module", "offload_param", "zero_hpz_partition_size", "zero_quantized_weights",
-                "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather"}
+                "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather", "checkpoint"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
               "sub_group_size", "memory_efficient_linear", "aio", "zero_quantized_nontrainable_weights"}
     assert list(FIELD_STATUS) == [f.name for f in dataclasses.fields(ZeroConfig)]
@@ -692,3 +696,14 @@ def test_invalid_input(build, message, tmp_path):
 def test_invalid_cases_are_many_and_distinct():
     assert len(INVALID) >= 35
     assert len({case_id for case_id, _, _ in INVALID}) == len(INVALID)
+
+
+def test_deepspeed_checkpoint_block_is_read():
+    cfg = ZeroConfig.from_dict({"zero_optimization": {"stage": 3},
+                                "checkpoint": {"use_node_local_storage": True, "tag_validation": "Fail"}})
+    assert cfg.checkpoint.use_node_local_storage and cfg.checkpoint.tag_validation == "Fail"
+    assert cfg.to_dict()["checkpoint"]["use_node_local_storage"] is True
+    with pytest.raises(ZeroConfigError, match="checkpoint.tag_validation"):
+        ZeroConfig.from_dict({"zero_optimization": {}, "checkpoint": {"tag_validation": "Loud"}})
+    with pytest.raises(ZeroConfigError, match="did you mean 'use_node_local_storage'"):
+        ZeroConfig.from_dict({"zero_optimization": {}, "checkpoint": {"use_node_local": True}})

@@ -36,7 +36,7 @@ from zero_core.config_loading import (
 )
 
 __all__ = [
-    "AioConfig", "BF16Config", "FIELD_STATUS", "FP16Config", "LeafModuleConfig", "OffloadOptimizerConfig",
+    "AioConfig", "BF16Config", "CheckpointConfig", "FIELD_STATUS", "FP16Config", "LeafModuleConfig", "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "ZeroConfig", "ZeroConfigError",
 ]
@@ -90,6 +90,14 @@ FIELD_STATUS = {
     "gradient_clipping": HONOURED,
     "gradient_accumulation_steps": _mapped("read by the front-ends; with the core API use engine.no_sync()"),
     "aio": _mapped("a thread pool doing positioned reads and writes (docs/offload.md)"),
+    "checkpoint": HONOURED,
+}
+
+# Fields of a block whose status differs from the block's own FIELD_STATUS (shown in docs/config.md).
+BLOCK_FIELD_STATUS = {
+    "checkpoint.tag_validation": _mapped("a checkpoint is a directory that all ranks agree on at every save step; "
+                                         "there is no tag to validate"),
+    "checkpoint.load_universal": _mapped("checkpoints always load at any world size and stage"),
 }
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -209,6 +217,23 @@ class AioConfig(Block):
 @checked_init
 @documented
 @dataclass
+class CheckpointConfig(Block):
+    """Checkpoint saving (the top-level ``checkpoint`` block); docs/checkpoints.md."""
+
+    _PATH: ClassVar[str] = "checkpoint"
+
+    tag_validation: str = setting("Warn", choices=("Ignore", "Warn", "Fail"),
+                                  doc="DeepSpeed's check that all ranks save under the same tag.")
+    load_universal: bool = setting(False, doc="DeepSpeed: load a universal (world-size independent) checkpoint.")
+    use_node_local_storage: bool = setting(
+        False,
+        doc="Each node writes only its own ranks' files, and its own manifest, to the checkpoint path on its own "
+            "(not shared) disk; `zero-checkpoint gather` joins the node directories into one checkpoint.")
+
+
+@checked_init
+@documented
+@dataclass
 class LeafModuleConfig(Block):
     """Stage 3 leaf modules (``zero_optimization.leaf_module``): a leaf's whole subtree is gathered and released as
     one unit, so children that run on some ranks only need no collective of their own (docs/stage3.md)."""
@@ -231,6 +256,7 @@ _BLOCKS = {
     "fp16": (FP16Config, False),
     "bf16": (BF16Config, False),
     "aio": (AioConfig, False),
+    "checkpoint": (CheckpointConfig, False),
 }
 
 
@@ -384,6 +410,9 @@ class ZeroConfig(Block):
     aio: AioConfig = setting(
         factory=AioConfig,
         doc="NVMe offload I/O: the top-level aio block (block_size, queue_depth, thread_count, ...).")
+    checkpoint: CheckpointConfig = setting(
+        factory=CheckpointConfig,
+        doc="Checkpoint saving: the top-level checkpoint block (use_node_local_storage, ...).")
 
     # --- construction hooks (see checked_init)
 
@@ -630,7 +659,8 @@ def _table(title: str, cls, names, prefix: str = "", status: str = "") -> list:
              "| --- | --- | --- | --- | --- | --- |"]
     for f in fields(cls):
         if f.name in names:
-            lines.append(_row(cls, f, prefix + f.name, status or FIELD_STATUS[f.name]))
+            path = prefix + f.name
+            lines.append(_row(cls, f, path, BLOCK_FIELD_STATUS.get(path) or status or FIELD_STATUS[f.name]))
     return lines + [""]
 
 
@@ -643,7 +673,7 @@ def markdown_tables() -> str:
         title = f"`{ZERO_SECTION}.{name}` block"
         lines += _table(title, block, _names(block), f"{name}.", FIELD_STATUS[name])
     lines += _table("Top-level run fields", ZeroConfig, RUN_FIELDS)
-    for name in ("fp16", "bf16", "aio"):
+    for name in ("fp16", "bf16", "aio", "checkpoint"):
         block = _BLOCKS[name][0]
         lines += _table(f"`{name}` block", block, _names(block), f"{name}.", FIELD_STATUS[name])
     lines += ["### Other DeepSpeed top-level keys", "",

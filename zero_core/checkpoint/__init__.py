@@ -3,6 +3,7 @@
     save_checkpoint(engine, path, client_state)        every rank; a directory appears at path when complete
     client_state = load_checkpoint(engine, path)       every rank; any world size and stage
     consolidate(path, out, dtype="bf16")               offline: Hugging Face-style safetensors shards + index
+    gather_node_dirs(node_dirs, out)                   offline: join a node-local save's node directories
     save_16bit_model(engine, out_dir)                  every rank: the live weights, streamed
 
 docs/checkpoints.md is the user's guide; docs/checkpoint-format.md describes the files.
@@ -11,8 +12,9 @@ docs/checkpoints.md is the user's guide; docs/checkpoint-format.md describes the
 from .consolidate import consolidate, export_optimizer_state, read_optimizer_states
 from .export16 import save_16bit_model
 from .format import CheckpointError, CheckpointMismatchError, read_manifest
-from .latest import latest_checkpoint
+from .latest import checkpoint_problem, latest_checkpoint
 from .load import load_checkpoint, load_full_state_dict
+from .node_local import gather as gather_node_dirs
 from .save import save_checkpoint
 from .summary import describe
 from .values import load_client_state
@@ -20,9 +22,11 @@ from .values import load_client_state
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
+    "checkpoint_problem",
     "consolidate",
     "describe",
     "export_optimizer_state",
+    "gather_node_dirs",
     "read_optimizer_states",
     "latest_checkpoint",
     "load_checkpoint",

@@ -3,10 +3,12 @@
     zero-checkpoint consolidate CKPT OUT --dtype bf16 --max-shard-size 5GB
     zero-checkpoint inspect CKPT [--verify true] [--tensors true]
     zero-checkpoint export-optimizer CKPT OUT.pt
+    zero-checkpoint gather NODE_DIR... --out CKPT      (node-local checkpoints: checkpoint.use_node_local_storage)
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from typing import Literal, Optional
@@ -58,6 +60,23 @@ def export_optimizer(checkpoint: str, out: str, verify: bool = True) -> None:
     print(f"wrote {export_optimizer_state(checkpoint, out, verify=verify)}")
 
 
+def gather(args: list[str]) -> None:
+    """``gather NODE_DIR... --out DIR`` (argparse: jsonargparse has no positional list of paths)."""
+    parser = argparse.ArgumentParser(
+        prog="zero-checkpoint gather",
+        description="Join the directories a node-local save (checkpoint.use_node_local_storage) wrote on each "
+                    "node, copied to one machine, into one checkpoint directory that reshards and consolidates "
+                    "like any other.")
+    parser.add_argument("node_dirs", nargs="+", help="every node's checkpoint directory, in any order")
+    parser.add_argument("--out", required=True, help="the checkpoint directory to write (replaced atomically)")
+    parser.add_argument("--verify", choices=("true", "false"), default="true",
+                        help="check every file's SHA-256 against its node's manifest first (default true)")
+    options = parser.parse_args(args)
+    from .node_local import gather as run
+
+    print(f"wrote {run(options.node_dirs, options.out, verify=options.verify == 'true')}")
+
+
 def _underscored(args: list[str]) -> list[str]:
     """Accept ``--max-shard-size`` as well as jsonargparse's own ``--max_shard_size``."""
     return [re.sub(r"^--[a-z0-9-]+", lambda m: m.group(0)[:2] + m.group(0)[2:].replace("-", "_"), a) for a in args]
@@ -68,6 +87,9 @@ def main(args: Optional[list[str]] = None) -> None:
 
     args = _underscored(sys.argv[1:] if args is None else list(args))
     try:
+        if args[:1] == ["gather"]:
+            gather(args[1:])
+            return
         auto_cli({"consolidate": consolidate, "inspect": inspect, "export-optimizer": export_optimizer}, args=args)
     except (CheckpointError, FileNotFoundError) as error:  # a bad checkpoint is the user's news, not a bug
         sys.exit(f"zero-checkpoint: error: {error}")

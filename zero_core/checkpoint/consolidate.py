@@ -23,6 +23,7 @@ from zero_core.layout import Range
 from .files import check_replaceable, publish, remove_stale_temps, temp_sibling
 from .format import CheckpointError, PathLike, group_optimizers, optimizer_classes, read_manifest
 from .hf_shards import INDEX, ShardedWriter, parse_size
+from .node_local import require_whole
 from .sources import ShardedSource
 from .verify import verify_files
 
@@ -42,6 +43,7 @@ def consolidate(path: PathLike, out: PathLike, dtype: DtypeName = "fp32", max_sh
     path, out = Path(path), Path(out).absolute()
     max_bytes = parse_size(max_shard_size)
     manifest = read_manifest(path)
+    require_whole(manifest, path)
     verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
     check_replaceable(out, marker=INDEX)
     remove_stale_temps(out)
@@ -92,6 +94,7 @@ def read_optimizer_states(path: PathLike, verify: bool = True) -> list[dict]:
     """The checkpoint's optimizer state as plain ``optimizer.state_dict()`` dicts, one per optimizer."""
     path = Path(path)
     manifest = read_manifest(path)
+    require_whole(manifest, path)
     verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
     with ShardedSource(path, manifest) as source:
         return plain_optimizer_states(source, manifest)

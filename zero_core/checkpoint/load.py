@@ -14,9 +14,10 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
-from .collective import agree, run_agreed
+from .collective import agree, gather_json, run_agreed
 from .format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
 from .model_info import persistent_replicated_state, tied_aliases, trainable_shapes
+from .node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
 from .sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
 from .values import load_client_state
 from .verify import verify_files
@@ -38,7 +39,10 @@ def load_checkpoint(engine, path: PathLike, strict: bool = True, load_optimizer_
         load_full_state_dict(engine, path, strict=strict)
         return None
     manifest = run_agreed(engine, read_manifest, path)
-    run_agreed(engine, _verify_my_share, engine, path, manifest, verify)
+    place = node_place(engine) if any(gather_json(engine, NODE_LOCAL in manifest)) else None
+    if place is not None:
+        run_agreed(engine, check_loadable_here, manifest, path, place, engine.topology.world_size)
+    run_agreed(engine, _verify_my_share, engine, path, manifest, verify, place)
     with ShardedSource(path, manifest) as source:
         if load_optimizer_states:
             _add_saved_groups(engine, manifest, source)
@@ -91,10 +95,11 @@ def _add_saved_groups(engine, manifest: dict, source) -> None:
             taken.update(names)
 
 
-def _verify_my_share(engine, path: Path, manifest: dict, verify: Verify) -> None:
-    """This rank checks every world_size-th file, so the files are read once in all."""
+def _verify_my_share(engine, path: Path, manifest: dict, verify: Verify, place=None) -> None:
+    """This rank checks every world_size-th file (of a node-local directory: of its node's ranks), so the files
+    are read once in all."""
     rank, world = engine.topology.rank, engine.topology.world_size
-    files = sorted(manifest["files"])[rank::world]
+    files = sorted(manifest["files"])[rank::world] if place is None else files_to_verify(manifest, place, rank)
     verify_files(path, manifest, files, checksum=verify == "checksum")
 
 

@@ -6,6 +6,9 @@ Sequence (each arrow is a collective that every rank reaches, even after a local
 3. the per-rank descriptions are gathered; rank 0 writes manifest.json last, fsyncs, and renames the directory
    into place (an atomic swap when replacing an earlier checkpoint)  -> agree
 A rank that dies anywhere before 3 leaves only the hidden directory, which has no manifest and is never loaded.
+
+With ``checkpoint.use_node_local_storage`` every node's first rank plays rank 0's part on its own disk (after a
+check that the nodes do not share the directory): node_local.py.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from .format import (
     tensor_key, write_json,
 )
 from .model_info import persistent_replicated_state, tied_aliases
+from .node_local import NODE_LOCAL, check_not_shared, leave_probe, node_place
 from .values import encode_hyperparameters, encode_value, save_client_state
 
 
@@ -39,19 +43,31 @@ def save_checkpoint(engine, path: PathLike, client_state: Optional[Any] = None) 
     is complete; see docs/checkpoints.md.
     """
     path = Path(path).absolute()
+    if engine.config.checkpoint.use_node_local_storage and engine.topology.replicas > 1:
+        raise CheckpointError(
+            f"checkpoint.use_node_local_storage does not combine with zero_optimization.mics_shard_size "
+            f"({engine.topology.world_size}): only the first replica writes, so other nodes would hold no files. "
+            "Save to a shared file system with use_node_local_storage off")
     on_first_replica(engine, _save, engine, path, client_state)  # MiCS: replicas hold the same shards
     return path
 
 
 def _save(engine, path: Path, client_state: Optional[Any]) -> None:
-    leader = engine.topology.rank == 0
-    temp = temp_sibling(path, shared_token(engine))
+    rank = engine.topology.rank
+    place = node_place(engine) if engine.config.checkpoint.use_node_local_storage else None
+    leader = rank == (place.first if place else 0)
+    token = shared_token(engine)
+    temp = temp_sibling(path, token)
+    if place is not None:
+        run_agreed(engine, leave_probe, path, token, place, leader)
+        run_agreed(engine, check_not_shared, path, token, place, leader)
     run_agreed(engine, _prepare, path, temp, leader)
     replicated = persistent_replicated_state(engine)  # on every rank: a collective in stage 3
     try:
         report = run_agreed(engine, _write_rank, engine, temp, client_state, replicated if leader else None)
         reports = gather_json(engine, report)
-        run_agreed(engine, _finish, engine, reports, temp, path, leader)
+        node = None if place is None else {"place": place, "save_id": token}
+        run_agreed(engine, _finish, engine, reports, temp, path, leader, node)
     except BaseException:
         if leader:
             shutil.rmtree(temp, ignore_errors=True)
@@ -129,16 +145,26 @@ def _write_replicated(state: dict, temp: Path) -> tuple[list, dict]:
     return described, _file_entry(info)
 
 
-def _finish(engine, reports: list, temp: Path, path: Path, leader: bool) -> None:
-    if leader:
-        write_json(temp / MANIFEST, build_manifest(engine, reports))
-        publish(temp, path)
+def _finish(engine, reports: list, temp: Path, path: Path, leader: bool, node: Optional[dict]) -> None:
+    if not leader:
+        return
+    if node is None:
+        manifest = build_manifest(engine, reports)
+    else:  # this node's directory: every fragment, but only the files written here
+        place = node["place"]
+        manifest = build_manifest(engine, reports, here=place.ranks)
+        manifest[NODE_LOCAL] = {"node": place.node, "nodes": place.nodes, "save_id": node["save_id"]}
+    write_json(temp / MANIFEST, manifest)
+    publish(temp, path)
 
 
-def build_manifest(engine, reports: list) -> dict:
+def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:
+    """The manifest of the ranks' ``reports``; ``here``: only these ranks' files (the first wrote the
+    replicated and client state), for a node-local directory."""
+    here = range(len(reports)) if here is None else here
     files = {}
-    for report in reports:
-        files.update(report["files"])
+    for rank in here:
+        files.update(reports[rank]["files"])
     groups = [group for inner in engine.inner_optimizers for group in inner.param_groups]
     classes = [f"{type(inner).__module__}.{type(inner).__qualname__}" for inner in engine.inner_optimizers]
     scaler = engine.loss_scaler
@@ -148,7 +174,7 @@ def build_manifest(engine, reports: list) -> dict:
         "run": _run_info(engine),
         "files": files,
         "parameters": _parameters(engine, reports),
-        "replicated": reports[0]["replicated"],
+        "replicated": reports[here[0]]["replicated"],
         "aliases": tied_aliases(engine.module),
         "optimizer": {
             "class": classes[0],
