@@ -6,11 +6,9 @@ DDP reference and every configuration; the tests below read its results.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from distributed import run_distributed
 from models import build_model, make_batch

@@ -38,7 +38,8 @@ def check_nvme_path(path: Optional[str], field: str, need_bytes: int) -> None:
                          "another directory")
 
 
-def _remove(fd: int, path: str, pool: AioPool) -> None:
+def remove_swap_file(fd: int, path: str, pool: AioPool) -> None:
+    """Stop the pool, close and delete a swap file (a finaliser: also at exit or when its owner is collected)."""
     pool.close()
     os.close(fd)
     try:
@@ -63,7 +64,7 @@ class NvmeSwapper:
         self.bytes_written = 0
         self.bytes_read = 0
         # Removed when the engine is collected or the interpreter exits, whichever comes first.
-        self._finalizer = weakref.finalize(self, _remove, self.fd, self.path, pool)
+        self._finalizer = weakref.finalize(self, remove_swap_file, self.fd, self.path, pool)
 
     def close(self) -> None:
         self._finalizer()

@@ -21,17 +21,8 @@ from typing import Iterator
 import torch
 
 from .aio import AioPool, Transfer
-from .nvme_swap import check_nvme_path
+from .nvme_swap import check_nvme_path, remove_swap_file
 from .placement import pinning
-
-
-def _remove(fd: int, path: str, pool: AioPool) -> None:
-    pool.close()
-    os.close(fd)
-    try:
-        os.remove(path)
-    except FileNotFoundError:
-        pass
 
 
 class ParamSwap:
@@ -54,7 +45,7 @@ class ParamSwap:
         self.pool = AioPool.from_config(aio)
         self.path = os.path.join(block.nvme_path, f"zero_params_rank{rank}_{os.getpid()}_{uuid.uuid4().hex[:8]}.swp")
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
-        self._finalizer = weakref.finalize(self, _remove, self.fd, self.path, self.pool)
+        self._finalizer = weakref.finalize(self, remove_swap_file, self.fd, self.path, self.pool)
         self.buffer_bytes = min(block.buffer_size, largest) * itemsize  # no bigger than any shard needs
         self.pin = pinning(block.pin_memory)
         self._free = [self._new_buffer() for _ in range(block.buffer_count)]
