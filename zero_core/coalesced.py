@@ -47,7 +47,8 @@ class CoalescedGather:
             send = first.gather_source()  # held by the unit until its wait()
         self._recv: Optional[torch.Tensor] = (
             first.full if self._in_place else torch.empty(world * shard_total, dtype=first.dtype, device=first.device))
-        self._scratch = [t for t in (send, self._recv) if len(self.units) > 1 or t is self._recv and not self._in_place]
+        # Buffers of this batch alone (not a unit's own storage): freed once copied out.
+        self._scratch = ([] if self._in_place else [self._recv]) + ([send] if len(self.units) > 1 else [])
         self._shard_total = shard_total
         self._work = comm.all_gather(self._recv, send, async_op=True, label=_label(self.units))
 

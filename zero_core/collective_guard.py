@@ -118,15 +118,19 @@ class CollectiveGuard:
             return
         if call[1] in _WAIT_IGNORES_TIMEOUT:
             self._wait_blocking(work, call)
-            return
+        elif not self._poll(work, call):
+            self._wait_stalled(work, call)
+
+    def _poll(self, work: dist.Work, call: Call) -> bool:
+        """Wait one poll interval: True once the collective completed, False while it still runs."""
         try:
             work.wait(self.poll)
-            return
+            return True
         except RuntimeError as error:
             if _WAIT_TIMED_OUT not in str(error):
                 self._fail_after_transport_error(call, error)
                 raise
-        self._wait_stalled(work, call)
+            return False
 
     def _wait_stalled(self, work: dist.Work, call: Call) -> None:
         """The collective did not complete within one poll: keep polling, check the others once it stalls."""
@@ -136,13 +140,8 @@ class CollectiveGuard:
             if time.monotonic() - started >= self.stall_s:
                 self._diagnose({"where": "collective", "seq": call.seq, "call": call, "step": self.step})
                 started = time.monotonic()
-            try:
-                work.wait(self.poll)
+            if self._poll(work, call):
                 return
-            except RuntimeError as error:
-                if _WAIT_TIMED_OUT not in str(error):
-                    self._fail_after_transport_error(call, error)
-                    raise
 
     def _wait_blocking(self, work: dist.Work, call: Call) -> None:
         """gloo's reduce-scatter handle ignores wait()'s timeout: block, and let the watchdog thread post where

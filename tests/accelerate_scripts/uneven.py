@@ -57,7 +57,7 @@ def main() -> None:
                        ("zero3", {"stage": 3, "param_persistence_threshold": 0})):
         weights, counts = train(kind)
         results[name] = {"weights": weights, "batches": counts}
-    weights, counts = train({"stage": 3}, override=True)
+    weights, counts = train({"stage": 3, "param_persistence_threshold": 0}, override=True)
     results["zero3_override"] = {"weights": weights, "batches": counts}
     write_json(sys.argv[1], results)
 
