@@ -32,7 +32,7 @@ from torch.distributed.algorithms.join import Join
 
 import zero_core
 from zero_core import ZeroConfigError
-from zero_core.mixed_precision import cast_floating_inputs
+from zero_core.optim.mixed_precision import cast_floating_inputs
 
 from . import hf_trainer, state_io, weights
 from .managed import ManagedModel
@@ -390,7 +390,7 @@ def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> lis
 def _built_in_place(model: nn.Module) -> bool:
     """Built under zero_core.Init (already partitioned where it belongs) or on the meta device (setup
     materialises it): moving it first would break either."""
-    from zero_core.partitioned_param import PartitionedParameter
+    from zero_core.stage3.partitioned_param import PartitionedParameter
 
     return any(isinstance(p, PartitionedParameter) or p.is_meta for p in model.parameters())
 

@@ -14,7 +14,7 @@ class ZeroAcceleratedOptimizer(AcceleratedOptimizer):
     Steps and ``zero_grad`` are skipped on accumulation micro-batches, as in Accelerate. A step goes through
     the engine (sharded step, fp16 overflow check agreed by every rank), so ``step_was_skipped`` reports
     the engine's skipped fp16 steps. ``state_dict()`` is this rank's shard only, marked as such, and
-    ``load_state_dict`` refuses any other (zero_core.shard_identity): use ``accelerator.save_state`` for
+    ``load_state_dict`` refuses any other (zero_core.checkpoint.shard_identity): use ``accelerator.save_state`` for
     checkpoints.
     """
 

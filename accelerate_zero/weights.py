@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 import zero_core
-from zero_core.full_state import state_dict_entries
+from zero_core.checkpoint.full_state import state_dict_entries
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"

@@ -38,7 +38,7 @@ COLUMNS = """\
   counted once, on the rank holding the most, measured on the last step between backward and the optimizer step
   (when all of them exist), divided by Ψ; in parentheses the paper's formula for fp32 AdamW (16, 4+4+8/N, 4+12/N,
   16/N for stages 0-3). **buffers** are module buffers and bucket scratch, outside the formula. **estimator** is
-  `zero_core.estimator`'s prediction for our engine.
+  `zero_core.tools.estimator`'s prediction for our engine.
 - **peak RSS**: the largest rank's peak resident memory (`getrusage`), and in parentheses its growth from just
   before the model was wrapped (torch's import and the model's first copy come before).
 - **comm/step ÷ Ψ**: elements per timed step counted at the `ProcessGroup` methods (outermost call only; DDP's

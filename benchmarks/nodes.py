@@ -4,7 +4,7 @@
 
 One set of 4 CPU processes gets a 2-node launcher environment (LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK) and
 trains every variant in turn on the harness GPT (benchmarks/gpt.py, shrunk by default so 200 steps stay short),
-same seed and data. Bytes are what the comm layer counted (zero_core/comm.py, link classes); DDP does not go
+same seed and data. Bytes are what the comm layer counted (zero_core/comm/communicator.py, link classes); DDP does not go
 through it, so its row is the same accounting computed for its all-reduce (2Ψ/N to each peer). Stage 3
 variants gather every unit in the forward and again in the backward (no persistent or reused units), as a
 large model does. Results go to benchmarks/results/nodes.json and the table in docs/multinode.md.

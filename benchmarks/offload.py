@@ -102,7 +102,7 @@ def bench_nvme(args) -> dict:
 
 def bench_step(args) -> dict:
     from zero_core.config import ZeroConfig
-    from zero_core.flat_param_group import FlatParamGroup
+    from zero_core.replicated.flat_param_group import FlatParamGroup
     from zero_core.layout import compute_layout
     from zero_core.offload import OptimizerOffload
 

@@ -33,7 +33,7 @@ def _memory(rows, results: dict, path: Path) -> Path:
     """Estimator curves of model-state MiB per rank for the benchmark model, with the measured points."""
     import torch
 
-    from zero_core.estimator import estimate_memory, model_info
+    from zero_core.tools.estimator import estimate_memory, model_info
 
     from .gpt import GPTConfig, build_gpt
 

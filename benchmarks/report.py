@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from zero_core.estimator import paper_bytes_per_param
+from zero_core.tools.estimator import paper_bytes_per_param
 
 from .counting import engine_volume, kinds, paper_volume
 from .implementations import LABELS, STAGE_OF
@@ -100,7 +100,7 @@ def _row(impl: str, world_size: int, runs: list[dict], spec: dict) -> Row:
 
 
 def _estimate(impl: str, world_size: int, spec: dict) -> float:
-    from zero_core.estimator import estimate_stage, model_info
+    from zero_core.tools.estimator import estimate_stage, model_info
 
     from .gpt import GPTConfig, build_gpt
 

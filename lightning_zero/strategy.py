@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 import zero_core
 import zero_core.checkpoint as zero_checkpoint
 from zero_core import registry
-from zero_core.sharded_optimizer import ShardedOptimizer
+from zero_core.optim.sharded_optimizer import ShardedOptimizer
 
 from . import checkpoint_io
 from .config import base_config, differing_fields, run_config

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import zero_core
 from distributed import run_distributed
-from zero_core.grad_reducer import GradReducer
+from zero_core.replicated.grad_reducer import GradReducer
 from models import build_model, frozen_numel, make_batch, trainable_numel, trainable_tensor_count
 from reference import make_optimizer
 

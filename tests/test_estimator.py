@@ -1,4 +1,4 @@
-"""zero_core.estimator against the ZeRO paper's table, hand-computed padding, and a real 2-rank engine."""
+"""zero_core.tools.estimator against the ZeRO paper's table, hand-computed padding, and a real 2-rank engine."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 
 from distributed import run_distributed
 from models import build_model, make_batch
-from zero_core.estimate_cli import run as cli
-from zero_core.estimator import (
+from zero_core.tools.estimate_cli import run as cli
+from zero_core.tools.estimator import (
     ModelInfo,
     ParamInfo,
     estimate_memory,

@@ -2,7 +2,7 @@
 
 Each forward pass gathers the partitioned weights collectively, so a rank that has finished must keep joining the
 others' forward passes (transformers' synced_gpus). The engine makes synced_gpus the default of the model's
-generate() (zero_core/generation.py); without that, the run without the flag hangs. Tokens are compared with the
+generate() (zero_core/stage3/generation.py); without that, the run without the flag hangs. Tokens are compared with the
 same model generating without ZeRO in each rank's process.
 """
 

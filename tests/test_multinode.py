@@ -226,7 +226,7 @@ def test_config_rejects_zeropp_combinations_that_cannot_work(config, message):
 @pytest.mark.parametrize("name", ["zero3", "zero3_hpz", "mics1", "mics2", "mics3"])
 def test_estimator_counts_hpz_secondary_and_mics_replication(results, name):
     """Model states measured after a backward (hpZ's copy is alive, gradients too) against zero-estimate."""
-    from zero_core.estimator import estimate_stage, model_info
+    from zero_core.tools.estimator import estimate_stage, model_info
 
     config = {**EXACT[name], "reduce_bucket_size": 500_000_000}
     estimate = estimate_stage(model_info(build_model(MODEL)), config, 4, precision="fp32")

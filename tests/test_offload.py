@@ -18,7 +18,7 @@ import torch
 from distributed import run_distributed
 from models import build_model, make_batch
 from reference import make_optimizer, make_sgd, train_ddp
-from zero_core.estimator import estimate_stage, model_info
+from zero_core.tools.estimator import estimate_stage, model_info
 from zero_core.offload.cpu_optimizer import _param_shards
 from zero_core.offload.estimate import HOST_GRAD_BYTES, MASTER_BYTES, placement_bytes
 from stage3_support import train_engine

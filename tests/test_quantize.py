@@ -1,11 +1,11 @@
-"""ZeRO++'s blockwise wire formats (zero_core/quantize.py), against the exact values."""
+"""ZeRO++'s blockwise wire formats (zero_core/comm/quantize.py), against the exact values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from zero_core.quantize import BLOCK, dequantize, quantize, wire_bytes
+from zero_core.comm.quantize import BLOCK, dequantize, quantize, wire_bytes
 
 
 @pytest.mark.parametrize("bits", [8, 4])

@@ -5,7 +5,7 @@
 See docs/core-api.md for the engine and docs/config.md for every configuration field.
 """
 
-from .checkpoint import (
+from zero_core.checkpoint import (
     CheckpointError,
     consolidate,
     latest_checkpoint,
@@ -14,21 +14,21 @@ from .checkpoint import (
     save_16bit_model,
     save_checkpoint,
 )
-from .collective_guard import CollectiveMismatchError
-from .config import ZeroConfig, ZeroConfigError
-from .debug_access import (
+from zero_core.comm.guard import CollectiveMismatchError
+from zero_core.config import ZeroConfig, ZeroConfigError
+from zero_core.stage3.debug_access import (
     safe_get_full_fp32_param,
     safe_get_full_grad,
     safe_get_full_optimizer_state,
     safe_set_full_fp32_param,
     safe_set_full_optimizer_state,
 )
-from .engine import ZeroEngine, setup
-from .external_params import GatheredParameters, register_external_parameter, unregister_external_parameter
-from .fragments import Fragment
-from .init_context import Init
-from .layout import FlatLayout, Range, compute_layout
-from .leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+from zero_core.engine import ZeroEngine, setup
+from zero_core.stage3.external_params import GatheredParameters, register_external_parameter, unregister_external_parameter
+from zero_core.fragments import Fragment
+from zero_core.stage3.init_context import Init
+from zero_core.layout import FlatLayout, Range, compute_layout
+from zero_core.stage3.leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 
 __all__ = [
     "CheckpointError",

@@ -16,7 +16,7 @@ from dataclasses import MISSING, dataclass, fields
 from typing import Any, ClassVar, Optional, Union
 
 from zero_core.config_fields import Block, checked_init, setting, documented, rule_text, type_text
-from zero_core.leaf_modules import DEFAULT_LEAF_CLASSES
+from zero_core.stage3.leaf_modules import DEFAULT_LEAF_CLASSES
 from zero_core.config_loading import (
     ALIASES,
     DEEPSPEED_IGNORED_KEYS,

@@ -20,22 +20,24 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import registry, shard_identity, teardown
-from .comm import CommOptions, Communicator
-from .config import ZeroConfig
-from .fragments import Fragment
-from .generation import sync_generate_by_default
-from .leaf_modules import apply_leaf_config
-from .loss_scaler import LossScaler
-from .master_shards import step_in_tiles
-from .memory import model_state_bytes
-from .mixed_precision import cast_buffers, cast_floating_inputs, cast_module
-from .offload import adopt as adopt_offload, attach as attach_offload
-from .partitioned_param import unguarded
-from .plain_loop import OptimizerRoute
-from .sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
-from .stage12 import ReplicatedParamsRuntime
-from .topology import Topology
+from zero_core import registry, teardown
+
+from zero_core.checkpoint import shard_identity
+from zero_core.comm.communicator import CommOptions, Communicator
+from zero_core.config import ZeroConfig
+from zero_core.fragments import Fragment
+from zero_core.stage3.generation import sync_generate_by_default
+from zero_core.stage3.leaf_modules import apply_leaf_config
+from zero_core.optim.loss_scaler import LossScaler
+from zero_core.optim.master_shards import step_in_tiles
+from zero_core.tools.memory import model_state_bytes
+from zero_core.optim.mixed_precision import cast_buffers, cast_floating_inputs, cast_module
+from zero_core.offload import adopt as adopt_offload, attach as attach_offload
+from zero_core.stage3.partitioned_param import unguarded
+from zero_core.plain_loop import OptimizerRoute
+from zero_core.optim.sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
+from zero_core.replicated.runtime import ReplicatedParamsRuntime
+from zero_core.comm.topology import Topology
 
 ConfigLike = Union[ZeroConfig, dict, str, "os.PathLike[str]", None]
 OptimizerRef = Union[int, torch.optim.Optimizer, None]
@@ -54,7 +56,7 @@ class _PendingGrads:
 
 def _runtime_class(stage: int):
     if stage == 3:
-        from .stage3 import PartitionedParamsRuntime
+        from zero_core.stage3.runtime import PartitionedParamsRuntime
 
         return PartitionedParamsRuntime
     return ReplicatedParamsRuntime
@@ -313,14 +315,14 @@ class ZeroEngine:
     def join(self, enable: bool = True, throw_on_early_termination: bool = False):
         """Uneven inputs: ``with engine.join(): for batch in my_batches: ...`` lets ranks with fewer batches
         shadow the others' steps until all are done (``torch.distributed.algorithms.Join`` semantics; join.py)."""
-        from .join import join_context
+        from zero_core.join import join_context
 
         return join_context(self, enable, throw_on_early_termination)
 
     def joinable(self):
         """``with engine.joinable() as j: with Join([j, ...]): ...``: the engine as one ``Joinable`` among others
         in a ``Join`` the caller builds (Accelerate's ``join_uneven_inputs`` does). A context manager."""
-        from .join import attached_joinable
+        from zero_core.join import attached_joinable
 
         return attached_joinable(self)
 
@@ -556,8 +558,8 @@ class ZeroEngine:
     def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` of the trained model as DDP would give it (fp32 masters for trainable
         parameters), as CPU tensors, on rank 0 (every rank unless ``rank0_only``). A collective; see
-        zero_core.full_state."""
-        from .full_state import full_state_dict
+        zero_core.checkpoint.full_state."""
+        from zero_core.checkpoint.full_state import full_state_dict
 
         with self.offload_resident():
             return full_state_dict(self, rank0_only=rank0_only)
@@ -609,28 +611,28 @@ class ZeroEngine:
     # -- checkpoints (zero_core.checkpoint; every rank calls these) -----------------------------------------
     def save_checkpoint(self, path, client_state: Optional[dict] = None):
         """Write a sharded checkpoint directory atomically (docs/checkpoints.md)."""
-        from .checkpoint import save_checkpoint
+        from zero_core.checkpoint import save_checkpoint
 
         with self.offload_resident():
             return save_checkpoint(self, path, client_state)
 
     def load_checkpoint(self, path, strict: bool = True, load_optimizer_states: bool = True) -> Optional[dict]:
         """Load a checkpoint saved at any world size and stage (or a plain state dict); returns client_state."""
-        from .checkpoint import load_checkpoint
+        from zero_core.checkpoint import load_checkpoint
 
         with self.offload_resident():
             return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
 
     def save_16bit_model(self, out_dir, **kwargs) -> bool:
         """16-bit safetensors of the whole model, streamed one parameter (unit) at a time."""
-        from .checkpoint import save_16bit_model
+        from zero_core.checkpoint import save_16bit_model
 
         return save_16bit_model(self, out_dir, **kwargs)
 
     # -- introspection -------------------------------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Calls, elements, bytes, and bytes sent to this node's ranks (``in_node_bytes``) and to other nodes'
-        (``cross_node_bytes``), per collective since the last :meth:`reset_comm_stats` (zero_core/comm.py)."""
+        (``cross_node_bytes``), per collective since the last :meth:`reset_comm_stats` (zero_core/comm/communicator.py)."""
         empty = {"calls": 0, "elements": 0, "bytes": 0, "in_node_bytes": 0, "cross_node_bytes": 0}
         stats = {name: dict(empty) for name in ("reduce_scatter", "all_gather", "all_reduce")}
         stats.update(self.comm.stats())

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .layout import Range
+from zero_core.layout import Range
 
 
 @dataclass(frozen=True)

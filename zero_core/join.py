@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.algorithms.join import Join, Joinable, JoinHook
 
-from .divergence import launch_in_order, skipped_backward, skipped_forward
+from zero_core.stage3.divergence import launch_in_order, skipped_backward, skipped_forward
 
 if TYPE_CHECKING:
-    from .engine import ZeroEngine
+    from zero_core.engine import ZeroEngine
 
 
 class EngineJoinable(Joinable):

@@ -9,15 +9,15 @@
 docs/checkpoints.md is the user's guide; docs/checkpoint-format.md describes the files.
 """
 
-from .consolidate import consolidate, export_optimizer_state, read_optimizer_states
-from .export16 import save_16bit_model
-from .format import CheckpointError, CheckpointMismatchError, read_manifest
-from .latest import checkpoint_problem, latest_checkpoint
-from .load import load_checkpoint, load_full_state_dict
-from .node_local import gather as gather_node_dirs
-from .save import save_checkpoint
-from .summary import describe
-from .values import load_client_state
+from zero_core.checkpoint.consolidate import consolidate, export_optimizer_state, read_optimizer_states
+from zero_core.checkpoint.export16 import save_16bit_model
+from zero_core.checkpoint.format import CheckpointError, CheckpointMismatchError, read_manifest
+from zero_core.checkpoint.latest import checkpoint_problem, latest_checkpoint
+from zero_core.checkpoint.load import load_checkpoint, load_full_state_dict
+from zero_core.checkpoint.node_local import gather as gather_node_dirs
+from zero_core.checkpoint.save import save_checkpoint
+from zero_core.checkpoint.summary import describe
+from zero_core.checkpoint.values import load_client_state
 
 __all__ = [
     "CheckpointError",

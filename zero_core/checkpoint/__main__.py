@@ -1,5 +1,5 @@
 """``python -m zero_core.checkpoint``: the zero-checkpoint command line."""
 
-from .cli import main
+from zero_core.checkpoint.cli import main
 
 main()

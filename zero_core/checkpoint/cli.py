@@ -28,7 +28,7 @@ def consolidate(checkpoint: str, out: str, dtype: Literal["fp32", "bf16", "fp16"
         verify: Check every checkpoint file's SHA-256 first.
         progress: Show a progress bar.
     """
-    from .consolidate import consolidate as run
+    from zero_core.checkpoint.consolidate import consolidate as run
 
     out_dir = run(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, verify=verify, progress=progress)
     print(f"wrote {out_dir}")
@@ -42,7 +42,7 @@ def inspect(checkpoint: str, verify: bool = False, tensors: bool = False) -> Non
         verify: Also check every file's size and SHA-256 against the manifest.
         tensors: List every tensor with its shape, dtype and where its fragments are.
     """
-    from .summary import describe
+    from zero_core.checkpoint.summary import describe
 
     print(describe(checkpoint, verify=verify, tensors=tensors))
 
@@ -55,7 +55,7 @@ def export_optimizer(checkpoint: str, out: str, verify: bool = True) -> None:
         out: Output file, loadable with torch.load(out, weights_only=True).
         verify: Check every checkpoint file's SHA-256 first.
     """
-    from .consolidate import export_optimizer_state
+    from zero_core.checkpoint.consolidate import export_optimizer_state
 
     print(f"wrote {export_optimizer_state(checkpoint, out, verify=verify)}")
 
@@ -72,7 +72,7 @@ def gather(args: list[str]) -> None:
     parser.add_argument("--verify", choices=("true", "false"), default="true",
                         help="check every file's SHA-256 against its node's manifest first (default true)")
     options = parser.parse_args(args)
-    from .node_local import gather as run
+    from zero_core.checkpoint.node_local import gather as run
 
     print(f"wrote {run(options.node_dirs, options.out, verify=options.verify == 'true')}")
 
@@ -83,7 +83,7 @@ def _underscored(args: list[str]) -> list[str]:
 
 
 def main(args: Optional[list[str]] = None) -> None:
-    from .format import CheckpointError
+    from zero_core.checkpoint.format import CheckpointError
 
     args = _underscored(sys.argv[1:] if args is None else list(args))
     try:

@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from .format import CheckpointError, CheckpointMismatchError
+from zero_core.checkpoint.format import CheckpointError, CheckpointMismatchError
 
 _ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatchError, FileNotFoundError)}
 

@@ -20,12 +20,12 @@ from tqdm.auto import tqdm
 
 from zero_core.layout import Range
 
-from .files import check_replaceable, publish, remove_stale_temps, temp_sibling
-from .format import CheckpointError, PathLike, group_optimizers, optimizer_classes, read_manifest
-from .hf_shards import INDEX, ShardedWriter, parse_size
-from .node_local import require_whole
-from .sources import ShardedSource
-from .verify import verify_files
+from zero_core.checkpoint.files import check_replaceable, publish, remove_stale_temps, temp_sibling
+from zero_core.checkpoint.format import CheckpointError, PathLike, group_optimizers, optimizer_classes, read_manifest
+from zero_core.checkpoint.hf_shards import INDEX, ShardedWriter, parse_size
+from zero_core.checkpoint.node_local import require_whole
+from zero_core.checkpoint.sources import ShardedSource
+from zero_core.checkpoint.verify import verify_files
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DtypeName = Literal["fp32", "bf16", "fp16"]

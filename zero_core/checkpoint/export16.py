@@ -14,12 +14,12 @@ from typing import Optional, Union
 
 import torch
 
-from .collective import on_first_replica, run_agreed, shared_token
-from .consolidate import DTYPES, DtypeName
-from .files import check_replaceable, publish, remove_stale_temps, temp_sibling
-from .format import PathLike
-from .hf_shards import INDEX, ShardedWriter, parse_size
-from .model_info import non_persistent_buffers, tied_aliases
+from zero_core.checkpoint.collective import on_first_replica, run_agreed, shared_token
+from zero_core.checkpoint.consolidate import DTYPES, DtypeName
+from zero_core.checkpoint.files import check_replaceable, publish, remove_stale_temps, temp_sibling
+from zero_core.checkpoint.format import PathLike
+from zero_core.checkpoint.hf_shards import INDEX, ShardedWriter, parse_size
+from zero_core.checkpoint.model_info import non_persistent_buffers, tied_aliases
 
 
 def save_16bit_model(engine, out_dir: PathLike, dtype: Optional[DtypeName] = None,

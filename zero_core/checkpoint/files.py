@@ -18,7 +18,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .format import CheckpointError, MANIFEST, safetensors_dtype
+from zero_core.checkpoint.format import CheckpointError, MANIFEST, safetensors_dtype
 
 _CHUNK = 1 << 24  # bytes hashed per read when verifying a file
 

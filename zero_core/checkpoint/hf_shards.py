@@ -16,8 +16,8 @@ from typing import Union
 
 import torch
 
-from .files import write_safetensors
-from .format import CheckpointError, write_json
+from zero_core.checkpoint.files import write_safetensors
+from zero_core.checkpoint.format import CheckpointError, write_json
 
 INDEX = "model.safetensors.index.json"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -11,8 +11,8 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from .format import MANIFEST, CheckpointError, PathLike, read_manifest
-from .verify import verify_files
+from zero_core.checkpoint.format import MANIFEST, CheckpointError, PathLike, read_manifest
+from zero_core.checkpoint.verify import verify_files
 
 
 def latest_checkpoint(directory: PathLike, verify: str = "checksum") -> Optional[Path]:

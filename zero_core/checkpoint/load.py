@@ -14,13 +14,13 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
-from .collective import agree, gather_json, run_agreed
-from .format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
-from .model_info import persistent_replicated_state, tied_aliases, trainable_shapes
-from .node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
-from .sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
-from .values import load_client_state
-from .verify import verify_files
+from zero_core.checkpoint.collective import agree, gather_json, run_agreed
+from zero_core.checkpoint.format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
+from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases, trainable_shapes
+from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
+from zero_core.checkpoint.sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
+from zero_core.checkpoint.values import load_client_state
+from zero_core.checkpoint.verify import verify_files
 
 Verify = Literal["checksum", "size"]
 

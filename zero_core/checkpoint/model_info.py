@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .collective import gather_json
+from zero_core.checkpoint.collective import gather_json
 
 
 def tied_aliases(module: nn.Module) -> dict[str, str]:

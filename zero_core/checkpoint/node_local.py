@@ -14,10 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from .collective import gather_json
-from .files import check_replaceable, publish, remove_stale_temps, temp_sibling
-from .format import MANIFEST, CheckpointError, PathLike, read_manifest, write_json
-from .verify import verify_files
+from zero_core.checkpoint.collective import gather_json
+from zero_core.checkpoint.files import check_replaceable, publish, remove_stale_temps, temp_sibling
+from zero_core.checkpoint.format import MANIFEST, CheckpointError, PathLike, read_manifest, write_json
+from zero_core.checkpoint.verify import verify_files
 
 NODE_LOCAL = "node_local"  # the manifest key of a node directory
 

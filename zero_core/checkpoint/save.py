@@ -24,15 +24,15 @@ from typing import Any, Optional
 
 import torch
 
-from .collective import gather_json, on_first_replica, run_agreed, shared_token
-from .files import check_replaceable, publish, remove_stale_temps, temp_sibling, write_safetensors
-from .format import (
+from zero_core.checkpoint.collective import gather_json, on_first_replica, run_agreed, shared_token
+from zero_core.checkpoint.files import check_replaceable, publish, remove_stale_temps, temp_sibling, write_safetensors
+from zero_core.checkpoint.format import (
     FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
     tensor_key, write_json,
 )
-from .model_info import persistent_replicated_state, tied_aliases
-from .node_local import NODE_LOCAL, check_not_shared, leave_probe, node_place
-from .values import encode_hyperparameters, encode_value, save_client_state
+from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases
+from zero_core.checkpoint.node_local import NODE_LOCAL, check_not_shared, leave_probe, node_place
+from zero_core.checkpoint.values import encode_hyperparameters, encode_value, save_client_state
 
 
 def save_checkpoint(engine, path: PathLike, client_state: Optional[Any] = None) -> Path:

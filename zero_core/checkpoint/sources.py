@@ -21,10 +21,10 @@ import torch
 from safetensors import safe_open
 
 from zero_core.layout import Range
-from zero_core.shard_identity import SHARD_KEY
+from zero_core.checkpoint.shard_identity import SHARD_KEY
 
-from .format import MASTER_KIND, REPLICATED, CheckpointError, CheckpointMismatchError
-from .values import decode_value
+from zero_core.checkpoint.format import MASTER_KIND, REPLICATED, CheckpointError, CheckpointMismatchError
+from zero_core.checkpoint.values import decode_value
 
 HF_INDEX = "model.safetensors.index.json"
 

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from .format import CLIENT_STATE, PathLike, read_manifest
-from .values import decode_value
-from .verify import verify_files
+from zero_core.checkpoint.format import CLIENT_STATE, PathLike, read_manifest
+from zero_core.checkpoint.values import decode_value
+from zero_core.checkpoint.verify import verify_files
 
 
 def _size(nbytes: int) -> str:

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from .files import fsync_path, sha256_file, write_safetensors
-from .format import CLIENT_STATE, CLIENT_TENSORS, CheckpointError, dtype_from_name, dtype_name
+from zero_core.checkpoint.files import fsync_path, sha256_file, write_safetensors
+from zero_core.checkpoint.format import CLIENT_STATE, CLIENT_TENSORS, CheckpointError, dtype_from_name, dtype_name
 
 _TENSOR_MARK = "__zero_checkpoint_tensor__"
 

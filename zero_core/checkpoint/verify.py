@@ -10,8 +10,8 @@ import zlib
 from pathlib import Path
 from typing import Iterable
 
-from .files import sha256_file
-from .format import CheckpointError, read_safetensors_header
+from zero_core.checkpoint.files import sha256_file
+from zero_core.checkpoint.format import CheckpointError, read_safetensors_header
 
 _SHOWN = 5  # tensors listed in one error message
 

@@ -6,6 +6,6 @@ tile, between steps; ``offload_param: {device: cpu}`` keeps stage 3's parameter 
 The engine calls :func:`attach` once and routes its step through the returned object.
 """
 
-from .cpu_optimizer import OptimizerOffload, adopt, attach
+from zero_core.offload.cpu_optimizer import OptimizerOffload, adopt, attach
 
 __all__ = ["OptimizerOffload", "adopt", "attach"]

@@ -20,12 +20,12 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from ..master_shards import master_tiles
-from .aio import AioPool, Transfer
-from .host_masters import HostMasterShards
-from .nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
-from .params import offload_param_shards
-from .placement import copy_to_host, pinning, wait_for_copies
+from zero_core.optim.master_shards import master_tiles
+from zero_core.offload.aio import AioPool, Transfer
+from zero_core.offload.host_masters import HostMasterShards
+from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
+from zero_core.offload.params import offload_param_shards
+from zero_core.offload.placement import copy_to_host, pinning, wait_for_copies
 
 # torch optimizers with a fused CPU kernel (torch.optim.*(fused=True) on CPU tensors).
 FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)

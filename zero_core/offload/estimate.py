@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..config import ZeroConfig
+from zero_core.config import ZeroConfig
 
 MASTER_BYTES = 4  # an offloaded master is always its own fp32 host copy
 HOST_GRAD_BYTES = 4  # the fp32 host gradient buffer the CPU step reads

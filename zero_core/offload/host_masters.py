@@ -17,8 +17,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from ..master_shards import MasterShards
-from .placement import host_copy
+from zero_core.optim.master_shards import MasterShards
+from zero_core.offload.placement import host_copy
 
 
 def _host_fp32(tensor: torch.Tensor, pin: bool) -> bool:

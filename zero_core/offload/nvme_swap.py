@@ -17,7 +17,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .aio import AioPool, Transfer
+from zero_core.offload.aio import AioPool, Transfer
 
 _MASTER = "__master__"
 

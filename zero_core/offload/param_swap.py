@@ -20,9 +20,9 @@ from typing import Iterator
 
 import torch
 
-from .aio import AioPool, Transfer
-from .nvme_swap import check_nvme_path, remove_swap_file
-from .placement import pinning
+from zero_core.offload.aio import AioPool, Transfer
+from zero_core.offload.nvme_swap import check_nvme_path, remove_swap_file
+from zero_core.offload.placement import pinning
 
 
 class ParamSwap:

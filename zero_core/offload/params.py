@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from ..master_shards import MasterShards
-from .param_swap import ParamSwap
-from .placement import host_copy, pinning
+from zero_core.optim.master_shards import MasterShards
+from zero_core.offload.param_swap import ParamSwap
+from zero_core.offload.placement import host_copy, pinning
 
 
 def offload_param_shards(runtime, units: list, config, rank: int) -> None:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .param_unit import ParamUnit
-    from .stage3 import PartitionedParamsRuntime
+    from zero_core.stage3.param_unit import ParamUnit
+    from zero_core.stage3.runtime import PartitionedParamsRuntime
 
 
 def reduce_order(runtime: "PartitionedParamsRuntime") -> list["ParamUnit"]:

@@ -14,7 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from . import shard_identity
+from zero_core.checkpoint import shard_identity
 
 
 def narrow_param_groups(optimizer: torch.optim.Optimizer, masters_per_group: Sequence[list[nn.Parameter]]) -> None:
@@ -105,7 +105,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Model parameters join as a new group (e.g. a backbone unfrozen mid-run); see docs/core-api.md."""
         self._add_param_group_fn(param_group)
 
-    # Set by the engine: this shard's identity (rank, world size, layout), see zero_core.shard_identity.
+    # Set by the engine: this shard's identity (rank, world size, layout), see zero_core.checkpoint.shard_identity.
     describe_shard: Optional[Callable[[], dict]] = None
 
     def state_dict(self) -> dict:

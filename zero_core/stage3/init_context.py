@@ -27,12 +27,12 @@ from torch.nn.modules.module import (
 )
 from torch.utils.weak import WeakIdKeyDictionary
 
-from . import registry
-from .comm import Communicator
-from .config import ZeroConfig
-from .layout import compute_layout
-from .partitioned_param import base_of, mark_partitioned, tensors_in, unmark_partitioned
-from .topology import Topology
+from zero_core import registry
+from zero_core.comm.communicator import Communicator
+from zero_core.config import ZeroConfig
+from zero_core.layout import compute_layout
+from zero_core.stage3.partitioned_param import base_of, mark_partitioned, tensors_in, unmark_partitioned
+from zero_core.comm.topology import Topology
 
 
 @dataclass

@@ -14,8 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from . import quantize as _quantize
-from .quantize import Quantized, wire_bytes
+from zero_core.comm import quantize as _quantize
+from zero_core.comm.quantize import Quantized, wire_bytes
 
 # torch 2.13 renamed the tensor-in/tensor-out collectives; older releases only have the first names.
 reduce_scatter_into = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)

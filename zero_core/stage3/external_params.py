@@ -14,7 +14,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from . import registry
+from zero_core import registry
 
 _EXTERNALS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 

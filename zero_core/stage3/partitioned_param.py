@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from . import registry
+from zero_core import registry
 
 _Disable = torch._C.DisableTorchFunctionSubclass
 

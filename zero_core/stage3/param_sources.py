@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import registry
+from zero_core import registry
 
 
 def materialize_meta(module: nn.Module, module_name: str, device: torch.device) -> None:

@@ -19,9 +19,9 @@ import torch
 import torch.distributed as dist
 from torch.autograd import Variable
 
-from .buffer_pool import BufferPool
-from .comm import Communicator
-from .flat_param_group import FlatParamGroup
+from zero_core.buffer_pool import BufferPool
+from zero_core.comm.communicator import Communicator
+from zero_core.replicated.flat_param_group import FlatParamGroup
 
 
 @dataclass

@@ -16,12 +16,12 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .coalesced import CoalescedGather
-from .comm import Communicator
-from .fragments import Fragment
-from .layout import FlatLayout
-from .master_shards import MasterShards
-from .partitioned_param import unguarded
+from zero_core.stage3.coalesced import CoalescedGather
+from zero_core.comm.communicator import Communicator
+from zero_core.fragments import Fragment
+from zero_core.layout import FlatLayout
+from zero_core.optim.master_shards import MasterShards
+from zero_core.stage3.partitioned_param import unguarded
 
 
 class UnitState(enum.Enum):

@@ -17,20 +17,20 @@ import torch
 from torch import nn
 from torch.autograd import Variable
 
-from . import param_sources
-from .backward_hooks import PreBackward, after_input_grads, attach
-from .block_units import block_of
-from .buffer_pool import BufferPool
-from .comm import Communicator
-from .config import ZeroConfig
-from .divergence import launch_in_order, reduce_order, skipped_backward, skipped_forward
-from .execution_trace import ExecutionTrace
-from .external_params import registered_externals
-from .layout import compute_layout
-from .leaf_modules import leaf_of, z3_leaf_module
-from .coalesced import CoalescedReduce, ReduceBucket
-from .param_unit import ParamUnit, UnitState, gather_together
-from .partitioned_param import mark_partitioned, unguarded
+from zero_core.stage3 import param_sources
+from zero_core.stage3.backward_hooks import PreBackward, after_input_grads, attach
+from zero_core.stage3.block_units import block_of
+from zero_core.buffer_pool import BufferPool
+from zero_core.comm.communicator import Communicator
+from zero_core.config import ZeroConfig
+from zero_core.stage3.divergence import launch_in_order, reduce_order, skipped_backward, skipped_forward
+from zero_core.stage3.execution_trace import ExecutionTrace
+from zero_core.stage3.external_params import registered_externals
+from zero_core.layout import compute_layout
+from zero_core.stage3.leaf_modules import leaf_of, z3_leaf_module
+from zero_core.stage3.coalesced import CoalescedReduce, ReduceBucket
+from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
+from zero_core.stage3.partitioned_param import mark_partitioned, unguarded
 
 
 class _Cursor:

@@ -15,8 +15,8 @@ from typing import Callable, Optional
 
 from jsonargparse import ArgumentParser
 
-from .config import ZeroConfig
-from .estimator import PRECISIONS, STAGES, UNITS, _fmt, estimate_memory, format_table, model_info
+from zero_core.config import ZeroConfig
+from zero_core.tools.estimator import PRECISIONS, STAGES, UNITS, _fmt, estimate_memory, format_table, model_info
 
 
 def build_parser() -> ArgumentParser:
@@ -104,7 +104,7 @@ def run(argv: Optional[list] = None) -> str:
 
 def placement_table(estimates, config: ZeroConfig, unit: str) -> str:
     """With offload in the config: the totals by place (accelerator, host memory, NVMe), stage by stage."""
-    from .offload.estimate import placement_bytes
+    from zero_core.offload.estimate import placement_bytes
 
     if not any(b is not None and b.device != "none" for b in (config.offload_optimizer, config.offload_param)):
         return ""

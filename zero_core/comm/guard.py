@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple, Optional
 
 import torch.distributed as dist
 
-from .topology import Topology
+from zero_core.comm.topology import Topology
 
 # Engines over one group are built in the same order on its ranks: the n-th one over a group shares a namespace.
 _GUARD_IDS: dict[tuple, "itertools.count[int]"] = defaultdict(itertools.count)

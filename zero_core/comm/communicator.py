@@ -25,9 +25,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .collective_guard import Call, CollectiveGuard
-from . import comm_paths
-from .topology import Topology
+from zero_core.comm.guard import Call, CollectiveGuard
+from zero_core.comm import paths as comm_paths
+from zero_core.comm.topology import Topology
 
 _reduce_scatter = comm_paths.reduce_scatter_into
 _all_gather = comm_paths.all_gather_into

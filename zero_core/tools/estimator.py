@@ -24,8 +24,8 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
-from .config import ZeroConfig
-from .layout import compute_layout
+from zero_core.config import ZeroConfig
+from zero_core.layout import compute_layout
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 STAGES = (0, 1, 2, 3)

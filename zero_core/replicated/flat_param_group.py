@@ -16,9 +16,9 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from .fragments import Fragment
-from .layout import BucketLayout, FlatLayout
-from .master_shards import MasterShards
+from zero_core.fragments import Fragment
+from zero_core.layout import BucketLayout, FlatLayout
+from zero_core.optim.master_shards import MasterShards
 
 
 class FlatParamGroup:

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from .leaf_modules import z3_leaf_module
+from zero_core.stage3.leaf_modules import z3_leaf_module
 
 
 def _holds_params(module: nn.Module) -> bool:

@@ -15,8 +15,8 @@ from typing import NamedTuple, Optional, Sequence
 import torch
 from torch import nn
 
-from .fragments import Fragment
-from .layout import FlatLayout, Range
+from zero_core.fragments import Fragment
+from zero_core.layout import FlatLayout, Range
 
 
 class MasterShards:

@@ -9,12 +9,12 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .buffer_pool import BufferPool
-from .comm import Communicator
-from .config import ZeroConfig
-from .flat_param_group import FlatParamGroup
-from .grad_reducer import GradReducer
-from .layout import compute_layout
+from zero_core.buffer_pool import BufferPool
+from zero_core.comm.communicator import Communicator
+from zero_core.config import ZeroConfig
+from zero_core.replicated.flat_param_group import FlatParamGroup
+from zero_core.replicated.grad_reducer import GradReducer
+from zero_core.layout import compute_layout
 
 
 class ReplicatedParamsRuntime:

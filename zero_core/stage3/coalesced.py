@@ -17,8 +17,8 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 
 if TYPE_CHECKING:
-    from .comm import Communicator
-    from .param_unit import ParamUnit
+    from zero_core.comm.communicator import Communicator
+    from zero_core.stage3.param_unit import ParamUnit
 
 
 def _label(units: Sequence["ParamUnit"]) -> str:

@@ -1,0 +1,1 @@
+"""Tools around the engine: the memory estimator (``zero-estimate``) and per-rank memory accounting."""
