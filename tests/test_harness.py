@@ -84,12 +84,12 @@ def test_a_rank_that_exits_without_a_result_is_reported():
     assert_no_children()
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(180)
 def test_timeout_kills_every_rank_and_names_them(tmp_path):
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running"):
-        run_distributed(hang_on_rank_one, 2, str(tmp_path), timeout=12)
-    assert time.monotonic() - started < 60
+        run_distributed(hang_on_rank_one, 2, str(tmp_path), timeout=30)
+    assert time.monotonic() - started < 120
     assert_no_children()
     for rank in (0, 1):
         pid = int((tmp_path / f"{rank}.pid").read_text())
