@@ -45,8 +45,11 @@ def test_padding_follows_the_flat_layout():
     info = ModelInfo((ParamInfo(5, 4, module="a"), ParamInfo(7, 4, module="b")))
     s1, s2, s3 = estimate_memory(info, {"reduce_bucket_size": 100, "allgather_bucket_size": 100}, 4,
                                  stages=[1, 2, 3], precision="fp32")
-    assert (s1.params, s1.grads, s1.optimizer_state) == (12 * 4, 12 * 4, 3 * 8)
-    assert (s2.params, s2.grads, s2.optimizer_state) == (12 * 4, 3 * 4, 3 * 8)
+    # Adam's state: 8 bytes per owned element (padding has none) and a 4-byte step per piece; rank 1 owns
+    # a[3:5] and b[0:1], two pieces, the most of any rank; rank 3 owns b[4:7], one piece.
+    assert (s1.params, s1.grads, s1.optimizer_state) == (12 * 4, 12 * 4, 3 * 8 + 2 * 4)
+    assert (s2.params, s2.grads, s2.optimizer_state) == (12 * 4, 3 * 4, 3 * 8 + 2 * 4)
+    assert estimate_stage(info, {"stage": 2}, 4, precision="fp32", rank=3).optimizer_state == 3 * 8 + 4
     # Stage 3 pads each unit (one module's parameters): 5 -> 8 and 7 -> 8, 2 + 2 elements per rank; both units
     # are under param_persistence_threshold, so they also stay gathered (8 + 8 elements).
     assert (s3.params, s3.grads, s3.fp32_master) == ((4 + 16) * 4, 4 * 4, 0)
