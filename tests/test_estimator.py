@@ -121,6 +121,37 @@ def test_cli_model_config_and_errors(tmp_path):
         cli(["--model", "no_colon_here"])
 
 
+def test_cli_param_groups_and_bucket_costs():
+    base = ["--model", "models:TinyTransformer", "--world-size", "2", "--stages", "2", "--unit", "B",
+            "--precision", "bf16"]
+    one, split = cli(base), cli(base + ["--param-groups", "reference:decay_groups"])
+    assert one != split  # two optimizer groups: two flat buffers, padded apart
+    assert "step tile" in one and "reduce_bucket_size = 500,000,000 (default)" in one
+    assert "a buffer can reach 1,000,000,000 bytes" in one  # DeepSpeed's 5e8 elements, in 16 bits
+    with pytest.raises(ValueError, match="--param-groups needs --model"):
+        cli(["--num-params", "1e6", "--param-groups", "reference:decay_groups"])
+
+
+def test_overlap_follows_the_estimated_stage():
+    """overlap_comm defaults to true for stage 3 only: a stage 2 config estimates stage 3 with its overlap."""
+    from models import TinyTransformer
+
+    model = TinyTransformer()
+    from_stage2 = estimate_stage(model, {"stage": 2, **SMALL_BUCKETS}, 2, stage=3, precision="bf16")
+    from_stage3 = estimate_stage(model, {"stage": 3, **SMALL_BUCKETS}, 2, precision="bf16")
+    assert from_stage2 == from_stage3
+
+
+def test_step_tile_counts_only_16_bit_gradients():
+    info = ModelInfo((ParamInfo(600, 4, module="a"), ParamInfo(300, 4, module="b"), ParamInfo(500, 4, module="c")))
+    tiles = {"sub_group_size": 1000, "reduce_bucket_size": 10_000, "allgather_bucket_size": 10_000}
+    assert estimate_stage(info, {"stage": 2, **tiles}, 1, precision="fp32").step_tile == 0  # stepped in place
+    # pieces 600, 300 | 500 packed into tiles of at most 1000 elements: the largest tile is 900 fp32 elements
+    assert estimate_stage(info, {"stage": 2, **tiles}, 1, precision="bf16").step_tile == 900 * 4
+    # a piece bigger than the tile is a tile alone
+    assert estimate_stage(info, {"stage": 2, **tiles, "sub_group_size": 100}, 1, precision="bf16").step_tile == 600 * 4
+
+
 # -- against the engine ----------------------------------------------------------------------------------
 
 SMALL_BUCKETS = {"reduce_bucket_size": 100, "allgather_bucket_size": 100}

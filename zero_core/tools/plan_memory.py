@@ -77,7 +77,12 @@ def rank_bytes(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k_byte
         pieces = [_pieces(p.layout, r) for p in trainable]
         state = max(state, sum(k_bytes * sum(sizes) + tensor_bytes * len(sizes) for sizes in pieces))
         tile = max(tile, _step_tile_bytes(trainable, pieces, cfg))
-    pool = _stage3_pool(trainable, plan, cfg) if stage == 3 else _replicated_pool(info, cfg, n, stage, precision)
+    # overlap_comm as the engine resolves it (ZeroConfig.resolved_overlap_comm), for the stage estimated
+    overlap = stage == 3 if cfg.overlap_comm is None else cfg.overlap_comm
+    if stage == 3:
+        pool = _stage3_pool(trainable, plan, overlap)
+    else:
+        pool = _replicated_pool(info, cfg, n, stage, precision, overlap)
     return RankBytes(
         params=params, grads=grads, fp32_master=master, optimizer_state=state,
         buffers=_buffer_bytes(info, cast) + pool,
@@ -207,18 +212,19 @@ def _live_bytes(info, parts: Sequence[_Part], cfg: ZeroConfig) -> int:
 def hpz_secondary_bytes(info, cfg: ZeroConfig, n: int, precision: str) -> int:
     """hpZ: each gathered (non-persistent) unit's 1/R in-node slice, held from the forward to the step."""
     parts, _ = _units(info, cfg, n, precision)
-    gathered = sum(p.layout.total * p.element_size for p in parts if not p.persistent)
-    return gathered // cfg.zero_hpz_partition_size
+    gathered = [p for p in parts if not p.persistent]
+    size = max((p.element_size for p in gathered), default=0)
+    return sum(p.layout.total for p in gathered) // cfg.zero_hpz_partition_size * size
 
 
 # -- scratch pools -----------------------------------------------------------------------------------------
 
-def _stage3_pool(trainable: Sequence[_Part], plan, cfg: ZeroConfig) -> int:
+def _stage3_pool(trainable: Sequence[_Part], plan, overlap: bool) -> int:
     """Every stage 3 reduction takes a whole bucket buffer of the plan's ``reduce_bucket_numel``; one fills while
     ``PARTITIONED_IN_FLIGHT`` are in flight with ``overlap_comm`` (none without)."""
     if not trainable:
         return 0
-    held = min(len(trainable), 1 + (PARTITIONED_IN_FLIGHT if cfg.resolved_overlap_comm else 0))
+    held = min(len(trainable), 1 + (PARTITIONED_IN_FLIGHT if overlap else 0))
     return held * plan.reduce_bucket_numel * trainable[0].element_size
 
 
@@ -243,7 +249,7 @@ class _PoolReplay:
             self.free[key] += 1
 
 
-def _replicated_pool(info, cfg: ZeroConfig, n: int, stage: int, precision: str) -> int:
+def _replicated_pool(info, cfg: ZeroConfig, n: int, stage: int, precision: str, overlap: bool) -> int:
     """Stages 1-2: replay the gradient reducer (replicated/grad_reducer.py) through the pool. Each reduction
     takes a reduce-scatter output of one shard; stage 2 also stages each bucket whole from its first gradient
     to its launch. Buckets launch from the end of the reduction order, each once it and every later one are
@@ -254,7 +260,7 @@ def _replicated_pool(info, cfg: ZeroConfig, n: int, stage: int, precision: str) 
                for g in plan.groups for b in g.layout.buckets]
     order = reduction_order(entries)
     pool = _PoolReplay(plan.pool_largest)
-    keep = REPLICATED_IN_FLIGHT if cfg.resolved_overlap_comm else 0
+    keep = REPLICATED_IN_FLIGHT if overlap else 0
     inflight: list[list[tuple]] = []
 
     def launch(group, bucket: int, staging: Optional[tuple]) -> None:
