@@ -64,7 +64,8 @@ def rank_bytes(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k_byte
     if stage == 3:
         parts, plan = _units(info, cfg, n, precision)
     else:
-        parts, plan = _flat_groups(info, cfg, n, precision), None
+        plan, sizes, positions = _replicated_plan(info, cfg, n, precision)
+        parts = [_Part(g.layout, g.dtype, sizes[g.dtype], True) for g in plan.groups]
     trainable = [p for p in parts if p.trainable]
     params = sum(p.layout.shard_numel * p.element_size + (p.layout.total * p.element_size if p.persistent else 0)
                  for p in parts) if stage == 3 else sum(p.layout.total * p.element_size for p in parts)
@@ -82,7 +83,7 @@ def rank_bytes(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k_byte
     if stage == 3:
         pool = _stage3_pool(trainable, plan, overlap)
     else:
-        pool = _replicated_pool(info, cfg, n, stage, precision, overlap)
+        pool = _replicated_pool(plan, sizes, positions, cfg, stage, overlap)
     return RankBytes(
         params=params, grads=grads, fp32_master=master, optimizer_state=state,
         buffers=_buffer_bytes(info, cast) + pool,
@@ -99,14 +100,9 @@ def _final_size(param, cast: bool) -> int:
     return 2 if cast and param.floating else param.element_size
 
 
-def _flat_groups(info, cfg: ZeroConfig, n: int, precision: str) -> list[_Part]:
-    """Stages 1-2: the engine casts the model first, then plans one flat buffer per (group, dtype)."""
-    plan, sizes = _replicated_plan(info, cfg, n, precision)
-    return [_Part(g.layout, g.dtype, sizes[g.dtype], True) for g in plan.groups]
-
-
-@functools.lru_cache(maxsize=8)
-def _replicated_plan_cached(info, n: int, precision: str, buckets: tuple):
+def _replicated_plan(info, cfg: ZeroConfig, n: int, precision: str):
+    """Stages 1-2: the engine casts the model first, then plans one flat buffer per (group, dtype). Returns the
+    plan, the element size of each dtype, and each group's parameters' model positions (the reduction order)."""
     cast = precision != "fp32"
     by_group: list[list[ParamSpec]] = [[] for _ in range(info.group_count)]
     positions: list[list[int]] = [[] for _ in range(info.group_count)]
@@ -117,22 +113,7 @@ def _replicated_plan_cached(info, n: int, precision: str, buckets: tuple):
             by_group[p.group].append(ParamSpec(p.numel, dtype, p.group))
             positions[p.group].append(position)
             sizes[dtype] = _final_size(p, cast)
-    reduce_size, gather_size = buckets
-    plan = plan_replicated(by_group, n, _Buckets(reduce_size, gather_size))
-    return plan, sizes, positions
-
-
-@dataclass(frozen=True)
-class _Buckets:
-    """The config fields stage 1-2 planning reads (hashable, for the cache)."""
-
-    reduce_bucket_size: int
-    allgather_bucket_size: int
-
-
-def _replicated_plan(info, cfg: ZeroConfig, n: int, precision: str):
-    plan, sizes, _ = _replicated_plan_cached(info, n, precision, (cfg.reduce_bucket_size, cfg.allgather_bucket_size))
-    return plan, sizes
+    return plan_replicated(by_group, n, cfg), sizes, positions
 
 
 def _cast_dtype(param, precision: str) -> str:
@@ -249,13 +230,11 @@ class _PoolReplay:
             self.free[key] += 1
 
 
-def _replicated_pool(info, cfg: ZeroConfig, n: int, stage: int, precision: str, overlap: bool) -> int:
+def _replicated_pool(plan, sizes: dict, positions: list, cfg: ZeroConfig, stage: int, overlap: bool) -> int:
     """Stages 1-2: replay the gradient reducer (replicated/grad_reducer.py) through the pool. Each reduction
     takes a reduce-scatter output of one shard; stage 2 also stages each bucket whole from its first gradient
     to its launch. Buckets launch from the end of the reduction order, each once it and every later one are
     complete, keeping ``REPLICATED_IN_FLIGHT`` in flight with ``overlap_comm``."""
-    plan, sizes, positions = _replicated_plan_cached(info, n, precision,
-                                                     (cfg.reduce_bucket_size, cfg.allgather_bucket_size))
     entries = [(g, b.index, [positions[g.group_index][g.members[i]] for i in b.param_indices])
                for g in plan.groups for b in g.layout.buckets]
     order = reduction_order(entries)
