@@ -117,14 +117,33 @@ CASES = (
 )
 
 
-def _measure(rank: int, world_size: int, cases) -> dict:
+def _record_fp32_copies(optimizer, engine_holder: list) -> list:
+    """Wrap ``optimizer.step`` (before setup: the engine's real update calls it): the most gradient elements
+    one step() saw in fp32 copies, i.e. in tensors that are not the engine's gradient shards."""
+    largest = [0]
+
+    def step(closure=None):
+        shards = {t.untyped_storage().data_ptr() for t in engine_holder[0].runtime.grad_tensors()}
+        copied = sum(p.grad.numel() for group in optimizer.param_groups for p in group["params"]
+                     if p.grad is not None and p.grad.untyped_storage().data_ptr() not in shards)
+        largest[0] = max(largest[0], copied)
+        return type(optimizer).step(optimizer, closure)
+
+    optimizer.step = step
+    return largest
+
+
+def _measure(rank: int, world_size: int, cases) -> list:
     import zero_core
 
     measured = []
     for case in cases:
         model = _build(case.model)
         optimizer = torch.optim.AdamW(_groups(model, case.split), lr=1e-3)
+        holder = []
+        tile = _record_fp32_copies(optimizer, holder)
         engine = zero_core.setup(model, optimizer, case.config())
+        holder.append(engine)
         for step in range(2):
             engine.backward(_loss(engine, case.model, rank, step))
             engine.step()
@@ -133,7 +152,7 @@ def _measure(rank: int, world_size: int, cases) -> dict:
         agreements = (engine.step_tile_numel, pool_largest,
                       getattr(runtime, "MAX_IN_FLIGHT", None) or runtime.reducer.MAX_IN_FLIGHT)
         order = None if case.stage == 3 else [(g.group_index, str(g.dtype), b) for g, b in runtime.reducer.order]
-        measured.append((engine.memory_stats(), runtime.plan, agreements, order))
+        measured.append((engine.memory_stats(), runtime.plan, agreements, order, tile[0] * 4))
         engine.close()
     return measured
 
@@ -142,6 +161,7 @@ def _check(results: list, world_size: int) -> None:
     from zero_core.config import ZeroConfig
     from zero_core.planning import reduction_order
 
+    assert all(result[CASES.index(Case("blocks", "one", 2, "bf16"))][4] > 0 for result in results)  # it records
     for index, case in enumerate(CASES):
         model = _build(case.model)
         groups = _groups(model, case.split)
@@ -149,7 +169,7 @@ def _check(results: list, world_size: int) -> None:
         info = model_info(model, param_groups=groups)
         plan = engine_plan(info, config, world_size, case.stage, case.precision)
         for rank, result in enumerate(results):
-            stats, built, (tile, pool_largest, in_flight), order = result[index]
+            stats, built, (tile, pool_largest, in_flight), order, copied = result[index]
             assert built == plan, (case, rank, "the runtime built another plan than the estimator counted")
             assert tile == step_tile_numel(config)
             if case.stage == 3:
@@ -166,6 +186,8 @@ def _check(results: list, world_size: int) -> None:
                                       precision=case.precision)
             predicted = {c: getattr(estimate, c) for c in CLASSES}
             assert predicted == stats, (case, rank, {c: (stats[c], predicted[c]) for c in CLASSES})
+            if not case.extra or "offload" not in case.extra[0][0]:  # offload steps on host copies of its own
+                assert estimate.step_tile == copied, (case, rank, "the step's fp32 tile", copied, estimate.step_tile)
 
 
 @pytest.mark.timeout(600)
