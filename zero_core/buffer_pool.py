@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from zero_core.planning import pool_capacity
+
 
 class BufferPool:
     """Hands out zeroed scratch tensors in power-of-two size classes and takes them back for reuse."""
@@ -24,7 +26,7 @@ class BufferPool:
         writes every element it uses); slice it, then ``release`` the whole buffer."""
         if numel > self.largest:
             raise ValueError(f"scratch request of {numel} elements exceeds the largest pool size {self.largest}")
-        capacity = min(1 << max(int(numel) - 1, 0).bit_length(), self.largest)
+        capacity = pool_capacity(numel, self.largest)
         free = self._free.get((dtype, capacity))
         if free:
             buffer = free.pop()

@@ -27,6 +27,8 @@ def placement_bytes(estimate, config) -> Placement:
     optimizer = cfg.offload_optimizer.device if cfg.offload_optimizer else "none"
     if optimizer != "none":
         accelerator -= estimate.fp32_master + estimate.optimizer_state
+        # the step runs on the host: its fp32 tile (MemoryEstimate.step_tile) is the host gradient buffer below
+        accelerator -= max(estimate.live_params, estimate.step_tile) - estimate.live_params
         moved = MASTER_BYTES * shard + estimate.optimizer_state  # master + state, per element (4 + K)
         if optimizer == "cpu":
             host += moved + HOST_GRAD_BYTES * shard

@@ -14,7 +14,7 @@ from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
 from zero_core.replicated.flat_param_group import FlatParamGroup
 from zero_core.replicated.grad_reducer import GradReducer
-from zero_core.layout import compute_layout
+from zero_core.planning import FlatGroupPlan, ParamSpec, plan_flat_groups, plan_replicated
 
 
 class ReplicatedParamsRuntime:
@@ -58,19 +58,22 @@ class ReplicatedParamsRuntime:
         return reducer
 
     def _build_groups(self, trainable_by_group, names) -> list[FlatParamGroup]:
-        return [g for index, trainable in enumerate(trainable_by_group) for g in self._groups_of(index, trainable)]
+        """The flat groups planning.py plans (``self.plan``, the estimator counts the same plan)."""
+        specs = [[ParamSpec(p.numel(), str(p.dtype), index) for p in trainable]
+                 for index, trainable in enumerate(trainable_by_group)]
+        self.plan = plan_replicated(specs, self.comm.topology.world_size, self.config)
+        return [self._group_from(plan, trainable_by_group[plan.group_index]) for plan in self.plan.groups]
 
     def _groups_of(self, index: int, trainable: list[nn.Parameter]) -> list[FlatParamGroup]:
         """One flat group per dtype of optimizer group ``index``'s trainable parameters."""
-        bucket_numel = min(self.config.reduce_bucket_size, self.config.allgather_bucket_size)
-        topology = self.comm.topology
-        groups = []
-        for dtype in sorted({p.dtype for p in trainable}, key=str):
-            members = [p for p in trainable if p.dtype == dtype]
-            layout = compute_layout([p.numel() for p in members], topology.world_size, bucket_numel)
-            groups.append(FlatParamGroup(members, [self.names[p] for p in members], index, layout,
-                                         topology.rank, full_grads=self.config.stage == 1))
-        return groups
+        plans = plan_flat_groups(index, [str(p.dtype) for p in trainable], [p.numel() for p in trainable],
+                                 self.comm.topology.world_size, self.config)
+        return [self._group_from(plan, trainable) for plan in plans]
+
+    def _group_from(self, plan: FlatGroupPlan, trainable: list[nn.Parameter]) -> FlatParamGroup:
+        members = [trainable[i] for i in plan.members]
+        return FlatParamGroup(members, [self.names[p] for p in members], plan.group_index, plan.layout,
+                              self.comm.topology.rank, full_grads=self.config.stage == 1)
 
     def add_trainable(self, by_group: dict[int, list[nn.Parameter]]) -> list[FlatParamGroup]:
         """Parameters that became trainable after setup (unfrozen, or in a group added later): new flat groups

@@ -26,7 +26,8 @@ from zero_core.config import ZeroConfig
 from zero_core.stage3.divergence import launch_in_order, reduce_order, skipped_backward, skipped_forward
 from zero_core.stage3.execution_trace import ExecutionTrace
 from zero_core.stage3.external_params import registered_externals
-from zero_core.layout import compute_layout
+from zero_core.layout import FlatLayout
+from zero_core.planning import ParamSpec, UnitPlan, plan_units, unit_layout
 from zero_core.stage3.leaf_modules import leaf_of, z3_leaf_module
 from zero_core.stage3.coalesced import CoalescedReduce, ReduceBucket
 from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
@@ -100,41 +101,45 @@ class PartitionedParamsRuntime:
 
     # -- partitioning at setup -----------------------------------------------------------------------------
     def _build_units(self, trainable_by_group) -> None:
+        """Partition the units planning.py plans (``self.plan``, the estimator counts the same plan), one module
+        at a time: a module's meta parameters are materialised just before its units take them."""
         group_of = {p: i for i, params in enumerate(trainable_by_group) for p in params}
         device = next((p.device for p in self.module.parameters() if not p.is_meta), torch.device("cpu"))
-        persistent_budget = self.config.model_persistence_threshold
+        owned: dict[str, list[nn.Parameter]] = {}
+        seen: set[nn.Parameter] = set()
+        for module_name, mod in self.module.named_modules():
+            owned[module_name] = [p for p in mod.parameters(recurse=False) if p not in seen]
+            seen.update(owned[module_name])
+        specs = [(name, [ParamSpec(p.numel(), str(p.dtype), group_of.get(p), name) for p in params])
+                 for name, params in owned.items()]
+        self.plan = plan_units(specs, self.comm.topology.world_size, self.config)
+        flat = [p for params in owned.values() for p in params]
+        planned = defaultdict(list)
+        for unit in self.plan.units:
+            planned[unit.module].append(unit)
         for module_name, mod in self.module.named_modules():
             param_sources.materialize_meta(mod, module_name, device)
             owner = self._hooked(mod)  # a module inside a leaf: its units are gathered with the leaf
-            own = []
             for param in mod.parameters(recurse=False):
-                if param in self.unit_of or any(param is p for p, _ in own):
-                    if param in self.unit_of:
-                        self._add_external(owner, self.unit_of[param])
-                    continue
-                own.append((param, group_of.get(param)))
-            for key in sorted({(g if g is not None else -1, str(p.dtype)) for p, g in own}):
-                members = [p for p, g in own if (g if g is not None else -1, str(p.dtype)) == key]
-                persistent_budget = self._add_unit(module_name, owner, members, key[0], persistent_budget)
+                if param in self.unit_of:  # registered by an earlier module (tied)
+                    self._add_external(owner, self.unit_of[param])
+            for unit in planned[module_name]:
+                self._add_unit(module_name, owner, [flat[i] for i in unit.members], unit)
         for mod, params in registered_externals(self.module):
             for param in params:
                 self._add_external(self._hooked(mod), self.unit_of[param])
         for buffer in self.module.buffers():
             self.comm.broadcast(buffer, src=0)  # every rank starts from rank 0's buffers, as with DDP
 
-    def _add_unit(self, module_name, mod, params, group_index, persistent_budget) -> int:
-        numel = sum(p.numel() for p in params)
-        persistent = all(p.numel() < self.config.param_persistence_threshold for p in params) and \
-            numel <= persistent_budget
+    def _add_unit(self, module_name, mod, params, plan: UnitPlan) -> None:
         broadcast = not all(param_sources.comes_from_init(p) for p in params)
         values = [param_sources.whole_value(p) for p in params]
-        self._new_unit(module_name, mod, params, group_index if group_index >= 0 else None, values, persistent,
-                       broadcast)
-        return persistent_budget - numel if persistent else persistent_budget
+        self._new_unit(module_name, mod, params, plan.group_index, values, plan.persistent, broadcast, plan.layout)
 
-    def _new_unit(self, module_name, mod, params, group_index, values, persistent: bool, broadcast: bool):
-        bucket_numel = self.config.reduce_bucket_size
-        layout = compute_layout([p.numel() for p in params], self.comm.topology.world_size, bucket_numel)
+    def _new_unit(self, module_name, mod, params, group_index, values, persistent: bool, broadcast: bool,
+                  layout: Optional[FlatLayout] = None):
+        if layout is None:  # a unit split by add_trainable: laid out as planning.py lays out every unit
+            layout = unit_layout([p.numel() for p in params], self.comm.topology.world_size, self.config)
         dtype = self.config.param_dtype if params[0].is_floating_point() else params[0].dtype
         unit = ParamUnit(self._unit_count, module_name, params, [self.names[p] for p in params], group_index, layout,
                          self.comm, dtype)

@@ -2,6 +2,7 @@
 
     zero-estimate --num-params 7.5e9 --world-size 64              # the ZeRO paper's table (mixed precision)
     zero-estimate --model benchmarks.gpt:build_gpt --world-size 8 --config zero.yaml --precision bf16
+    zero-estimate --model my.models:build --param-groups my.models:decay_groups --world-size 2
 
 docs/estimator.md explains the formulas.
 """
@@ -16,6 +17,7 @@ from typing import Callable, Optional
 from jsonargparse import ArgumentParser
 
 from zero_core.config import ZeroConfig
+from zero_core.planning import flat_bucket_numel, step_tile_numel
 from zero_core.tools.estimator import PRECISIONS, STAGES, UNITS, _fmt, estimate_memory, format_table, model_info
 
 
@@ -30,6 +32,11 @@ def build_parser() -> ArgumentParser:
     parser.add_argument("--model", type=Optional[str], default=None,
                         help="'module:factory': a callable returning an nn.Module, built on the meta device "
                         "(nothing is allocated); padding then follows the engine's flat layout exactly.")
+    parser.add_argument("--param-groups", type=Optional[str], default=None,
+                        help="'module:function': called with the (meta) model, returns the optimizer's parameter "
+                        "groups (dicts with 'params', or an optimizer); the engine plans one flat buffer per group "
+                        "and dtype, so a split (e.g. AdamW decay / no-decay) changes padding and buffers. "
+                        "Default: one group.")
     parser.add_argument("--world-size", type=int, nargs="+", default=[1],
                         help="Data-parallel ranks N; several values print one table each (e.g. 8 64).")
     parser.add_argument("--config", type=Optional[str], default=None,
@@ -46,17 +53,17 @@ def build_parser() -> ArgumentParser:
     return parser
 
 
-def load_factory(spec: str) -> Callable:
+def load_factory(spec: str, flag: str = "--model") -> Callable:
     """The callable named by 'package.module:attribute', importable from the current directory or installed."""
     module_name, sep, attribute = spec.partition(":")
     if not sep or not module_name or not attribute:
-        raise ValueError(f"--model must look like 'package.module:factory', got {spec!r}")
+        raise ValueError(f"{flag} must look like 'package.module:factory', got {spec!r}")
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # a console script does not see the current directory by itself
     module = importlib.import_module(module_name)
     factory = getattr(module, attribute, None)
     if not callable(factory):
-        raise ValueError(f"--model {spec!r}: {module_name} has no callable named {attribute!r}")
+        raise ValueError(f"{flag} {spec!r}: {module_name} has no callable named {attribute!r}")
     return factory
 
 
@@ -75,7 +82,11 @@ def _subject(args):
     if (args.num_params is None) == (args.model is None):
         raise ValueError("give exactly one of --num-params and --model")
     if args.model is not None:
-        return model_info(build_on_meta(args.model)), args.model
+        model = build_on_meta(args.model)
+        groups = load_factory(args.param_groups, "--param-groups")(model) if args.param_groups else None
+        return model_info(model, param_groups=groups), args.model
+    if args.param_groups is not None:
+        raise ValueError("--param-groups needs --model (the groups are read from the model's parameters)")
     return args.num_params, f"{args.num_params:.4g} parameters"
 
 
@@ -98,7 +109,7 @@ def run(argv: Optional[list] = None) -> str:
         numel = estimates[0].numel if estimates else 0
         blocks.append(f"{label}: Ψ = {numel:,} trainable elements, {world_size} ranks, "
                       f"{estimates[0].precision if estimates else ''}\n\n" + format_table(estimates, args.unit)
-                      + placement_table(estimates, config, args.unit))
+                      + placement_table(estimates, config, args.unit) + bucket_note(estimates, config))
     return "\n\n".join(blocks)
 
 
@@ -116,6 +127,33 @@ def placement_table(estimates, config: ZeroConfig, unit: str) -> str:
         place = placement_bytes(e, config)
         lines.append(f"| {e.stage} | " + " | ".join(_fmt(b / UNITS[unit]) for b in
                                                     (place.accelerator, place.host, place.nvme)) + " |")
+    return "\n".join(lines)
+
+
+def bucket_note(estimates, config: ZeroConfig) -> str:
+    """What the bucket sizes cost: DeepSpeed's defaults (5e8 elements) make one bucket of a whole small model,
+    so scratch and the step's fp32 tile can rival the model states."""
+    if not estimates:
+        return ""
+    e = estimates[0]
+    element = 4 if e.precision == "fp32" else 2
+    numel = max(e.numel, 1)
+    default = ZeroConfig()
+
+    def field(name: str) -> str:
+        value = getattr(config, name)
+        return f"{name} = {value:,}" + (" (default)" if value == getattr(default, name) else "")
+
+    bucket = flat_bucket_numel(config)
+    lines = ["", "", "Bucket sizes, in elements: " + ", ".join(field(n) for n in (
+        "reduce_bucket_size", "allgather_bucket_size", "sub_group_size")) + ".",
+        f"- One bucket buffer holds up to min(bucket, Ψ) elements: {min(bucket, numel) * element:,} bytes here "
+        f"({e.precision}); at {bucket:,} elements a buffer can reach {bucket * element:,} bytes. Stages 1-2 hold "
+        "a reduce-scatter output per bucket in flight and, in stage 2, a staging copy of each bucket being "
+        "filled; stage 3 holds one or two reduction buffers. Those bytes are the `buffers` column (with a model; "
+        "0 for a bare count).",
+        f"- The step copies 16-bit gradients to fp32 in tiles of min(sub_group_size, reduce_bucket_size) = "
+        f"{step_tile_numel(config):,} elements: the `step tile` column, a transient besides `buffers`."]
     return "\n".join(lines)
 
 

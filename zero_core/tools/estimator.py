@@ -1,8 +1,9 @@
 """Predict per-rank memory of ZeRO training without a process group: ``estimate_memory(model, config, world_size)``.
 
-The formulas are the ZeRO paper's (section 3, table 1), applied to the same `compute_layout` that the engine
-allocates with, so padding is counted exactly when a model is given. Model states per rank, with Ψ trainable
-elements, N ranks, p / g bytes per parameter / gradient element and K bytes of optimizer state per element:
+The formulas are the ZeRO paper's (section 3, table 1). Given a model (and its optimizer's parameter groups), the
+estimate counts the plans the engine allocates from (zero_core/planning.py, counted in tools/plan_memory.py), so
+every class equals ``engine.memory_stats()`` after a step. Model states per rank, with Ψ trainable elements,
+N ranks, p / g bytes per parameter / gradient element and K bytes of optimizer state per element:
 
 | stage | parameters | gradients | fp32 master + optimizer state |
 | --- | --- | --- | --- |
@@ -25,52 +26,75 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from zero_core.config import ZeroConfig
-from zero_core.layout import compute_layout
+from zero_core.planning import step_tile_numel
+from zero_core.tools.plan_memory import hpz_secondary_bytes, rank_bytes
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 STAGES = (0, 1, 2, 3)
-# Adam and AdamW keep two fp32 moments per element (exp_avg, exp_avg_sq).
+# Adam and AdamW keep two fp32 moments per element (exp_avg, exp_avg_sq) and a 4-byte `step` tensor per
+# parameter: the engine's optimizer parameters are master pieces, one per parameter fragment a rank owns.
 ADAM_STATE_BYTES = 8
-# The engine's scratch pool (buffer_pool.py) rounds every request up to a power of two, capped at the largest
-# bucket (stages 1-2) or unit (stage 3), and reuses freed buffers of the same size. Backward reduces buckets or
-# units last to first, keeping this many reductions in flight (MAX_IN_FLIGHT of the gradient reducers).
-_IN_FLIGHT = 2
+ADAM_TENSOR_BYTES = 4
+_DTYPE_OF_SIZE = {8: "torch.float64", 4: "torch.float32", 2: "torch.float16", 1: "torch.uint8"}
 
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """What the estimator reads of one parameter: its size, element size and owning module."""
+    """What the estimator reads of one parameter: its size, element size and owning module, and its optimizer
+    group (``None``: in no group, left whole and untouched by the engine). ``dtype`` is ``str(torch.dtype)``;
+    by default the float type of ``element_size``."""
 
     numel: int
     element_size: int
     trainable: bool = True
     module: str = ""
+    group: Optional[int] = 0
+    dtype: str = ""
+    floating: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.dtype:
+            object.__setattr__(self, "dtype", _DTYPE_OF_SIZE.get(self.element_size, f"{self.element_size}-byte"))
 
 
 @dataclass(frozen=True)
 class ModelInfo:
-    """The parameters (each tied weight once) and buffers of a model, in registration order."""
+    """The parameters (each tied weight once) and buffers of a model, in registration order.
+
+    ``floating_buffers``: (numel, element size) of each floating buffer (cast with the parameters under
+    fp16/bf16); ``group_count``: the optimizer's groups (at least one more than the largest ``group``)."""
 
     params: tuple[ParamInfo, ...]
     buffer_bytes: int = 0
+    floating_buffers: tuple[tuple[int, int], ...] = ()
+    group_count: int = 0
+
+    def __post_init__(self) -> None:
+        used = max((p.group + 1 for p in self.params if p.group is not None), default=1)
+        object.__setattr__(self, "group_count", max(self.group_count, used))
 
     @property
     def trainable_numel(self) -> int:
-        return sum(p.numel for p in self.params if p.trainable)
+        """Ψ: the elements the optimizer updates (requires_grad, in an optimizer group)."""
+        return sum(p.numel for p in self.params if p.trainable and p.group is not None)
 
     @property
     def frozen_numel(self) -> int:
-        return sum(p.numel for p in self.params if not p.trainable)
+        return sum(p.numel for p in self.params) - self.trainable_numel
 
 
 @dataclass(frozen=True)
 class MemoryEstimate:
     """Bytes per rank by class, for one stage, world size and precision.
 
-    ``params``, ``grads``, ``fp32_master`` and ``optimizer_state`` are the model states, the classes of
-    ``ZeroEngine.memory_stats()``. ``buffers`` are module buffers plus the engine's bucket scratch (an upper
-    bound that depends on the bucket size, not on the model), ``live_params`` the stage 3 parameters gathered
-    at one time besides the persistent ones (at most ``max_live_parameters``, at least the largest unit).
+    ``params``, ``grads``, ``fp32_master``, ``optimizer_state`` and ``buffers`` (module buffers plus the
+    engine's bucket scratch) are the classes of ``ZeroEngine.memory_stats()`` after a step. Two transients are
+    not held after a step and so not in ``memory_stats()``: ``live_params``, the stage 3 parameters gathered at
+    one time besides the persistent ones (at most ``max_live_parameters``, at least the largest unit), and
+    ``step_tile``, the fp32 copy of one tile of 16-bit gradients while the optimizer steps
+    (``min(sub_group_size, reduce_bucket_size)`` elements at most, or one bigger piece). ``total`` adds the larger
+    of the two, since they are never held together. ``rank`` is the rank estimated (None: the most any rank
+    holds, class by class).
     """
 
     stage: int
@@ -84,6 +108,8 @@ class MemoryEstimate:
     buffers: int = 0
     live_params: int = 0
     shard_numel: int = 0  # trainable elements whose master this rank holds (placement_bytes reads it)
+    step_tile: int = 0
+    rank: Optional[int] = None
 
     @property
     def model_states(self) -> int:
@@ -91,7 +117,7 @@ class MemoryEstimate:
 
     @property
     def total(self) -> int:
-        return self.model_states + self.buffers + self.live_params
+        return self.model_states + self.buffers + max(self.live_params, self.step_tile)
 
     def per_param(self) -> float:
         """Model-state bytes divided by Ψ (the paper's unit: 16 for DDP)."""
@@ -108,19 +134,46 @@ def paper_bytes_per_param(stage: int, world_size: int, precision: str = "fp16",
     return {0: p + g + k, 1: p + g + k / n, 2: p + (g + k) / n, 3: (p + g + k) / n}[stage]
 
 
-def model_info(model, trainable_only: bool = False) -> ModelInfo:
-    """Read a module's parameters and buffers; works on the meta device (nothing is allocated)."""
+def model_info(model, trainable_only: bool = False, param_groups=None) -> ModelInfo:
+    """Read a module's parameters and buffers; works on the meta device (nothing is allocated).
+
+    ``param_groups``: the optimizer (or its ``param_groups``: dicts with ``params``, or lists of parameters)
+    the engine will be set up with; by default one group of every parameter."""
     owner = {}
     for module_name, module in model.named_modules():
         for param in module.parameters(recurse=False):
             owner.setdefault(id(param), module_name)
+    group_of, count = _group_of(model, param_groups)
     params = []
     for param in model.parameters():  # each tied Parameter once
         if trainable_only and not param.requires_grad:
             continue
-        params.append(ParamInfo(param.numel(), param.element_size(), param.requires_grad, owner.get(id(param), "")))
-    buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
-    return ModelInfo(tuple(params), buffer_bytes)
+        params.append(ParamInfo(param.numel(), param.element_size(), param.requires_grad, owner.get(id(param), ""),
+                                group_of(param), str(param.dtype), param.is_floating_point()))
+    buffers = list(model.buffers())
+    return ModelInfo(tuple(params), sum(b.numel() * b.element_size() for b in buffers),
+                     tuple((b.numel(), b.element_size()) for b in buffers if b.is_floating_point()), count)
+
+
+def _group_of(model, param_groups):
+    """(parameter -> its group index or None, number of groups), checked as the engine checks them."""
+    if param_groups is None:
+        return (lambda param: 0), 1
+    groups = getattr(param_groups, "param_groups", param_groups)  # an optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    index_of: dict[int, int] = {}
+    for index, group in enumerate(groups):
+        params = group["params"] if isinstance(group, dict) else group
+        params = [params] if hasattr(params, "shape") else list(params)
+        for param in params:
+            if id(param) not in names:
+                raise ValueError(f"param_groups[{index}] holds a parameter of shape {tuple(param.shape)} that is not "
+                                 "in the model; build the groups from model.parameters()")
+            if id(param) in index_of:
+                raise ValueError(f"parameter '{names[id(param)]}' is in param_groups {index_of[id(param)]} and "
+                                 f"{index}; give each parameter to one group only")
+            index_of[id(param)] = index
+    return (lambda param: index_of.get(id(param))), len(groups)
 
 
 def estimate_memory(
@@ -131,21 +184,33 @@ def estimate_memory(
     stages: Optional[Iterable[int]] = None,
     precision: Optional[str] = None,
     optimizer_state_bytes: int = ADAM_STATE_BYTES,
+    optimizer_tensor_bytes: int = ADAM_TENSOR_BYTES,
+    param_groups=None,
+    rank: Optional[int] = None,
 ) -> list[MemoryEstimate]:
     """Per-rank bytes for each stage (default: 0-3) of a model (``nn.Module`` or `ModelInfo`) or a count.
 
-    ``precision`` defaults to the config's (fp16 / bf16 when enabled there, else fp32). With a model, the flat
-    layout of the engine (buckets padded to a multiple of ``world_size``) is used; with a count, shards are
-    ``ceil(Ψ / N)`` and no buffers are estimated.
+    ``precision`` defaults to the config's (fp16 / bf16 when enabled there, else fp32). With a model, the
+    engine's plans are counted (zero_core/planning.py): flat buffers per optimizer group and dtype, stage 3
+    units, padding, scratch pools; ``param_groups`` (the optimizer, or its groups) splits the parameters as the
+    optimizer will (default: one group), and ``rank`` picks the rank (default: the most any rank holds, by
+    class). With a count, shards are ``ceil(Ψ / N)`` and no buffers are estimated.
+    ``optimizer_state_bytes`` are per element, ``optimizer_tensor_bytes`` per optimizer parameter (Adam's
+    ``step``: 4; the engine's optimizer parameters are one master piece per parameter fragment of a rank).
     """
     cfg = ZeroConfig.coerce(config)
     precision = _resolve_precision(precision, cfg)
     _check_world_size(world_size)
-    info = _as_model_info(model_or_numel)
+    info = _as_model_info(model_or_numel, param_groups)
     stages = tuple(STAGES if stages is None else stages)
     for stage in stages:
         _check_stage(stage)
-    return [_estimate_stage(info, cfg, world_size, stage, precision, optimizer_state_bytes) for stage in stages]
+    if optimizer_tensor_bytes < 0:
+        raise ValueError(f"optimizer_tensor_bytes must be >= 0, got {optimizer_tensor_bytes}")
+    if rank is not None and not 0 <= rank < _shard_ranks(cfg, world_size):
+        raise ValueError(f"rank must be in [0, {_shard_ranks(cfg, world_size)}) (the shard group), got {rank!r}")
+    return [_estimate_stage(info, cfg, world_size, stage, precision, optimizer_state_bytes, optimizer_tensor_bytes,
+                            rank) for stage in stages]
 
 
 def estimate_stage(model_or_numel, config=None, world_size: int = 1, stage: Optional[int] = None,
@@ -167,136 +232,41 @@ def _shard_ranks(cfg: ZeroConfig, n: int) -> int:
     return cfg.mics_shard_size
 
 
-def _estimate_stage(info, cfg: ZeroConfig, world: int, stage: int, precision: str, k_bytes: int) -> MemoryEstimate:
-    p, g, _ = _element_bytes(precision, k_bytes)
-    master = 0 if precision == "fp32" else 4  # fp32 training steps the parameters themselves
+def _estimate_stage(info, cfg: ZeroConfig, world: int, stage: int, precision: str, k_bytes: int, tensor_bytes: int,
+                    rank: Optional[int]) -> MemoryEstimate:
     n = _shard_ranks(cfg, world)
-    if isinstance(info, int):
-        sizes = _Sizes(full=info, padded=info, shard=math.ceil(info / n))
-        buffers = 0
-    else:
-        sizes = _stage3_sizes(info, cfg, n) if stage == 3 else _flat_sizes(info, cfg, n)
-        buffers = info.buffer_bytes + (_scratch_bytes(info, cfg, n, stage) * p if stage else 0)
-    if stage == 0:
-        sizes = _Sizes(full=sizes.full, padded=sizes.full, shard=sizes.full, frozen=sizes.frozen)
-    resident = {0: sizes.full, 1: sizes.padded, 2: sizes.padded, 3: sizes.shard + sizes.persistent}[stage]
-    grads = {0: sizes.full, 1: sizes.padded, 2: sizes.shard, 3: sizes.shard}[stage]
-    live = min(sizes.full, max(cfg.max_live_parameters, sizes.largest_unit)) if stage == 3 else 0
+    if isinstance(info, int) or stage == 0:
+        return _paper_stage(info, cfg, world, n, stage, precision, k_bytes)
+    held = rank_bytes(info, cfg, n, stage, precision, k_bytes, tensor_bytes, rank)
     # hpZ: each gathered (non-persistent) unit's 1/R slice, kept from the forward to the step
-    secondary = sizes.gathered // cfg.zero_hpz_partition_size if stage == 3 and cfg.zero_hpz_partition_size > 1 else 0
+    secondary = hpz_secondary_bytes(info, cfg, n, precision) if stage == 3 and cfg.zero_hpz_partition_size > 1 else 0
     return MemoryEstimate(
-        stage=stage, world_size=world, precision=precision, numel=sizes.full,
-        params=(resident + sizes.frozen + secondary) * p, grads=grads * g, fp32_master=sizes.shard * master,
-        optimizer_state=sizes.shard * k_bytes, buffers=buffers, live_params=live * p, shard_numel=sizes.shard,
+        stage=stage, world_size=world, precision=precision, numel=info.trainable_numel,
+        params=held.params + secondary, grads=held.grads, fp32_master=held.fp32_master,
+        optimizer_state=held.optimizer_state, buffers=held.buffers, live_params=held.live_params,
+        shard_numel=held.shard_numel, step_tile=held.step_tile, rank=rank,
     )
 
 
-@dataclass(frozen=True)
-class _Sizes:
-    """Element counts of one rank: trainable (full, flat buffer with padding, own shard), frozen elements held,
-    stage 3's persistent (always gathered) elements and its largest gathered unit."""
-
-    full: int
-    padded: int
-    shard: int
-    frozen: int = 0
-    persistent: int = 0
-    largest_unit: int = 0
-    gathered: int = 0  # stage 3: padded elements of the units the hooks gather (not persistent)
-
-
-def _flat_sizes(info: ModelInfo, cfg: ZeroConfig, n: int) -> _Sizes:
-    """Stages 1-2: one flat buffer per parameter dtype, cut in buckets, each padded to a multiple of N."""
-    bucket = min(cfg.reduce_bucket_size, cfg.allgather_bucket_size)
-    padded = shard = 0
-    for layout in _flat_layouts(info, n, bucket):
-        padded += layout.total
-        shard += layout.shard_numel
-    return _Sizes(full=info.trainable_numel, padded=padded, shard=shard, frozen=info.frozen_numel)
-
-
-def _flat_layouts(info: ModelInfo, n: int, bucket: int) -> list:
-    """One flat layout per parameter element size, over the trainable parameters."""
-    sizes = sorted({p.element_size for p in info.params if p.trainable})
-    return [compute_layout([p.numel for p in info.params if p.trainable and p.element_size == size], n, bucket)
-            for size in sizes]
-
-
-def _units(info: ModelInfo) -> list[tuple[bool, list[int]]]:
-    """Stage 3's units in model order: one module's own parameters of one kind (trainable or not, dtype)."""
-    units: dict[tuple, list[int]] = {}
-    for param in info.params:
-        units.setdefault((param.module, param.element_size, param.trainable), []).append(param.numel)
-    return [(key[2], numels) for key, numels in units.items()]
-
-
-def _stage3_sizes(info: ModelInfo, cfg: ZeroConfig, n: int) -> _Sizes:
-    """Each unit has its own padded layout; a unit of parameters all under param_persistence_threshold stays
-    gathered while model_persistence_threshold lasts (frozen units are sharded too, without gradients)."""
-    shard = frozen = persistent = largest = gathered = 0
-    budget = cfg.model_persistence_threshold
-    for trainable, numels in _units(info):
-        layout = compute_layout(numels, n, cfg.reduce_bucket_size)
-        if all(x < cfg.param_persistence_threshold for x in numels) and sum(numels) <= budget:
-            budget -= sum(numels)
-            persistent += layout.total
-        else:
-            largest = max(largest, layout.total)
-            gathered += layout.total
-        if trainable:
-            shard += layout.shard_numel
-        else:
-            frozen += layout.shard_numel
-    return _Sizes(full=info.trainable_numel, padded=shard * n, shard=shard, frozen=frozen, persistent=persistent,
-                  largest_unit=largest, gathered=gathered)
-
-
-def _scratch_bytes(info: ModelInfo, cfg: ZeroConfig, n: int, stage: int) -> int:
-    """Elements of the scratch pool after a step: each reduction takes a reduce-scatter output of one shard and,
-    for stages 2-3, a staging buffer of its whole bucket or unit; replayed in backward order through the pool."""
-    if stage == 3:
-        return _stage3_scratch(info, cfg, n)
+def _paper_stage(info, cfg: ZeroConfig, world: int, n: int, stage: int, precision: str, k_bytes: int):
+    """The paper's formulas: a parameter count (shards of ceil(Ψ/N), no buffers), or stage 0 (plain DDP) of a
+    model. The step tile of a count is its upper bound, ``min(step_tile_numel, shard)`` 16-bit elements."""
+    p, g, _ = _element_bytes(precision, k_bytes)
+    master = 0 if precision == "fp32" else 4  # fp32 training steps the parameters themselves
+    if isinstance(info, int):
+        full, frozen, buffers = info, 0, 0
     else:
-        bucket = min(cfg.reduce_bucket_size, cfg.allgather_bucket_size)
-        pieces = [(b.range.size, b.shard_size) for layout in _flat_layouts(info, n, bucket) for b in layout.buckets]
-    if not pieces:
-        return 0
-    cap = max(whole for whole, _ in pieces)
-    keep = _IN_FLIGHT if cfg.resolved_overlap_comm else 0
-    return _replay_pool([[s] + ([w] if stage >= 2 else []) for w, s in reversed(pieces)], cap, keep)
-
-
-def _stage3_scratch(info: ModelInfo, cfg: ZeroConfig, n: int) -> int:
-    """Stage 3 reduces gradients in coalesced buckets (stage3.py ``_bucket_numel``): each bucket buffer holds
-    ``min(reduce_bucket_size, the trainable units, max_live_parameters)`` elements, at least the largest unit.
-    The first step reduces unit by unit (its collectives are checked), so the pool holds one bucket per unit up
-    to the buckets in flight plus the one filling: two with ``overlap_comm``, one without."""
-    totals = [compute_layout(numels, n, cfg.reduce_bucket_size).total for trainable, numels in _units(info)
-              if trainable]
-    if not totals:
-        return 0
-    bucket = max(max(totals), min(cfg.reduce_bucket_size, sum(totals), cfg.max_live_parameters), 1)
-    return min(len(totals), 2 if cfg.resolved_overlap_comm else 1) * bucket
-
-
-def _replay_pool(requests: list[list[int]], cap: int, keep: int) -> int:
-    """Elements a pool allocates serving ``requests`` (one list of buffer sizes per reduction), freeing the
-    oldest reduction's buffers whenever more than ``keep`` are in flight."""
-    free: dict[int, int] = {}
-    allocated = 0
-    in_flight: list[list[int]] = []
-    for sizes in requests:
-        taken = [min(1 << max(numel - 1, 0).bit_length(), cap) for numel in sizes]
-        for size in taken:
-            if free.get(size):
-                free[size] -= 1
-            else:
-                allocated += size
-        in_flight.append(taken)
-        while len(in_flight) > keep:
-            for size in in_flight.pop(0):
-                free[size] = free.get(size, 0) + 1
-    return allocated
+        full, frozen, buffers = info.trainable_numel, info.frozen_numel, info.buffer_bytes
+    shard = full if stage == 0 else math.ceil(full / n)
+    resident = shard if stage == 3 else full
+    grads = full if stage < 2 else shard
+    tile = min(step_tile_numel(cfg), shard) * 4 if stage and precision != "fp32" else 0
+    live = min(full, cfg.max_live_parameters) if stage == 3 else 0
+    return MemoryEstimate(
+        stage=stage, world_size=world, precision=precision, numel=full, params=(resident + frozen) * p,
+        grads=grads * g, fp32_master=shard * master, optimizer_state=shard * k_bytes, buffers=buffers,
+        live_params=live * p, shard_numel=shard, step_tile=tile,
+    )
 
 
 def _element_bytes(precision: str, k_bytes: int) -> tuple[int, int, int]:
@@ -318,7 +288,10 @@ def _resolve_precision(precision: Optional[str], cfg: ZeroConfig) -> str:
     return precision
 
 
-def _as_model_info(model_or_numel) -> Union[ModelInfo, int]:
+def _as_model_info(model_or_numel, param_groups=None) -> Union[ModelInfo, int]:
+    if param_groups is not None and not hasattr(model_or_numel, "named_modules"):
+        raise TypeError("param_groups needs the model itself (an nn.Module); a ModelInfo carries each parameter's "
+                        "group in ParamInfo.group")
     if isinstance(model_or_numel, ModelInfo):
         return model_or_numel
     if isinstance(model_or_numel, bool):
@@ -328,7 +301,7 @@ def _as_model_info(model_or_numel) -> Union[ModelInfo, int]:
             raise ValueError(f"the parameter count must be a whole number >= 0, got {model_or_numel!r}")
         return int(model_or_numel)
     if hasattr(model_or_numel, "named_modules") and hasattr(model_or_numel, "parameters"):
-        return model_info(model_or_numel)
+        return model_info(model_or_numel, param_groups=param_groups)
     raise TypeError(f"expected an nn.Module, a ModelInfo or a parameter count, got {type(model_or_numel).__name__}")
 
 
@@ -348,12 +321,12 @@ def format_table(estimates: Sequence[MemoryEstimate], unit: str = "GB") -> str:
         raise ValueError(f"unit must be one of {', '.join(UNITS)}, got {unit!r}")
     scale = UNITS[unit]
     head = ["stage", "world size", "precision", "params", "grads", "fp32 master", "optimizer state",
-            "model states", "bytes/param", "buffers", "live params", "total"]
+            "model states", "bytes/param", "buffers", "live params", "step tile", "total"]
     lines = [f"sizes in {unit}", "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for e in estimates:
         sizes = [e.params, e.grads, e.fp32_master, e.optimizer_state, e.model_states]
         cells = [str(e.stage), str(e.world_size), e.precision] + [_fmt(b / scale) for b in sizes]
-        cells += [f"{e.per_param():.2f}", _fmt(e.buffers / scale), _fmt(e.live_params / scale), _fmt(e.total / scale)]
+        cells += [f"{e.per_param():.2f}"] + [_fmt(b / scale) for b in (e.buffers, e.live_params, e.step_tile, e.total)]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -1,0 +1,162 @@
+"""What the engine builds, decided from the optimizer's groups, dtypes, the world size and the config alone.
+
+A pure module (no tensors, no process group): the runtimes allocate what these plans say, and the memory
+estimator (tools/estimator.py) counts the same plans, so the two cannot disagree.
+
+- Stages 1-2 (``plan_flat_groups``): one flat buffer per (optimizer group, dtype), laid out by `compute_layout`
+  in buckets of ``min(reduce_bucket_size, allgather_bucket_size)`` elements, each padded to a multiple of the
+  shard group; the reducer reduces buckets in ``reduction_order`` (model order, reversed).
+- Stage 3 (``plan_units``): one unit per (module, optimizer group, dtype) of each module's own parameters (a
+  tied parameter belongs to the first module that registers it), laid out in buckets of ``reduce_bucket_size``;
+  a unit of parameters all under ``param_persistence_threshold`` stays gathered while
+  ``model_persistence_threshold`` lasts; gradients are reduced in buckets of ``reduce_bucket_numel`` elements.
+- Scratch (buffer_pool.py): requests rounded up by ``pool_capacity``; ``*_IN_FLIGHT`` reductions kept in flight
+  with ``overlap_comm``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from zero_core.layout import FlatLayout, compute_layout
+
+# Reductions kept in flight while the next one starts, with overlap_comm (none without): the stage 1-2
+# reducer's (GradReducer.MAX_IN_FLIGHT) and stage 3's (PartitionedParamsRuntime.MAX_IN_FLIGHT).
+REPLICATED_IN_FLIGHT = 2
+PARTITIONED_IN_FLIGHT = 1
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What planning reads of one parameter."""
+
+    numel: int
+    dtype: str  # str(torch.dtype) before any cast: parameters of different dtypes never share a buffer
+    group: Optional[int] = None  # optimizer group index (across all optimizers); None: frozen or in no group
+    module: str = ""  # qualified name of the first module that registers it (stage 3's unit owner)
+
+    @property
+    def group_key(self) -> int:
+        return -1 if self.group is None else self.group
+
+
+@dataclass(frozen=True)
+class FlatGroupPlan:
+    """Stages 1-2: one optimizer group's trainable parameters of one dtype, in one flat buffer."""
+
+    group_index: int
+    dtype: str
+    members: tuple[int, ...]  # indices into the parameter list the plan was made from, in buffer order
+    layout: FlatLayout
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """Stage 3: one module's own parameters of one optimizer group (None: frozen) and dtype."""
+
+    module: str
+    group_index: Optional[int]
+    dtype: str
+    members: tuple[int, ...]  # indices into the parameter list the plan was made from, in unit order
+    layout: FlatLayout
+    persistent: bool
+
+    @property
+    def trainable(self) -> bool:
+        return self.group_index is not None
+
+
+@dataclass(frozen=True)
+class ReplicatedPlan:
+    groups: tuple[FlatGroupPlan, ...]
+    bucket_numel: int
+
+    @property
+    def pool_largest(self) -> int:
+        """The scratch pool's largest size class: the largest bucket (ReplicatedParamsRuntime._largest_bucket)."""
+        return max((b.range.size for g in self.groups for b in g.layout.buckets), default=1)
+
+
+@dataclass(frozen=True)
+class PartitionedPlan:
+    units: tuple[UnitPlan, ...]
+    reduce_bucket_numel: int  # elements of one coalesced gradient reduce-scatter buffer (and the pool's size)
+
+
+def flat_bucket_numel(config) -> int:
+    """Stages 1-2 cut their flat buffers in buckets of this many elements (reduced and gathered one at a time)."""
+    return min(config.reduce_bucket_size, config.allgather_bucket_size)
+
+
+def plan_flat_groups(group_index: int, dtypes: Sequence[str], numels: Sequence[int], world_size: int,
+                     config) -> list[FlatGroupPlan]:
+    """One flat buffer per dtype (in ``str`` order) of optimizer group ``group_index``'s trainable parameters,
+    given in the group's order by their ``dtypes`` and ``numels``."""
+    plans = []
+    for dtype in sorted(set(dtypes)):
+        members = tuple(i for i, d in enumerate(dtypes) if d == dtype)
+        layout = compute_layout([numels[i] for i in members], world_size, flat_bucket_numel(config))
+        plans.append(FlatGroupPlan(group_index, dtype, members, layout))
+    return plans
+
+
+def plan_replicated(trainable_by_group: Sequence[Sequence[ParamSpec]], world_size: int, config) -> ReplicatedPlan:
+    """Every optimizer group's flat buffers, group by group; ``members`` index into that group's list."""
+    groups = [plan for index, specs in enumerate(trainable_by_group)
+              for plan in plan_flat_groups(index, [s.dtype for s in specs], [s.numel for s in specs], world_size,
+                                           config)]
+    return ReplicatedPlan(tuple(groups), flat_bucket_numel(config))
+
+
+def reduction_order(bucket_positions: Sequence[tuple[object, int, Sequence[int]]]) -> list[tuple[object, int]]:
+    """Stages 1-2 reduce buckets from the end of this order: (group, bucket) sorted by the smallest model position
+    of their parameters, since backward produces gradients in roughly reverse model order, across optimizer
+    groups. ``bucket_positions``: (group, bucket index, model positions of its parameters) in group order."""
+    ordered = sorted(bucket_positions, key=lambda entry: min(entry[2], default=-1))
+    return [(group, bucket) for group, bucket, _ in ordered]
+
+
+def plan_units(modules: Sequence[tuple[str, Sequence[ParamSpec]]], world_size: int, config) -> PartitionedPlan:
+    """Stage 3's units in model order. ``modules``: each module's name and its own parameters not registered by
+    an earlier module; ``members`` index into the concatenation of those lists."""
+    units = []
+    budget = config.model_persistence_threshold
+    start = 0
+    for module_name, specs in modules:
+        for key in sorted({(s.group_key, s.dtype) for s in specs}):
+            members = tuple(start + i for i, s in enumerate(specs) if (s.group_key, s.dtype) == key)
+            numels = [specs[i - start].numel for i in members]
+            persistent = all(n < config.param_persistence_threshold for n in numels) and sum(numels) <= budget
+            if persistent:
+                budget -= sum(numels)
+            layout = unit_layout(numels, world_size, config)
+            units.append(UnitPlan(module_name, key[0] if key[0] >= 0 else None, key[1], members, layout, persistent))
+        start += len(specs)
+    return PartitionedPlan(tuple(units), reduce_bucket_numel([u.layout.total for u in units if u.trainable], config))
+
+
+def unit_layout(numels: Sequence[int], world_size: int, config) -> FlatLayout:
+    """A stage 3 unit's layout: its own buckets of ``reduce_bucket_size`` elements, padded on their own."""
+    return compute_layout(numels, world_size, config.reduce_bucket_size)
+
+
+def reduce_bucket_numel(trainable_unit_numels: Sequence[int], config) -> int:
+    """Elements of stage 3's coalesced reduce-scatter: ``reduce_bucket_size``, or what the trainable units hold if
+    less, or ``max_live_parameters`` if less (a run tuned for the least memory keeps its gradient scratch small
+    too); never less than the largest unit (padded)."""
+    total = sum(trainable_unit_numels)
+    largest = max(trainable_unit_numels, default=1)
+    return max(largest, min(config.reduce_bucket_size, total, config.max_live_parameters), 1)
+
+
+def pool_capacity(numel: int, largest: int) -> int:
+    """The size class a scratch request of ``numel`` elements gets: the next power of two, capped at ``largest``
+    (so a buffer is at most twice what was asked and sizes repeat across buckets and steps)."""
+    return min(1 << max(int(numel) - 1, 0).bit_length(), largest)
+
+
+def step_tile_numel(config) -> int:
+    """At most this many gradient elements are copied to fp32 at once in a step (``sub_group_size``, bounded by
+    ``reduce_bucket_size``): the fp32 copy of 16-bit gradients is made and stepped tile by tile."""
+    return max(1, min(config.sub_group_size, config.reduce_bucket_size))
