@@ -31,8 +31,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import zero_core
-from zero_core import ZeroConfigError
-from zero_core.optim.mixed_precision import cast_floating_inputs
+from zero_core import ZeroConfigError, cast_floating_inputs
 
 from . import hf_trainer, state_io, weights
 from .managed import ManagedModel
@@ -390,9 +389,7 @@ def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> lis
 def _built_in_place(model: nn.Module) -> bool:
     """Built under zero_core.Init (already partitioned where it belongs) or on the meta device (setup
     materialises it): moving it first would break either."""
-    from zero_core.stage3.partitioned_param import PartitionedParameter
-
-    return any(isinstance(p, PartitionedParameter) or p.is_meta for p in model.parameters())
+    return any(zero_core.is_partitioned(p) or p.is_meta for p in model.parameters())
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list:
@@ -407,8 +404,7 @@ def _after_backward(managed: ManagedModel, step_follows: bool) -> None:
     """Stage 1 with all-reduce: make param.grad the averaged gradient right after the synchronising backward
     before a step, as DDP leaves it. (With reduce-scatter each rank would hold only its own slice averaged, so
     gradients stay local until the step; stages 2 and 3 reduce inside backward anyway.)"""
-    cfg = managed.engine.config
-    if cfg.stage == 1 and not cfg.reduce_scatter and step_follows:
+    if managed.engine.averages_whole_grads and step_follows:
         managed.engine.reduce_gradients()  # a later backward re-arms it: averaged grads average again exactly
 
 

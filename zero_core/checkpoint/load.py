@@ -225,6 +225,6 @@ def _load_hyperparameters(groups: list[dict], saved: list[dict], strict: bool) -
 
 
 def _load_scaler(engine, manifest: dict) -> None:
-    engine.skipped_steps = int(manifest.get("skipped_steps", 0))
+    engine.restore_skipped_steps(int(manifest.get("skipped_steps", 0)))
     if engine.loss_scaler is not None and manifest.get("loss_scaler"):
         engine.loss_scaler.load_state_dict(manifest["loss_scaler"])

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from zero_core.registry import engine_of
+from zero_core.registry import require_engine as engine_of
 
 
 def _assemble(engine, param: torch.Tensor, pick) -> torch.Tensor:
