@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import (
     DynamoBackend,
@@ -248,7 +249,7 @@ class ZeroAccelerator(Accelerator):
                 yield
 
     def _owner_of_optimizer(self, optimizer) -> Optional[ManagedModel]:
-        inner = getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer wraps the engine's
+        inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer  # wraps the engine's
         return next((m for m in self._managed if any(inner is o or optimizer is o for o in m.engine.optimizers)), None)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):

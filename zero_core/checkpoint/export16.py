@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import on_first_replica, run_agreed, shared_token, staged_together
 from zero_core.checkpoint.consolidate import DTYPES, DtypeName
 from zero_core.checkpoint.files import StagedDirectory
@@ -21,7 +22,7 @@ from zero_core.checkpoint.hf_shards import INDEX, ShardedWriter, parse_size
 from zero_core.checkpoint.model_info import non_persistent_buffers, tied_aliases
 
 
-def save_16bit_model(engine, out_dir: PathLike, dtype: Optional[DtypeName] = None,
+def save_16bit_model(engine: CheckpointedEngine, out_dir: PathLike, dtype: Optional[DtypeName] = None,
                      max_shard_size: Union[int, str] = "5GB", exclude_frozen_parameters: bool = False) -> bool:
     """Save the model's weights to ``out_dir`` (sharded safetensors + index). A collective; returns whether saved.
 

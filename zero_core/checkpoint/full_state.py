@@ -55,7 +55,7 @@ def full_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict
             for key, t in state_dict_entries(engine.module)}
 
 
-def live_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def live_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The model's own values (the training dtype, not the fp32 masters) as CPU tensors, in
     ``module.state_dict()``'s order; ``{}`` on ranks other than 0 when ``rank0_only``. A collective at stage 3,
     where each unit is gathered in turn."""

@@ -23,8 +23,9 @@ from typing import Any, Optional
 
 import torch
 
+from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import gather_json, on_first_replica, run_agreed, shared_token, staged_together
-from zero_core.checkpoint.files import StagedDirectory, write_safetensors
+from zero_core.checkpoint.files import StagedDirectory, publish, write_safetensors
 from zero_core.checkpoint.format import (
     FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
     tensor_key, write_json,
@@ -34,7 +35,7 @@ from zero_core.checkpoint.node_local import NODE_LOCAL, check_not_shared, leave_
 from zero_core.checkpoint.values import encode_hyperparameters, encode_value, save_client_state
 
 
-def save_checkpoint(engine, path: PathLike, client_state: Optional[Any] = None) -> Path:
+def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Optional[Any] = None) -> Path:
     """Save ``engine``'s model and optimizer state as a sharded checkpoint directory at ``path``. A collective.
 
     ``client_state`` (rank 0's is kept: loop counters, scheduler and RNG state...) is saved beside it and
@@ -142,7 +143,7 @@ def _finish(engine, reports: list, staged: StagedDirectory, leader: bool, node: 
         manifest = build_manifest(engine, reports, here=place.ranks)
         manifest[NODE_LOCAL] = {"node": place.node, "nodes": place.nodes, "save_id": node["save_id"]}
     write_json(staged.temp / MANIFEST, manifest)
-    staged.publish()
+    publish(staged.temp, staged.path)  # the moment the checkpoint appears (tests/test_checkpoint_crash.py kills here)
 
 
 def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:
