@@ -44,7 +44,7 @@ def _positions(accelerator) -> list[tuple[object, int, list[Optional[int]]]]:
 
 def save_engines(accelerator, directory) -> None:
     """Every rank: one sharded checkpoint per ZeRO model, then rank 0 writes ``zero_state.json``."""
-    from zero_core.checkpoint import save_checkpoint
+    from zero_core import save_checkpoint
 
     directory = Path(directory)
     entries = []
@@ -60,7 +60,7 @@ def save_engines(accelerator, directory) -> None:
 
 def load_engines(accelerator, directory) -> None:
     """Every rank: each ZeRO model from its sharded checkpoint, or from plain Accelerate files if there is none."""
-    from zero_core.checkpoint import load_checkpoint
+    from zero_core import load_checkpoint
 
     directory = Path(directory)
     for managed, model_index, opt_indices in _positions(accelerator):
@@ -76,7 +76,7 @@ def _load_accelerate_files(managed, directory: Path, model_index: int, opt_indic
     the loader) and each optimizer's full ``state_dict()``; each rank keeps its own ranges."""
     import torch
 
-    from zero_core.checkpoint import load_full_state_dict
+    from zero_core import load_full_state_dict
 
     model_file = _model_file(directory, model_index)
     optimizer_state = None
@@ -111,7 +111,7 @@ def latest_state(checkpoints_dir) -> Optional[Path]:
     last) is there and every ZeRO checkpoint it lists verifies. Others are skipped with a warning."""
     import warnings
 
-    from zero_core.checkpoint.latest import checkpoint_problem
+    from zero_core import checkpoint_problem
 
     directory = Path(checkpoints_dir)
     if not directory.is_dir():

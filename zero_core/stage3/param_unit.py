@@ -31,7 +31,8 @@ class UnitState(enum.Enum):
 
 
 class ParamUnit:
-    """Partitioned storage, gather/release, gradient shard and fp32 masters of one unit."""
+    """Partitioned storage, gather/release, gradient shard and fp32 masters of one unit; a
+    ``zero_core.contracts.Part``."""
 
     def __init__(
         self,
@@ -100,7 +101,7 @@ class ParamUnit:
         for param, slot in zip(self.params, self.layout.slots):
             param.data = self.full[slot.range.as_slice()].view(param.shape)
         if self.trainable:
-            self.master_shards = MasterShards(self.layout, self.rank, self._shard_buckets(), torch.float32)
+            self.master_shards = MasterShards(self.layout, self.rank, self.param_shards(), torch.float32)
         self.release()  # persistent units stay gathered
 
     @property
@@ -108,7 +109,7 @@ class ParamUnit:
         """What the optimizer steps: one fp32 piece per parameter fragment this rank owns."""
         return self.master_shards.params if self.master_shards is not None else []
 
-    def _shard_buckets(self) -> list[torch.Tensor]:
+    def param_shards(self) -> list[torch.Tensor]:
         return [self._bucket_shard(self.shard, b.index) for b in self.layout.buckets]
 
     def _take_shard_from_full(self) -> None:
@@ -149,7 +150,7 @@ class ParamUnit:
         if self.swap is not None:
             self.swap.release(self)
 
-    def _shard_in_memory(self):
+    def shard_in_memory(self):
         """A context in which ``shard`` holds this rank's values (offload_param nvme reads and rewrites it)."""
         return self.swap.resident(self) if self.swap is not None else contextlib.nullcontext()
 
@@ -185,10 +186,10 @@ class ParamUnit:
 
     def write_full_into_shard(self) -> None:
         """After the full values were changed in place (GatheredParameters with a modifier): keep them."""
-        with self._shard_in_memory():
+        with self.shard_in_memory():
             self._take_shard_from_full()
             if self.master_shards is not None:
-                self.master_shards.read_from(self._shard_buckets())
+                self.master_shards.read_from(self.param_shards())
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
@@ -234,8 +235,8 @@ class ParamUnit:
     def write_back_masters(self) -> None:
         if self.swap is not None and not self.master_shards.holds_values():
             return  # NVMe-swapped masters: the offloaded step wrote them back tile by tile
-        with self._shard_in_memory():
-            self.master_shards.write_back(self._shard_buckets())
+        with self.shard_in_memory():
+            self.master_shards.write_back(self.param_shards())
 
     def fragments(self) -> list[Fragment]:
         if not self.trainable:

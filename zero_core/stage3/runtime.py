@@ -54,6 +54,8 @@ class PartitionedParamsRuntime:
     """Owns the units, the module hooks, prefetch, and gradient reduction for stage 3."""
 
     MAX_IN_FLIGHT = 1  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
+    param_swap = None  # offload_param nvme (zero_core/offload/params.py): the swap file of unit shards
+    param_elements_in_cpu = 0  # offload_param: shard elements moved to host memory so far
 
     def __init__(self, module, trainable_by_group, names, config: ZeroConfig, comm: Communicator) -> None:
         self.module = module
