@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
 from zero_core.config import ZeroConfig
+from zero_core.comm.quantize import wire_bytes
 from zero_core.layout import compute_layout
 
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -186,7 +187,7 @@ def _estimate_stage(info, cfg: ZeroConfig, world: int, stage: int, precision: st
     secondary = sizes.gathered // cfg.zero_hpz_partition_size if stage == 3 and cfg.zero_hpz_partition_size > 1 else 0
     return MemoryEstimate(
         stage=stage, world_size=world, precision=precision, numel=sizes.full,
-        params=(resident + sizes.frozen + secondary) * p, grads=grads * g, fp32_master=sizes.shard * master,
+        params=(resident + sizes.frozen + secondary) * p + sizes.frozen_quantized_bytes, grads=grads * g, fp32_master=sizes.shard * master,
         optimizer_state=sizes.shard * k_bytes, buffers=buffers, live_params=live * p, shard_numel=sizes.shard,
     )
 
@@ -203,6 +204,7 @@ class _Sizes:
     persistent: int = 0
     largest_unit: int = 0
     gathered: int = 0  # stage 3: padded elements of the units the hooks gather (not persistent)
+    frozen_quantized_bytes: int = 0  # stage 3, zero_quantized_nontrainable_weights: frozen shards stored 8-bit
 
 
 def _flat_sizes(info: ModelInfo, cfg: ZeroConfig, n: int) -> _Sizes:
@@ -233,11 +235,14 @@ def _units(info: ModelInfo) -> list[tuple[bool, list[int]]]:
 def _stage3_sizes(info: ModelInfo, cfg: ZeroConfig, n: int) -> _Sizes:
     """Each unit has its own padded layout; a unit of parameters all under param_persistence_threshold stays
     gathered while model_persistence_threshold lasts (frozen units are sharded too, without gradients)."""
-    shard = frozen = persistent = largest = gathered = 0
+    shard = frozen = persistent = largest = gathered = quantized = 0
     budget = cfg.model_persistence_threshold
+    offload = cfg.offload_param
+    stores_quantized = cfg.zero_quantized_nontrainable_weights and (offload is None or offload.device == "none")
     for trainable, numels in _units(info):
         layout = compute_layout(numels, n, cfg.reduce_bucket_size)
-        if all(x < cfg.param_persistence_threshold for x in numels) and sum(numels) <= budget:
+        is_persistent = all(x < cfg.param_persistence_threshold for x in numels) and sum(numels) <= budget
+        if is_persistent:
             budget -= sum(numels)
             persistent += layout.total
         else:
@@ -245,10 +250,12 @@ def _stage3_sizes(info: ModelInfo, cfg: ZeroConfig, n: int) -> _Sizes:
             gathered += layout.total
         if trainable:
             shard += layout.shard_numel
+        elif stores_quantized and not is_persistent:  # codes, scales and minima of each bucket's shard
+            quantized += sum(wire_bytes(1, b.shard_size, 8, asymmetric=True) for b in layout.buckets)
         else:
             frozen += layout.shard_numel
     return _Sizes(full=info.trainable_numel, padded=shard * n, shard=shard, frozen=frozen, persistent=persistent,
-                  largest_unit=largest, gathered=gathered)
+                  largest_unit=largest, gathered=gathered, frozen_quantized_bytes=quantized)
 
 
 def _scratch_bytes(info: ModelInfo, cfg: ZeroConfig, n: int, stage: int) -> int:
