@@ -196,8 +196,10 @@ def _frozen_model():
     return model
 
 
-def _frozen_storage(rank: int, world_size: int) -> dict:
+def _frozen_storage(rank: int, world_size: int, directory: str) -> dict:
+    import zero_core
     from models import make_batch
+    from reference import make_optimizer
     from stage3_support import train_engine
     from zero_core.tools.estimator import estimate_stage, model_info
 
@@ -215,19 +217,27 @@ def _frozen_storage(rank: int, world_size: int) -> dict:
         out[name] = {"losses": result.losses, "params": result.params, "memory": engine.memory_stats(),
                      "estimate": estimate.params, "frozen": frozen,
                      "stored": [u.quantized is not None and u.shard.numel() == 0 for u in units]}
+        if name == "stored":  # a checkpoint round trip: loading writes the frozen values into 8-bit shards again
+            engine.save_checkpoint(f"{directory}/stored")
+            model = _frozen_model()
+            other = zero_core.setup(model, make_optimizer(model), config)
+            other.load_checkpoint(f"{directory}/stored")
+            loaded = other.full_state_dict(rank0_only=False)
+            out["reloaded"] = max((loaded[k] - v).abs().max().item() for k, v in frozen.items())
+            other.close()
         engine.close()
     out["initial"] = initial
     return out
 
 
-def test_frozen_weights_stored_quantised_train_like_the_16bit_run_in_less_memory():
+def test_frozen_weights_stored_quantised_train_like_the_16bit_run_in_less_memory(tmp_path):
     """Frozen, gathered units keep int8 codes with per-block scales and minima instead of their shard; their
     gathers dequantise them. Losses stay within 1% of the unquantised run, the frozen weights within half a
     step of their values, and parameter memory (memory_stats and the estimator alike) drops by the shards'
-    fp32 bytes less the codes."""
+    fp32 bytes less the codes. A checkpoint of it loads back to the same frozen values."""
     from distributed import run_distributed
 
-    for rank_result in run_distributed(_frozen_storage, 2, timeout=200):
+    for rank_result in run_distributed(_frozen_storage, 2, str(tmp_path), timeout=200):
         plain, stored = rank_result["plain"], rank_result["stored"]
         assert stored["stored"] and all(stored["stored"]) and not any(plain["stored"])
         gaps = [abs(a - b) / abs(b) for a, b in zip(stored["losses"], plain["losses"])]
@@ -243,3 +253,4 @@ def test_frozen_weights_stored_quantised_train_like_the_16bit_run_in_less_memory
         assert saved > 0 and saved == plain["estimate"] - stored["estimate"], (saved, plain["estimate"],
                                                                                 stored["estimate"])
         assert stored["memory"]["params"] == stored["estimate"], (stored["memory"], stored["estimate"])
+        assert rank_result["reloaded"] <= 1e-6  # re-quantising dequantised values gives them back
