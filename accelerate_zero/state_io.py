@@ -43,7 +43,8 @@ def _positions(accelerator) -> list[tuple[object, int, list[Optional[int]]]]:
 
 
 def save_engines(accelerator, directory) -> None:
-    """Every rank: one sharded checkpoint per ZeRO model, then rank 0 writes ``zero_state.json``."""
+    """Every rank: one sharded checkpoint per ZeRO model, then rank 0 writes ``zero_state.json`` (with
+    ``checkpoint.use_node_local_storage``: each machine's first process, into its own directory)."""
     from zero_core import save_checkpoint
 
     directory = Path(directory)
@@ -53,7 +54,9 @@ def save_engines(accelerator, directory) -> None:
         save_checkpoint(managed.engine, directory / name)
         entries.append({"dir": name, "model_index": model_index, "optimizer_indices": opt_indices,
                         "stage": managed.engine.config.stage})
-    if accelerator.is_main_process:
+    # node-local checkpoints: every machine's directory is its own, so each machine's first process records it
+    node_local = any(m.engine.config.checkpoint.use_node_local_storage for m in accelerator._managed)
+    if accelerator.is_main_process or (node_local and accelerator.is_local_main_process):
         (directory / ZERO_STATE_FILE).write_text(json.dumps({"models": entries}, indent=2) + "\n")
     accelerator.wait_for_everyone()
 

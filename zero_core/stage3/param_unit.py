@@ -22,6 +22,7 @@ from zero_core.fragments import Fragment
 from zero_core.layout import FlatLayout
 from zero_core.optim.master_shards import MasterShards
 from zero_core.stage3.partitioned_param import unguarded
+from zero_core.comm.quantize import BLOCK, Quantized, quantize
 
 
 class UnitState(enum.Enum):
@@ -65,6 +66,11 @@ class ParamUnit:
         self.offloaded = False
         self.swap = None
         self.swapped_shard: Optional[tuple[int, torch.dtype]] = None
+        # zero_quantized_nontrainable_weights (set by the runtime before adopt): a frozen, non-persistent unit
+        # keeps its shard as 8-bit codes with per-block scales and minima (one Quantized per bucket), and
+        # ``shard`` is empty; its gathers send the codes and dequantise (docs/multinode.md)
+        self.store_quantized = False
+        self.quantized: Optional[list[Quantized]] = None
         self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()
@@ -98,6 +104,8 @@ class ParamUnit:
         if broadcast:
             self.comm.broadcast(self.full, src=0)
         self._take_shard_from_full()
+        if self.store_quantized:
+            self._quantize_shard()
         for param, slot in zip(self.params, self.layout.slots):
             param.data = self.full[slot.range.as_slice()].view(param.shape)
         if self.trainable:
@@ -115,6 +123,18 @@ class ParamUnit:
     def _take_shard_from_full(self) -> None:
         for bucket in self.layout.buckets:
             self._bucket_shard(self.shard, bucket.index).copy_(self.full[bucket.shard_range(self.rank).as_slice()])
+
+    def _quantize_shard(self) -> None:
+        """Keep the shard as 8-bit codes (asymmetric, per block) and free its 16-bit storage."""
+        self.quantized = [quantize(self._bucket_shard(self.shard, b.index).reshape(1, -1), 8, BLOCK, None, True)
+                          for b in self.layout.buckets]
+        self.shard = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def stored(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's shard (memory_stats counts them)."""
+        if self.quantized is None:
+            return [self.shard]
+        return [t for packed in self.quantized for t in packed]
 
     # -- gather / release ----------------------------------------------------------------------------------
     def gather(self, async_op: bool = False, phase: Optional[str] = None) -> None:
@@ -157,6 +177,14 @@ class ParamUnit:
     def _gather_alone(self, phase: Optional[str]) -> None:
         """One all-gather per bucket through the comm layer's ZeRO++ paths (quantised, hierarchical, hpZ's
         secondary partition), which keep per-buffer state (``key``) and so are not coalesced with other units."""
+        if self.quantized is not None:
+            self._works = [
+                self.comm.all_gather_packed(self.full[b.range.as_slice()], self.quantized[b.index], b.shard_size,
+                                            async_op=True, label=self.module_name, phase=phase, key=(self.index, b.index))
+                for b in self.layout.buckets
+            ]
+            self.state = UnitState.GATHERING
+            return
         source = self.gather_source()
         self._works = [
             self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(source, b.index), async_op=True,
@@ -186,6 +214,11 @@ class ParamUnit:
 
     def write_full_into_shard(self) -> None:
         """After the full values were changed in place (GatheredParameters with a modifier): keep them."""
+        if self.quantized is not None:
+            self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+            self._take_shard_from_full()
+            self._quantize_shard()
+            return
         with self.shard_in_memory():
             self._take_shard_from_full()
             if self.master_shards is not None:
@@ -251,7 +284,7 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
     plain = []
     for unit in units:
         unit._allocate()
-        if comm.plain_gather(phase, frozen=not unit.trainable):
+        if unit.quantized is None and comm.plain_gather(phase, frozen=not unit.trainable):
             plain.append(unit)
         else:
             unit._gather_alone(phase)

@@ -147,6 +147,7 @@ class PartitionedParamsRuntime:
                          self.comm, dtype)
         self._unit_count += 1
         unit.persistent = persistent
+        unit.store_quantized = self._stores_quantized(unit)
         unit.adopt(values, broadcast=broadcast)
         for param in params:
             mark_partitioned(param)
@@ -160,6 +161,13 @@ class PartitionedParamsRuntime:
         if unit.persistent:
             self._note_live(unit.numel)
         return unit
+
+    def _stores_quantized(self, unit: ParamUnit) -> bool:
+        """zero_quantized_nontrainable_weights: frozen units the hooks gather keep 8-bit shards (not persistent
+        ones, kept whole anyway, nor offloaded ones, whose 16-bit shards leave the accelerator)."""
+        offload = self.config.offload_param
+        return (self.config.zero_quantized_nontrainable_weights and not unit.trainable and not unit.persistent
+                and unit.dtype.is_floating_point and (offload is None or offload.device == "none"))
 
     def add_trainable(self, by_group: dict[int, list[nn.Parameter]]) -> list[ParamUnit]:
         """Parameters that became trainable after setup (unfrozen, or in a group added later). They sit in frozen
@@ -675,7 +683,7 @@ class PartitionedParamsRuntime:
         self.commit_params([param], opened, modified=True)
 
     def param_shards(self) -> list[torch.Tensor]:
-        return [u.shard for u in self.units] + [u.full for u in self.units]
+        return [t for u in self.units for t in u.stored()] + [u.full for u in self.units]
 
     def scratch_nbytes(self) -> int:
         return self.pool.nbytes()
