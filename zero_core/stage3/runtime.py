@@ -595,7 +595,7 @@ class PartitionedParamsRuntime:
         unused, pending = list(self._block_missing), self.unsynced_grads and not self.sync
         if self.sync:
             for unit in self._reduce_order if self._reduce_order is not None else reversed(self.parts):
-                skip = unit not in only if only is not None else unit.active_count() == 0
+                skip = unit not in only if only is not None else self._wanted(unit) == 0
                 if unit not in self._reduced and not skip:
                     unused += self._reduce(unit)
             self._flush_bucket()
