@@ -235,26 +235,32 @@ class ParamUnit:
         rank-major buffer (row ``r``: what rank ``r`` receives); this unit's shard-shaped part starts at
         ``column``, so bucket ``b`` occupies ``by_rank[:, column + offset_b :][:, :shard_size_b]`` with its flat
         elements in row-major order. Padding and parameters without a gradient get zeros. Returns the names of
-        trainable parameters with none (a frozen one contributes zeros)."""
+        trainable parameters with none (a frozen one contributes zeros). One concatenation per bucket, straight
+        into place when the target is contiguous (this runs for every unit of every backward)."""
         missing = []
         with unguarded():
             for bucket, offset in zip(self.layout.buckets, self._offsets):
-                size = bucket.shard_size
-                target = by_rank[:, column + offset : column + offset + size]
-                used = bucket.range.start
+                pieces, used = [], bucket.range.start
                 for index in bucket.param_indices:
                     param, slot = self.params[index], self.layout.slots[index]
+                    if slot.range.start > used:
+                        pieces.append(by_rank.new_zeros(slot.range.start - used))
                     grad = param.grad
-                    start, end = slot.range.start - bucket.range.start, slot.range.end - bucket.range.start
                     if grad is None:
-                        _write_rows(target, start, end, None)
+                        pieces.append(by_rank.new_zeros(slot.range.size))
                         if param.requires_grad:
                             missing.append(self.names[index])
                     else:
-                        _write_rows(target, start, end, grad.reshape(-1))
+                        pieces.append(grad.reshape(-1))
                         param.grad = None
                     used = slot.range.end
-                _write_rows(target, used - bucket.range.start, bucket.range.size, None)  # padding
+                if used < bucket.range.end:  # padding
+                    pieces.append(by_rank.new_zeros(bucket.range.end - used))
+                target = by_rank[:, column + offset : column + offset + bucket.shard_size]
+                if target.is_contiguous():
+                    torch.cat(pieces, out=target.view(-1))
+                else:
+                    target.copy_(torch.cat(pieces).view(target.shape))
         return missing
 
     def zero_grads(self) -> None:
@@ -294,18 +300,3 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
             unit._works = [batch]
             unit.state = UnitState.GATHERING
 
-
-def _write_rows(target: torch.Tensor, start: int, end: int, values: Optional[torch.Tensor]) -> None:
-    """Write flat elements ``[start, end)`` of the row-major 2-D view ``target`` (zeros when ``values`` is None):
-    one copy per row the range spans."""
-    width = target.shape[1]
-    while start < end:
-        row, column = divmod(start, width)
-        stop = min(end, (row + 1) * width)
-        piece = target[row, column : column + stop - start]
-        if values is None:
-            piece.zero_()
-        else:
-            piece.copy_(values[: stop - start])
-            values = values[stop - start :]
-        start = stop
