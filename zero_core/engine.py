@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_core import registry, teardown
+from zero_core import planning, registry, teardown
 
 from zero_core.checkpoint import shard_identity
 from zero_core.comm.communicator import CommOptions, Communicator
@@ -481,7 +481,7 @@ class ZeroEngine:
     def step_tile_numel(self) -> int:
         """At most this many gradient elements are copied to fp32 at once in a step (``sub_group_size``, bounded
         by ``reduce_bucket_size``): the fp32 copy of 16-bit gradients is made and stepped tile by tile."""
-        return max(1, min(self.config.sub_group_size, self.config.reduce_bucket_size))
+        return planning.step_tile_numel(self.config)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear every gradient: the shards, stage 1's full buffers, and unmanaged parameters' ``.grad``."""

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core.buffer_pool import BufferPool
+from zero_core.planning import REPLICATED_IN_FLIGHT
 from zero_core.comm.communicator import Communicator
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 from zero_core.replicated.flat_param_group import FlatParamGroup
@@ -45,7 +46,7 @@ class _InFlight:
 class GradReducer:
     """Owns the bucket order, the stage 2 hooks and every gradient collective."""
 
-    MAX_IN_FLIGHT = 2
+    MAX_IN_FLIGHT = REPLICATED_IN_FLIGHT
 
     def __init__(
         self,

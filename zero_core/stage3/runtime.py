@@ -26,7 +26,7 @@ from zero_core.stage3.divergence import launch_in_order, reduce_order, skipped_b
 from zero_core.stage3.execution_trace import ExecutionTrace
 from zero_core.stage3.external_params import registered_externals
 from zero_core.layout import FlatLayout
-from zero_core.planning import ParamSpec, UnitPlan, plan_units, unit_layout
+from zero_core.planning import PARTITIONED_IN_FLIGHT, ParamSpec, UnitPlan, plan_units, reduce_bucket_numel, unit_layout
 from zero_core.stage3.leaf_modules import leaf_of, z3_leaf_module
 from zero_core.stage3.coalesced import CoalescedReduce, ReduceBucket
 from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
@@ -55,7 +55,7 @@ def eager(hook):
 class PartitionedParamsRuntime:
     """Owns the units, the module hooks, prefetch, and gradient reduction for stage 3."""
 
-    MAX_IN_FLIGHT = 1  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
+    MAX_IN_FLIGHT = PARTITIONED_IN_FLIGHT  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
     param_swap = None  # offload_param nvme (zero_core/offload/params.py): the swap file of unit shards
     param_elements_in_cpu = 0  # offload_param: shard elements moved to host memory so far
 
@@ -557,12 +557,8 @@ class PartitionedParamsRuntime:
             self._reduce(unit)
 
     def _bucket_numel(self) -> int:
-        """Elements of a coalesced reduce-scatter: ``reduce_bucket_size``, or what the trainable units hold if
-        less, or ``max_live_parameters`` if less (a run tuned for the least memory keeps its gradient scratch
-        small too); never less than the largest unit."""
-        total = sum(u.numel for u in self.parts)
-        largest = max((u.numel for u in self.parts), default=1)
-        return max(largest, min(self.policy.reduce_bucket_size, total, self.policy.max_live_parameters), 1)
+        """Elements of a coalesced reduce-scatter, as planning.py sizes it."""
+        return reduce_bucket_numel([u.numel for u in self.parts], self.config)
 
     def _reduce(self, unit: ParamUnit) -> list[str]:
         """Stage ``unit``'s gradients into the reduction bucket (freeing ``param.grad``); a full bucket is
