@@ -57,9 +57,8 @@ def _measure(args, workdir: Path) -> tuple[dict, dict, dict, list]:
                 cpu.setdefault((impl, mode), []).append(statistics.median(ranks[0]["cpu_times"]))
                 if mode != "eager":
                     stats[(impl, mode)] = ranks[0]["compile"]
-                print(f"[repeat {repeat + 1}/{args.repeats}] {impl:<6} {mode:<6} "
-                      f"{times[(impl, mode)][-1] * 1e3:8.1f} ms, CPU {cpu[(impl, mode)][-1] * 1e3:7.1f} ms  (load {load:.1f})",
-                      flush=True)
+                print(f"[repeat {repeat + 1}/{args.repeats}] {impl:<6} {mode:<6} {times[(impl, mode)][-1] * 1e3:8.1f} "
+                      f"ms, CPU {cpu[(impl, mode)][-1] * 1e3:7.1f} ms  (load {load:.1f})", flush=True)
     return times, cpu, stats, loads
 
 
@@ -75,7 +74,8 @@ def _table(args, times: dict, cpu: dict, stats: dict) -> list[str]:
     for impl in args.impls:
         for mode in args.modes:
             key, eager = (impl, mode), (impl, "eager")
-            row = f"| {impl} | {mode} | {statistics.median(times[key]) * 1e3:.1f} | {statistics.median(cpu[key]) * 1e3:.1f} |"
+            row = (f"| {impl} | {mode} | {statistics.median(times[key]) * 1e3:.1f} | "
+                   f"{statistics.median(cpu[key]) * 1e3:.1f} |")
             if mode == "eager":
                 lines.append(row + " | | | | | |")
                 continue
