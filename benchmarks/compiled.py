@@ -62,10 +62,13 @@ def _measure(args, workdir: Path) -> tuple[dict, dict, dict, list]:
                     raise SystemExit(f"{impl} {mode} failed:\n{bad.get('reason', '')[-3000:]}")
                 times.setdefault((impl, mode), []).append(statistics.median(ranks[0]["times"]))
                 cpu.setdefault((impl, mode), []).append(statistics.median(ranks[0]["cpu_times"]))
+                counts = ""
                 if mode != "eager":
-                    stats[(impl, mode)] = ranks[0]["compile"]
+                    s = stats[(impl, mode)] = ranks[0]["compile"]
+                    counts = (f", {s['graph_breaks']} breaks, {s['frames_skipped']} frames eager, {s['graphs']} "
+                              f"graphs, {s['timed_recompiles']} timed recompiles")
                 print(f"[repeat {repeat + 1}/{args.repeats}] {impl:<6} {mode:<6} {times[(impl, mode)][-1] * 1e3:8.1f} "
-                      f"ms, CPU {cpu[(impl, mode)][-1] * 1e3:7.1f} ms  (load {load:.1f})", flush=True)
+                      f"ms, CPU {cpu[(impl, mode)][-1] * 1e3:7.1f} ms  (load {load:.1f}){counts}", flush=True)
     return times, cpu, stats, loads
 
 
