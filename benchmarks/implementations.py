@@ -49,7 +49,7 @@ def _plain_memory(module: nn.Module, optimizer: torch.optim.Optimizer) -> Callab
 
 def _forward_backward(forward: Callable, backward: Callable, zero_grad: Callable) -> Callable[[tuple], torch.Tensor]:
     compile_backend = _COMPILE["backend"]
-    if compile_backend:  # the module as the user would run it under torch.compile: wrapped, then compiled
+    if compile_backend and _COMPILE["mode"] == "whole":  # as the user would: wrapped, then compiled
         forward = torch.compile(forward, backend=compile_backend)
 
     def run(batch: tuple) -> torch.Tensor:
@@ -65,12 +65,13 @@ def _nothing() -> None:
     pass
 
 
-# Set by the worker from RunSpec.compile before an implementation is built ("" = eager).
-_COMPILE = {"backend": ""}
+# Set by the worker from RunSpec.compile before an implementation is built ("" = eager). Mode "block": the
+# worker compiled each block before the implementation wrapped the model, so the wrapper is not compiled.
+_COMPILE = {"backend": "", "mode": "whole"}
 
 
-def set_compile(backend: str) -> None:
-    _COMPILE["backend"] = backend
+def set_compile(backend: str, mode: str = "whole") -> None:
+    _COMPILE["backend"], _COMPILE["mode"] = backend, mode
 
 
 def _ddp(model: nn.Module, spec):

@@ -39,6 +39,7 @@ class RunSpec:
     threads: int = 1
     timeout_s: float = 900.0
     compile: str = ""  # a torch.compile backend ("inductor", "aot_eager"), or "" for eager
+    compile_mode: str = "whole"  # "whole": torch.compile(model); "block": block.compile() per block (torchtitan)
 
     @classmethod
     def from_json(cls, text: str) -> "RunSpec":
@@ -52,8 +53,11 @@ class RunSpec:
 def train(impl: str, spec: RunSpec, rank: int, counter: CommCounter) -> dict:
     from .implementations import IMPLEMENTATIONS, set_compile
 
-    set_compile(spec.compile)
+    set_compile(spec.compile, spec.compile_mode)
     model = build_gpt(spec.model)
+    if spec.compile and spec.compile_mode == "block":  # before the implementation wraps it, as torchtitan does
+        for block in model.blocks:
+            block.compile(backend=spec.compile)
     numel = num_params(model)
     rss_start, _ = rss_bytes()
     trained = IMPLEMENTATIONS[impl](model, spec)
@@ -93,11 +97,15 @@ def _compiled_frames() -> int:
 
 
 def _compile_stats(spec: RunSpec, frames_at_warmup: int) -> dict:
-    """Graph breaks and graphs over the whole run; frames compiled during the timed steps (recompilations)."""
+    """Graph breaks and graphs over the whole run; frames dynamo gave up on (they run eagerly: a break inside a
+    loop skips the whole frame, which dynamo does not count as a graph break); frames compiled during the timed
+    steps (recompilations)."""
     from torch._dynamo.utils import counters
 
-    return {"backend": spec.compile, "graph_breaks": sum(counters["graph_break"].values()),
-            "graphs": counters["stats"]["unique_graphs"], "timed_recompiles": _compiled_frames() - frames_at_warmup}
+    frames = counters["frames"]
+    return {"backend": spec.compile, "mode": spec.compile_mode, "graph_breaks": sum(counters["graph_break"].values()),
+            "frames_skipped": frames["total"] - frames["ok"], "graphs": counters["stats"]["unique_graphs"],
+            "timed_recompiles": _compiled_frames() - frames_at_warmup}
 
 
 def _start_counting(counter: CommCounter, engine) -> None:

@@ -179,6 +179,11 @@ def _kind(func) -> str:
                 kind = _METADATA if attribute in _METADATA_ATTRIBUTES else _VALUES
         elif name in _METADATA_METHODS:
             kind = _METADATA
+        elif isinstance(func, torch._ops.OpOverload):
+            # aten ops called directly: compiled graphs at run time. On gathered parameters their results (views
+            # too) are the graph's temporaries, left unbound: aot_autograd's first-run alias check refuses
+            # PartitionedView arguments.
+            kind = _COMPUTE
         else:
             kind = _COMPUTE if name in _COMPUTE_FUNCTIONS else _VALUES
         try:
