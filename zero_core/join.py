@@ -105,7 +105,7 @@ def _shadow_stage3_pass(runtime) -> None:
     runtime._active.clear()
     runtime.release_all()
     runtime._reset_backward_state()
-    runtime.unsynced_grads = False
+    runtime.session.unsynced_grads = False
 
 
 @contextlib.contextmanager

@@ -82,22 +82,6 @@ class GradReducer:
         if partition_grads:
             self._register_hooks()
 
-    @property
-    def sync(self) -> bool:
-        return self.session.sync
-
-    @sync.setter
-    def sync(self, sync: bool) -> None:
-        self.session.sync = sync
-
-    @property
-    def unsynced_grads(self) -> bool:
-        return self.session.unsynced_grads
-
-    @unsynced_grads.setter
-    def unsynced_grads(self, waiting: bool) -> None:
-        self.session.unsynced_grads = waiting
-
     # -- stage 2: during backward --------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
         self._states = [_BucketState() for _ in self.order]
@@ -187,7 +171,7 @@ class GradReducer:
             self._launch_staged(position)
         self._inflight.drain()
         self._reset_backward_state()
-        self.unsynced_grads = any(p.grad is not None for g in self.groups for p in g.params)
+        self.session.unsynced_grads = any(p.grad is not None for g in self.groups for p in g.params)
         if unused and not self.ignore_unused:
             raise RuntimeError(unused_parameters_message(unused))
 
@@ -211,7 +195,7 @@ class GradReducer:
     def flush_unsynced(self, only: set) -> None:
         """Stage 2: reduce gradients of the groups ``only`` left in ``param.grad`` by backward passes run
         entirely under no_sync (or while those parameters were frozen)."""
-        if self.partition_grads and self.unsynced_grads:
+        if self.partition_grads and self.session.unsynced_grads:
             self.finish_backward(only)
 
     def quiesce(self, communicate: bool) -> None:

@@ -57,7 +57,7 @@ class ReplicatedParamsRuntime:
             ignore_unused=self.config.ignore_unused_parameters,
             model_position={p: i for i, p in enumerate(self.module.parameters())},
         )
-        reducer.sync = sync
+        reducer.session.sync = sync
         return reducer
 
     def _build_groups(self, trainable_by_group, names) -> list[FlatParamGroup]:
@@ -88,11 +88,11 @@ class ReplicatedParamsRuntime:
         self.parts += new
         if self._largest_bucket() > self.pool.largest:
             self.pool = BufferPool(self.pool.device, self._largest_bucket())
-        sync = self.reducer.sync
+        sync = self.reducer.session.sync
         self.reducer.close()
         self.reducer = self._make_reducer(sync)
         # A backward since the unfreezing left gradients in param.grad: the step reduces them.
-        self.reducer.unsynced_grads = any(p.grad is not None for g in new for p in g.params)
+        self.reducer.session.unsynced_grads = any(p.grad is not None for g in new for p in g.params)
         return new
 
     def managed_params(self) -> list[nn.Parameter]:
@@ -105,7 +105,7 @@ class ReplicatedParamsRuntime:
 
     # -- the engine's calls --------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
-        self.reducer.sync = sync
+        self.reducer.session.sync = sync
 
     def reduce_gradients(self, parts: list[FlatParamGroup]) -> None:
         """Reduce what ``parts`` (one optimizer's groups, or all) hold locally into their gradient shards."""

@@ -191,7 +191,7 @@ class PartitionedParamsRuntime:
         trainable = [u for u in new if u.trainable]
         self._hook_grads(trainable)
         # A backward since the unfreezing left gradients in param.grad: the step reduces them.
-        self.unsynced_grads = self.unsynced_grads or any(p.grad is not None for u in trainable for p in u.params)
+        self.session.unsynced_grads = self.session.unsynced_grads or any(p.grad is not None for u in trainable for p in u.params)
         return trainable
 
     def _split_unit(self, unit: ParamUnit, group_of: dict) -> list[ParamUnit]:
@@ -292,18 +292,6 @@ class PartitionedParamsRuntime:
             self._to(Phase.BACKWARD)
         elif not inside and self.phase is Phase.BACKWARD:
             self._to(self._resume_phase)
-
-    @property
-    def sync(self) -> bool:
-        return self.session.sync
-
-    @property
-    def unsynced_grads(self) -> bool:
-        return self.session.unsynced_grads
-
-    @unsynced_grads.setter
-    def unsynced_grads(self, waiting: bool) -> None:
-        self.session.unsynced_grads = waiting
 
     def _root_pre_forward(self, module, args) -> None:
         phase = self.phase
@@ -424,7 +412,7 @@ class PartitionedParamsRuntime:
         """Every gradient this backward gives the block's own units has been accumulated by now (autograd runs
         gradient accumulation before the nodes that consume the block's input gradients): what is still missing
         belongs to a child that did not run on this rank; it goes with zeros, where the other ranks reduce it."""
-        if not self.sync:
+        if not self.session.sync:
             return
         for unit in self._own.get(block, []):
             if unit.trainable and self._wanted(unit) and unit not in self._deferred:
@@ -603,8 +591,8 @@ class PartitionedParamsRuntime:
         Under no_sync nothing is reduced: the gradients wait in ``param.grad`` for the next synced backward.
         Units none of whose parameters requires a gradient now (frozen for this backward) wait too.
         ``only``: flush just these units (one optimizer's step), whatever their requires_grad."""
-        unused, pending = list(self._block_missing), self.unsynced_grads and not self.sync
-        if self.sync:
+        unused, pending = list(self._block_missing), self.session.unsynced_grads and not self.session.sync
+        if self.session.sync:
             for unit in self._reduce_order if self._reduce_order is not None else reversed(self.parts):
                 skip = unit not in only if only is not None else self._wanted(unit) == 0
                 if unit not in self._reduced and not skip:
@@ -615,7 +603,7 @@ class PartitionedParamsRuntime:
         self.release_all()
         self._reset_backward_state()
         with unguarded():
-            self.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
+            self.session.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
         if unused and not self.policy.ignore_unused_parameters:
             self.comm.guard.fail(  # raised on every rank: the others would otherwise wait for this one
                 f"rank {self.comm.topology.rank}: {unused_parameters_message(unused)}", RuntimeError)
@@ -626,7 +614,7 @@ class PartitionedParamsRuntime:
 
     def reduce_gradients(self, parts: list[ParamUnit]) -> None:
         """Reduce what ``parts`` (one optimizer's units, or all) still hold in ``param.grad``."""
-        if self.unsynced_grads:
+        if self.session.unsynced_grads:
             self._finish_backward(only=set(parts))
 
     def after_step(self, parts: list[ParamUnit]) -> None:
