@@ -2,11 +2,14 @@
 
 Units are taken in model order; while their shards add up to at most ``max_in_cpu`` elements they stay in host
 memory as with ``device: cpu``, and the rest are written to this rank's file. Such a unit's ``shard`` is an
-empty tensor between uses. Its gather (ParamUnit.gather, issued ahead of use by the trace's prefetch) reads the
-shard into one of ``buffer_count`` buffers of ``buffer_size`` elements and all-gathers from it; the buffer goes
-back to the pool when the gather is done. When every buffer is taken, the oldest gather still holding one is
-finished first. Writes to a shard (the optimizer's write-back, GatheredParameters with a modifier, loading a
-checkpoint) read it into a buffer, change it there and write it out again (:meth:`ParamSwap.resident`).
+empty tensor between uses. Its gather (ParamUnit.gather, issued ahead of use by the trace's prefetch)
+all-gathers from one of ``buffer_count`` buffers of ``buffer_size`` elements into which the shard was read; the
+buffer goes back to the pool when the gather is done. The reads run ahead on the aio threads: at each gather,
+stage 3's prefetch calls :meth:`ParamSwap.look_ahead` with the units it gathers and the trace position, and the
+swap reads those units' shards, then the next ones along the trace, into free buffers, and again whenever a
+buffer comes back; the gather waits only for its own read. Writes to a shard (the optimizer's write-back,
+GatheredParameters with a modifier, loading a checkpoint) read it into a buffer, change it there and write it
+out again (:meth:`ParamSwap.resident`); a read submitted before such a write is not used. docs/offload.md.
 """
 
 from __future__ import annotations
