@@ -272,7 +272,8 @@ def bench_param(args) -> dict:
         model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
         engines[name] = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
     x = torch.randn(args.tokens, args.width)
-    times: dict = {name: {"forward_backward": [], "step": []} for name in engines}
+    # read_wait: what the training thread spent waiting for parameter reads during forward and backward
+    times: dict = {name: {"forward_backward": [], "step": [], "read_wait_in_forward_backward": []} for name in engines}
     for repeat in range(args.repeats + 1):  # the first round records the trace (no read-ahead yet): untimed
         names = list(engines) if repeat % 2 else list(reversed(engines))
         for name in names:
@@ -280,14 +281,17 @@ def bench_param(args) -> dict:
             swap = engine.runtime.param_swap
             if swap is not None:
                 _drop_cache(swap.fd)
+            waited = swap.read_wait_s if swap is not None else 0.0
             start = time.perf_counter()
             engine.backward(engine.module(x).square().mean())
             middle = time.perf_counter()
+            waited = (swap.read_wait_s if swap is not None else 0.0) - waited
             engine.step()
             end = time.perf_counter()
             if repeat:
                 times[name]["forward_backward"].append(middle - start)
                 times[name]["step"].append(end - middle)
+                times[name]["read_wait_in_forward_backward"].append(waited)
     out = {"params": args.layers * layer_numel, "shard_bytes_per_layer": layer_numel * 4,
            "load_average_after": os.getloadavg(), "runs": {}}
     for name, engine in engines.items():

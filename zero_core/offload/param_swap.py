@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 import weakref
 from collections import OrderedDict, defaultdict
@@ -71,6 +72,7 @@ class ParamSwap:
         self.reads_ahead = self.reads_with_gather = self.reads_waited = 0
         self.reads_issued_ahead = self.reads_dropped = self.reads_stale = 0
         self._looks = 0  # look_ahead calls so far
+        self.read_wait_s = 0.0  # seconds the training thread waited for reads (benchmarks)
 
     def _new_buffer(self) -> torch.Tensor:
         return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
@@ -141,7 +143,7 @@ class ParamSwap:
         ahead = self._ahead.pop(unit, None)
         if ahead is not None:
             buffer, transfer, version, look = ahead
-            transfer.wait()
+            self._wait(transfer)
             if version == self._version[id(unit)]:
                 if look < self._looks:
                     self.reads_ahead += 1
@@ -155,11 +157,16 @@ class ParamSwap:
         else:
             buffer = self._acquire()
         shard, transfer = self._submit_read(unit, buffer)
-        transfer.wait()
+        self._wait(transfer)
         self.reads_waited += 1
         self._held[unit] = buffer
         self._served.add(unit)
         return shard
+
+    def _wait(self, transfer: Transfer) -> None:
+        start = time.perf_counter()
+        transfer.wait()
+        self.read_wait_s += time.perf_counter() - start
 
     def release(self, unit) -> None:
         buffer = self._held.pop(unit, None)
