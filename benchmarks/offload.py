@@ -8,10 +8,15 @@
 - ``rss``: peak RSS during training (the kernel's high-water mark, reset after setup) of one rank training a
   ~100M-parameter MLP at stage 3 (world size 1), without offload, with ``offload_optimizer: nvme``, and with
   ``offload_param: nvme`` as well, each in a fresh process.
+- ``param``: stage 3 forward+backward and step of an MLP (world size 1) with ``offload_param: nvme``, the shards
+  read ahead along the trace (``aio.overlap_events: true``) against read only at each gather (``false``), and
+  without offload (the compute and gather floor); three engines in one process, timed in turn, the parameter
+  file's pages dropped (fsync + POSIX_FADV_DONTNEED) before each forward so the reads come from the disk.
 
     python -m benchmarks.offload nvme --numel 67108864 --dir /tmp
     python -m benchmarks.offload step --numel 20000000
     python -m benchmarks.offload rss --dir /tmp
+    python -m benchmarks.offload param --dir /tmp --width 1024 --layers 16 --tokens 256
 """
 
 from __future__ import annotations
@@ -244,9 +249,66 @@ def bench_rss(args) -> dict:
     return out
 
 
+def bench_param(args) -> dict:
+    import torch.distributed as dist
+
+    import zero_core
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    layer_numel = args.width * args.width + args.width
+    aio = {"block_size": args.block_size, "queue_depth": args.queue_depth, "thread_count": args.thread_count}
+    # max_reuse_distance 0: forward releases each layer, so backward gathers (and reads) it again, as when the
+    # model does not fit; prefetch_bucket_size: the trace's prefetch gathers that many elements ahead.
+    base = {"stage": 3, "param_persistence_threshold": 0, "max_reuse_distance": 0,
+            "prefetch_bucket_size": args.prefetch_layers * layer_numel}
+    param = {"device": "nvme", "nvme_path": args.dir, "max_in_cpu": 0, "buffer_count": args.param_buffers}
+    configs = {"read-ahead": {**base, "offload_param": param, "aio": {**aio, "overlap_events": True}},
+               "no read-ahead": {**base, "offload_param": param, "aio": {**aio, "overlap_events": False}},
+               "no offload": base}
+    engines = {}
+    for name, config in configs.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+        engines[name] = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
+    x = torch.randn(args.tokens, args.width)
+    # read_wait: what the training thread spent waiting for parameter reads during forward and backward
+    times: dict = {name: {"forward_backward": [], "step": [], "read_wait_in_forward_backward": []} for name in engines}
+    for repeat in range(args.repeats + 1):  # the first round records the trace (no read-ahead yet): untimed
+        names = list(engines) if repeat % 2 else list(reversed(engines))
+        for name in names:
+            engine = engines[name]
+            swap = engine.runtime.param_swap
+            if swap is not None:
+                _drop_cache(swap.fd)
+            waited = swap.read_wait_s if swap is not None else 0.0
+            start = time.perf_counter()
+            engine.backward(engine.module(x).square().mean())
+            middle = time.perf_counter()
+            waited = (swap.read_wait_s if swap is not None else 0.0) - waited
+            engine.step()
+            end = time.perf_counter()
+            if repeat:
+                times[name]["forward_backward"].append(middle - start)
+                times[name]["step"].append(end - middle)
+                times[name]["read_wait_in_forward_backward"].append(waited)
+    out = {"params": args.layers * layer_numel, "shard_bytes_per_layer": layer_numel * 4,
+           "load_average_after": os.getloadavg(), "runs": {}}
+    for name, engine in engines.items():
+        swap = engine.runtime.param_swap
+        run = {k: {"median_s": statistics.median(v), "min_s": min(v), "all_s": v} for k, v in times[name].items()}
+        if swap is not None:
+            run["reads"] = {k: getattr(swap, k) for k in ("reads_ahead", "reads_with_gather", "reads_waited",
+                                                          "reads_dropped", "reads_stale")}
+            run["bytes_read"] = swap.bytes_read
+        out["runs"][name] = run
+        engine.remove_offload_files()
+    return out
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("nvme", "step", "rss", "rss-worker"))
+    parser.add_argument("what", choices=("nvme", "step", "rss", "rss-worker", "param"))
     parser.add_argument("--numel", type=int, default=64 * MiB // 4 * 4)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--repeats", type=int, default=3)
@@ -264,16 +326,20 @@ def main(argv=None) -> None:
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")
-    parser.add_argument("--param-buffers", type=int, default=2, help="rss: offload_param.buffer_count")
+    parser.add_argument("--param-buffers", type=int, default=2, help="rss, param: offload_param.buffer_count")
     parser.add_argument("--mmap-threshold", type=int, default=1 << 20, help="rss: MALLOC_MMAP_THRESHOLD_ (0: unset)")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's)")
+    parser.add_argument("--width", type=int, default=1024, help="param: features per linear layer")
+    parser.add_argument("--layers", type=int, default=16, help="param: linear layers")
+    parser.add_argument("--tokens", type=int, default=256, help="param: rows of the input batch")
+    parser.add_argument("--prefetch-layers", type=int, default=1, help="param: prefetch_bucket_size in layers")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.what == "rss-worker":
         rss_worker(args)
         return
-    result = {"nvme": bench_nvme, "step": bench_step, "rss": bench_rss}[args.what](args)
+    result = {"nvme": bench_nvme, "step": bench_step, "rss": bench_rss, "param": bench_param}[args.what](args)
     print(json.dumps(result, indent=1))
 
 

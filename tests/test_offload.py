@@ -123,7 +123,8 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         in_place = (HOST_GRAD_BYTES + MASTER_BYTES) * estimate.shard_numel
         report["host_estimate"] = (host, placement_bytes(estimate, case.config(nvme_dir)).host - in_place)
     if getattr(engine.runtime, "param_swap", None) is not None:
-        report["param_swap_buffers_free"] = len(engine.runtime.param_swap._free)
+        swap = engine.runtime.param_swap  # buffers not held by a gather: free, or holding a read ahead
+        report["param_swap_buffers_free"] = -1 if swap._held else len(swap._free) + len(swap._ahead)
         # zero-estimate's NVMe bytes for the parameter shards against what the file holds
         only_params = {k: v for k, v in case.config(nvme_dir).items() if k != "offload_optimizer"}
         estimate = estimate_stage(model_info(build_model(case.model)), only_params, engine.topology.world_size)

@@ -2,8 +2,9 @@
 
 - ``thread_count``: worker threads (the GIL is released inside ``os.preadv``/``os.pwritev``);
 - ``block_size``: bytes per request, so one tensor is read/written as several requests that run in parallel;
-- ``queue_depth``: requests of one transfer in flight at once;
-- ``single_submit``: submit the requests of a transfer one after another instead of as one batch;
+- ``queue_depth``: requests in the pool per thread at once (the rest wait in a backlog; the caller never blocks);
+- ``single_submit``: a transfer's requests go one after another (each submitted when the previous is done)
+  instead of as one batch;
 - ``overlap_events``: let transfers run while the optimizer steps (false: every transfer is waited at once).
 File offsets are aligned to ``block_size`` by the caller (nvme_swap.py), so requests are large and aligned.
 """
@@ -14,6 +15,7 @@ import ctypes
 import errno
 import os
 import threading
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Optional
 
@@ -62,8 +64,22 @@ class Transfer:
             then()
 
 
+class _Request:
+    """One positioned read or write of ``view`` (bytes of ``tensor``, kept alive until done) at ``offset``;
+    ``chained``: the request submitted once this one is done (``single_submit``)."""
+
+    __slots__ = ("io", "fd", "view", "offset", "tensor", "future", "chained")
+
+    def __init__(self, io, fd: int, view: memoryview, offset: int, tensor: torch.Tensor) -> None:
+        self.io, self.fd, self.view, self.offset, self.tensor = io, fd, view, offset, tensor
+        self.future: Future = Future()
+        self.chained: Optional["_Request"] = None
+
+
 class AioPool:
-    """The thread pool behind every swap of one engine."""
+    """The thread pool behind every swap of one engine. Submitting never blocks the caller: requests beyond
+    ``queue_depth`` × ``thread_count`` wait in a backlog and each finished request submits the next, so a swap
+    can read ahead (param_swap.py) while the training thread goes on."""
 
     def __init__(self, block_size: int, queue_depth: int, thread_count: int, single_submit: bool,
                  overlap_events: bool) -> None:
@@ -71,27 +87,62 @@ class AioPool:
         self.single_submit = single_submit
         self.overlap = overlap_events
         self._executor = ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="zero-aio")
-        self._in_flight = threading.BoundedSemaphore(max(queue_depth, 1) * thread_count)
+        self._limit = max(queue_depth, 1) * thread_count
+        self._lock = threading.Condition()
+        self._backlog: deque[_Request] = deque()
+        self._running = 0
 
     @classmethod
     def from_config(cls, aio) -> "AioPool":
         return cls(aio.block_size, aio.queue_depth, aio.thread_count, aio.single_submit, aio.overlap_events)
 
-    def _run(self, io, fd: int, view: memoryview, offset: int) -> None:
+    def _run(self, request: _Request, pump: bool = True) -> None:
         try:
-            io(fd, view, offset)
+            request.io(request.fd, request.view, request.offset)
+        except BaseException as error:  # noqa: BLE001 - re-raised by Transfer.wait on the training thread
+            while request is not None:  # a chained request after a failed one fails too
+                request.future.set_exception(error)
+                request = request.chained
+        else:
+            request.view = request.tensor = None  # the caller may drop the tensor now
+            request.future.set_result(None)
+            if request.chained is not None:
+                with self._lock:
+                    self._backlog.appendleft(request.chained)
         finally:
-            self._in_flight.release()
+            with self._lock:
+                self._running -= 1
+                self._lock.notify_all()
+        if pump:
+            self._pump()
+
+    def _pump(self) -> None:
+        """Submit backlog requests while fewer than ``queue_depth`` × ``thread_count`` are in the pool."""
+        while True:
+            with self._lock:
+                if not self._backlog or self._running >= self._limit:
+                    return
+                request = self._backlog.popleft()
+                self._running += 1
+            try:
+                self._executor.submit(self._run, request)
+            except RuntimeError:  # the interpreter is exiting (no new work for the pool): do it on this thread
+                self._run(request, pump=False)
 
     def _submit(self, transfer: Transfer, io, fd: int, tensor: torch.Tensor, offset: int) -> None:
         nbytes = tensor.numel() * tensor.element_size()
-        for start in range(0, nbytes, self.block_size):
-            length = min(self.block_size, nbytes - start)
-            self._in_flight.acquire()  # queue_depth bounds the requests waiting in the pool
-            future = self._executor.submit(self._run, io, fd, byte_view(tensor, start, length), offset + start)
-            if self.single_submit:
-                future.result()
-            transfer.futures.append(future)
+        requests = [_Request(io, fd, byte_view(tensor, start, min(self.block_size, nbytes - start)), offset + start,
+                             tensor) for start in range(0, nbytes, self.block_size)]
+        if not requests:
+            return
+        transfer.futures += [request.future for request in requests]
+        if self.single_submit:  # one request of this transfer at a time
+            for request, following in zip(requests, requests[1:]):
+                request.chained = following
+            requests = requests[:1]
+        with self._lock:
+            self._backlog.extend(requests)
+        self._pump()
 
     def write(self, transfer: Transfer, fd: int, tensor: torch.Tensor, offset: int) -> None:
         self._submit(transfer, _pwrite, fd, tensor, offset)
@@ -100,4 +151,6 @@ class AioPool:
         self._submit(transfer, _pread, fd, tensor, offset)
 
     def close(self) -> None:
+        with self._lock:  # let the backlog drain: its requests are submitted by the ones running
+            self._lock.wait_for(lambda: not self._backlog and self._running == 0)
         self._executor.shutdown(wait=True)

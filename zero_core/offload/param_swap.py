@@ -2,21 +2,25 @@
 
 Units are taken in model order; while their shards add up to at most ``max_in_cpu`` elements they stay in host
 memory as with ``device: cpu``, and the rest are written to this rank's file. Such a unit's ``shard`` is an
-empty tensor between uses. Its gather (ParamUnit.gather, issued ahead of use by the trace's prefetch) reads the
-shard into one of ``buffer_count`` buffers of ``buffer_size`` elements and all-gathers from it; the buffer goes
-back to the pool when the gather is done. When every buffer is taken, the oldest gather still holding one is
-finished first. Writes to a shard (the optimizer's write-back, GatheredParameters with a modifier, loading a
-checkpoint) read it into a buffer, change it there and write it out again (:meth:`ParamSwap.resident`).
+empty tensor between uses. Its gather (ParamUnit.gather, issued ahead of use by the trace's prefetch)
+all-gathers from one of ``buffer_count`` buffers of ``buffer_size`` elements into which the shard was read; the
+buffer goes back to the pool when the gather is done. The reads run ahead on the aio threads: at each gather,
+stage 3's prefetch calls :meth:`ParamSwap.look_ahead` with the units it gathers and the trace position, and the
+swap reads those units' shards, then the next ones along the trace, into free buffers, and again whenever a
+buffer comes back; the gather waits only for its own read. Writes to a shard (the optimizer's write-back,
+GatheredParameters with a modifier, loading a checkpoint) read it into a buffer, change it there and write it
+out again (:meth:`ParamSwap.resident`); a read submitted before such a write is not used. docs/offload.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import time
 import uuid
 import weakref
-from collections import OrderedDict
-from typing import Iterator
+from collections import OrderedDict, defaultdict
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -48,12 +52,27 @@ class ParamSwap:
         self._finalizer = weakref.finalize(self, remove_swap_file, self.fd, self.path, self.pool)
         self.buffer_bytes = min(block.buffer_size, largest) * itemsize  # no bigger than any shard needs
         self.pin = pinning(block.pin_memory)
+        self.buffer_count = block.buffer_count
         self._free = [self._new_buffer() for _ in range(block.buffer_count)]
         self._held: OrderedDict = OrderedDict()  # unit -> buffer, oldest first
+        self._ahead: OrderedDict = OrderedDict()  # unit -> (buffer, read, _version and _looks at submit), need order
+        self._version: defaultdict[int, int] = defaultdict(int)  # id(unit) -> writes so far
+        self._now: list = []  # look_ahead's window: the units needed now, then the trace from a scan index
+        self._window: Optional[tuple] = None  # (trace order, next index to scan, direction, units_for)
+        self._served: set = set()  # units read since the last look_ahead (their gather is being issued)
+        self._refilling = False
         self._offset: dict[int, int] = {}  # id(unit) -> file offset
         self._end = 0
         self.bytes_read = 0
         self.bytes_written = 0
+        # Counters (tests, benchmarks). Reads used by a gather or write: submitted at an earlier look_ahead
+        # (reads_ahead: they overlapped what ran since), submitted with this gather's batch (reads_with_gather:
+        # they overlap each other), or submitted and waited on the spot (reads_waited). Reads ahead issued,
+        # dropped to free a buffer, and found stale (the shard was written after they were submitted).
+        self.reads_ahead = self.reads_with_gather = self.reads_waited = 0
+        self.reads_issued_ahead = self.reads_dropped = self.reads_stale = 0
+        self._looks = 0  # look_ahead calls so far
+        self.read_wait_s = 0.0  # seconds the training thread waited for reads (benchmarks)
 
     def _new_buffer(self) -> torch.Tensor:
         return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
@@ -77,36 +96,143 @@ class ParamSwap:
         unit.swap = self
 
     def _write(self, unit, tensor: torch.Tensor) -> Transfer:
+        self._version[id(unit)] += 1  # a read submitted before this write is stale
         transfer = Transfer()
         self.pool.write(transfer, self.fd, tensor, self._offset[id(unit)])
         self.bytes_written += tensor.numel() * tensor.element_size()
         return transfer
 
-    # -- buffers -------------------------------------------------------------------------------------------
+    # -- buffers and reads ---------------------------------------------------------------------------------
+    # A buffer is free, or holds a read ahead (``_ahead``: submitted, not yet used by a gather), or is held by a
+    # unit whose gather or write has it (``_held``, oldest first). The three never exceed ``buffer_count``.
     def _acquire(self) -> torch.Tensor:
-        while not self._free:
-            oldest = next(iter(self._held))
-            oldest.wait()  # finishes its gather, which gives its buffer back (release)
-            if self._held and next(iter(self._held)) is oldest:
-                raise RuntimeError(f"{self.FIELD}: every buffer is in use; raise buffer_count (a bug if 5 or more)")
-        return self._free.pop()
+        """A free buffer: else the read furthest ahead gives its buffer up (it is read again later), else the
+        oldest gather still holding one is finished."""
+        self._refilling = True  # buffers freed here serve this read, not the window
+        try:
+            while not self._free:
+                if self._ahead:
+                    unit, (buffer, transfer, *_) = self._ahead.popitem()  # the newest: needed last
+                    transfer.wait()
+                    self.reads_dropped += 1
+                    self._free.append(buffer)
+                    continue
+                if not self._held:
+                    raise RuntimeError(f"{self.FIELD}: no parameter buffer is free (buffer_count={self.buffer_count})")
+                oldest = next(iter(self._held))
+                oldest.wait()  # finishes its gather, which gives its buffer back (release)
+                if self._held and next(iter(self._held)) is oldest:
+                    raise RuntimeError(
+                        f"{self.FIELD}: all {self.buffer_count} buffers are held (the oldest by '{oldest.module_name}',"
+                        " whose shard is in use outside a gather): raise buffer_count")
+            return self._free.pop()
+        finally:
+            self._refilling = False
 
-    def read(self, unit) -> torch.Tensor:
-        """``unit``'s shard, read into a pool buffer that the unit holds until :meth:`release`."""
-        buffer = self._acquire()
+    def _submit_read(self, unit, buffer: torch.Tensor) -> tuple[torch.Tensor, Transfer]:
         numel, dtype = unit.swapped_shard
         shard = buffer[: numel * dtype.itemsize].view(dtype)
         transfer = Transfer()
         self.pool.read(transfer, self.fd, shard, self._offset[id(unit)])
-        transfer.wait()
         self.bytes_read += shard.numel() * shard.element_size()
+        return shard, transfer
+
+    def read(self, unit) -> torch.Tensor:
+        """``unit``'s shard in a pool buffer that the unit holds until :meth:`release`: the read submitted ahead
+        (waited now), or a new one. A read ahead of a shard written since is not used (``_version``)."""
+        ahead = self._ahead.pop(unit, None)
+        if ahead is not None:
+            buffer, transfer, version, look = ahead
+            self._wait(transfer)
+            if version == self._version[id(unit)]:
+                if look < self._looks:
+                    self.reads_ahead += 1
+                else:
+                    self.reads_with_gather += 1
+                self._held[unit] = buffer
+                self._served.add(unit)
+                numel, dtype = unit.swapped_shard
+                return buffer[: numel * dtype.itemsize].view(dtype)
+            self.reads_stale += 1
+        else:
+            buffer = self._acquire()
+        shard, transfer = self._submit_read(unit, buffer)
+        self._wait(transfer)
+        self.reads_waited += 1
         self._held[unit] = buffer
+        self._served.add(unit)
         return shard
+
+    def _wait(self, transfer: Transfer) -> None:
+        start = time.perf_counter()
+        transfer.wait()
+        self.read_wait_s += time.perf_counter() - start
 
     def release(self, unit) -> None:
         buffer = self._held.pop(unit, None)
         if buffer is not None:
             self._free.append(buffer)
+            if not self._refilling:
+                self._refill()
+
+    # -- reading ahead along the trace ---------------------------------------------------------------------
+    def look_ahead(self, now: list, order: Optional[list], position: Optional[int], backward: bool,
+                   units_for: Callable) -> None:
+        """The units a gather needs ``now``, then those of the modules after ``position`` in the trace's
+        ``order`` (before it, in ``backward``): submit their reads while buffers are free, and again whenever a
+        buffer comes back, so the disk reads the next units while this one computes. Called by stage 3's
+        prefetch (runtime.py ``_fetch``). With ``aio.overlap_events`` false nothing is read ahead."""
+        if not self.pool.overlap:
+            return
+        self._now, self._served = list(now), set()
+        self._looks += 1
+        if order is None or position is None:
+            self._window = None
+        else:
+            step = -1 if backward else 1
+            start = position + step
+            if self._window is not None:  # the same pass goes on: resume where the last scan stopped
+                w_order, index, w_step, _ = self._window
+                if w_order is order and w_step == step and (index - start) * step > 0:
+                    start = index
+            self._window = (order, start, step, units_for)
+        self._refill()
+
+    def _wanted(self, unit) -> bool:
+        return (unit.swap is self and unit.state.value == "sharded" and unit not in self._ahead
+                and unit not in self._held and unit not in self._served)
+
+    def _next_wanted(self):
+        """The next unit along the window whose shard is to be read, or None (the scan index only moves past
+        modules with nothing left to read)."""
+        for unit in self._now:
+            if self._wanted(unit):
+                return unit
+        if self._window is None:
+            return None
+        order, index, step, units_for = self._window
+        while 0 <= index < len(order):
+            for unit in units_for(order[index]):
+                if self._wanted(unit):
+                    self._window = (order, index, step, units_for)
+                    return unit
+            index += step
+        self._window = (order, index, step, units_for)
+        return None
+
+    def _refill(self) -> None:
+        while self._free:
+            unit = self._next_wanted()
+            if unit is None:
+                return
+            buffer = self._free.pop()
+            _, transfer = self._submit_read(unit, buffer)
+            self._ahead[unit] = (buffer, transfer, self._version[id(unit)], self._looks)
+            self.reads_issued_ahead += 1
+
+    def reading_ahead(self) -> list:
+        """Units whose read is submitted and not yet used by a gather (tests count these)."""
+        return list(self._ahead)
 
     @contextlib.contextmanager
     def resident(self, unit) -> Iterator[None]:

@@ -461,6 +461,10 @@ class PartitionedParamsRuntime:
         batch = list(dict.fromkeys(u for u in units if u.state is UnitState.SHARDED))
         if position is not None and self.trace.following:
             batch += self._next_prefetch(position, backward, set(batch))
+        if self.param_swap is not None:  # offload_param nvme: read these shards, then the trace's next, ahead
+            following = position is not None and self.trace.following
+            self.param_swap.look_ahead(batch, self.trace.order if following else None, position, backward,
+                                       self._units_for)
         self._start_gather(batch, phase or ("backward" if backward else "forward"))
         for unit in units:
             unit.wait()
