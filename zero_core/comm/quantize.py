@@ -2,8 +2,9 @@
 
 Each row of a 2-D tensor is cut into blocks of ``block`` elements (fewer for a shorter row; the last block is
 padded); a block keeps one fp32 scale and one integer code per element:
-- int4, symmetric (qgZ, gradients through the all-to-all): scale = the block's largest magnitude / 7, codes in
-  [-7, 7], two per byte (low nibble first); padding is zeros.
+- int4, symmetric: scale = the block's largest magnitude / 7, codes in [-7, 7], two per byte (low nibble first);
+  padding is zeros. qgZ's gradients use the same codes through :func:`quantize_segments`, whose blocks restart
+  at every parameter unit of a reduction bucket (below).
 - 8 bits, asymmetric (qwZ, weights): the block's minimum is kept too (``offsets``, fp32), scale = (max - min) /
   255 and codes in [0, 255] (uint8); padding repeats the row's last element, so it never widens a range.
   Asymmetric because weights are not all centred on zero: a LayerNorm gain sits near 1 within a few percent,
