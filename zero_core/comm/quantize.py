@@ -15,8 +15,9 @@ padded); a block keeps one fp32 scale and one integer code per element:
 Dequantising gives values within half a step (scale / 2) of the originals; constant blocks (all zeros, a fresh
 LayerNorm's ones) stay exact. With a ``generator``, codes are rounded stochastically instead (within one step,
 unbiased: the expected value is the original). qgZ rounds to nearest: with Adam, stochastic rounding's extra
-variance cost more loss than its bias removal gained (+6% against +1.6% after 200 steps in benchmarks/nodes.py;
-single runs, and qgZ's 200-step loss moves by about ±1.7% with where its blocks fall: docs/multinode.md).
+variance cost more loss than its bias removal gained (+6% against +1.6% after 200 steps in benchmarks/nodes.py,
+single runs measured while qgZ's blocks still spanned parameter units); with per-unit blocks round-to-nearest
+ends +0.46% above stage 3 over 3 seeds (docs/multinode.md).
 """
 
 from __future__ import annotations
