@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from zero_core.comm.quantize import BLOCK, dequantize, quantize, wire_bytes
+from zero_core.comm.quantize import (BLOCK, dequantize, dequantize_segments, quantize, quantize_segments,
+                                     segment_wire_bytes, wire_bytes)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -108,6 +109,84 @@ def test_scales_are_fp32_whatever_the_input_dtype():
         assert packed.scales.dtype == torch.float32
         back = dequantize(packed, 8, 300)
         assert back.dtype == torch.float32 and (back - rows.float()).abs().max() <= packed.scales.max() / 2 + 1e-6
+
+
+# -- qgZ's int4 gradients: blocks per parameter unit, and the two-hop reduction's error ---------------------------
+def test_small_gradients_next_to_large_ones_keep_their_own_scale():
+    """The bias qgZ had: one block over a Linear's gradients and a LayerNorm's (100x smaller) rounds the
+    LayerNorm's to zero, every step, in every rank's contribution. Blocks restarted at the unit boundary keep
+    each within half a step of its own scale."""
+    generator = torch.Generator().manual_seed(0)
+    large = torch.randn(3, 200, generator=generator)
+    small = 0.01 * torch.randn(3, 56, generator=generator)
+    rows = torch.cat((large, small), dim=1)
+    spanning = dequantize(quantize(rows, 4, 256), 4, 256, 256)
+    assert torch.count_nonzero(spanning[:, 200:]) == 0  # the LayerNorm's gradients vanished
+    back = dequantize_segments(quantize_segments(rows, (200, 56)), (200, 56))
+    half_step = small.abs().amax(dim=1, keepdim=True) / 14
+    assert ((back[:, 200:] - small).abs() <= half_step + 1e-7).all()
+    assert ((back[:, :200] - large).abs() <= large.abs().amax(dim=1, keepdim=True) / 14 + 1e-6).all()
+
+
+def test_segment_codes_are_exact_at_extremes_and_size_their_wire_format():
+    rows = torch.tensor([[0.0, 0.0, 0.0, 1.0, -0.5, 0.25, 7.0]])  # a zero segment, one of 4 values (odd width)
+    packed = quantize_segments(rows, (3, 4), block=4)
+    back = dequantize_segments(packed, (3, 4), block=4)
+    assert torch.equal(back[:, :3], torch.zeros(1, 3)) and back[0, 6] == 7.0 and back[0, 3] == 1.0
+    assert packed.codes.shape == (1, 4) and packed.scales.shape == (1, 2)
+    assert segment_wire_bytes(2, (3, 4), block=4) == 2 * (4 + 2 * 4)
+    assert segment_wire_bytes(1, (1000, 24)) == 512 + 4 * 5  # blocks 256, 256, 256, 232 | 24: scales 4 + 1
+    with pytest.raises(ValueError, match="segments sum to 6"):
+        quantize_segments(rows, (3, 3))
+
+
+def _two_hop_mean(sends: torch.Tensor, segments: tuple, nodes: int, per_node: int) -> torch.Tensor:
+    """What zero_core/comm/paths.py's quantised reduce-scatter computes, in one process: ``sends[r]`` is rank
+    r's pre-divided buffer (one slice per target rank); the first hop sends int4 rows to the node's peers and
+    sums them in fp32, the second re-quantises those partial sums across nodes. Returns every rank's slice."""
+    world, numel = nodes * per_node, sends.shape[1] // (nodes * per_node)
+
+    def hop(rows: torch.Tensor, widths: tuple) -> torch.Tensor:  # rows from every member; sum what arrives
+        return dequantize_segments(quantize_segments(rows, widths), widths).sum(0)
+
+    by_local = sends.view(world, nodes, per_node, numel).transpose(1, 2)  # [sender, local index l, node j]
+    partial = {(n, l): hop(by_local[n * per_node : (n + 1) * per_node, l].reshape(per_node, -1),
+                           segments * nodes).view(nodes, numel)
+               for n in range(nodes) for l in range(per_node)}
+    return torch.stack([hop(torch.stack([partial[(n, l)][j] for n in range(nodes)]), segments)
+                        for j in range(nodes) for l in range(per_node)])
+
+
+def test_two_hop_int4_reduction_is_unbiased_against_the_exact_mean():
+    """Many random gradient sets, units of very different scales (a LayerNorm's 100x smaller than a Linear's,
+    heavy-tailed embedding rows): the error of the quantised mean averages to zero, does not shrink any unit
+    (regression slope 1), and stays within the half steps of the two quantisations."""
+    nodes, per_node, world = 2, 2, 4
+    segments = (300, 64, 200)  # this rank's slice: a Linear's shard, a LayerNorm's, an embedding's
+    scale = torch.cat((torch.full((300,), 1.0), torch.full((64,), 0.01), torch.full((200,), 0.1)))
+    generator = torch.Generator().manual_seed(1)
+    errors, exacts = [], []
+    for _ in range(100):
+        grads = torch.randn(world, world, sum(segments), generator=generator) * scale
+        grads[..., 364:] *= torch.rand(world, world, 200, generator=generator) < 0.1  # sparse rows
+        sends = (grads / world).reshape(world, -1)
+        exact = sends.view(world, world, -1).sum(0)
+        got = _two_hop_mean(sends, segments, nodes, per_node)
+        errors.append(got - exact)
+        exacts.append(exact)
+        # each element: half a step of every sender's first-hop block, and half a step of the second hop's
+        first = grads.abs().view(world, world, -1)  # bound by the largest magnitude in the unit, per sender
+        assert (got - exact).abs().max() <= 2 * first.max() / world / 14 * (per_node + 1) + 1e-6
+    error, exact = torch.stack(errors), torch.stack(exacts)
+    start = 0
+    for width in segments:
+        e, x = error[..., start : start + width], exact[..., start : start + width]
+        start += width
+        rms = x.pow(2).mean().sqrt()
+        assert abs(e.mean()) < 0.01 * rms  # no drift
+        slope = (x * (x + e)).sum() / x.pow(2).sum()
+        assert 0.97 < slope < 1.03  # no unit shrunk or inflated
+        assert e.norm() / x.norm() < 0.35  # int4, twice
 
 
 # -- what the engine's forward and backward see under qwZ (one process) -----------------------------------------

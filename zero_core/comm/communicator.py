@@ -20,7 +20,7 @@ import contextlib
 import os
 from collections import defaultdict, deque
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -162,12 +162,14 @@ class Communicator:
 
     # -- the collectives -------------------------------------------------------------------------------------
     def reduce_scatter(
-        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = ""
+        self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "",
+        segments: Optional[Sequence[int]] = None,
     ) -> Optional[dist.Work]:
         """Sum ``input`` over ranks; this rank receives its equal slice in ``output`` (gradients: with MiCS the
-        sum also runs over the replicas, and averages over them; with qgZ it is the quantised all-to-all)."""
+        sum also runs over the replicas, and averages over them; with qgZ it is the quantised all-to-all, whose
+        int4 blocks stay inside each of ``segments``, the widths of the slice's parameter units)."""
         if self.options.quantize_gradients and input.is_floating_point() and self.topology.world_size > 1:
-            return self.paths.quantized_reduce_scatter(output, input, label, async_op)
+            return self.paths.quantized_reduce_scatter(output, input, label, async_op, segments)
         group = self.topology.group
         call = self._count("reduce_scatter", input, label)
         self.count_link("reduce_scatter", group, output.numel() * output.element_size())

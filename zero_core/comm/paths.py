@@ -9,7 +9,7 @@ fp32 after dequantising (never on the codes).
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -131,30 +131,36 @@ class Paths:
         output.reshape(nodes, per_node, -1).copy_(within.view(per_node, nodes, -1).transpose(0, 1))
 
     # -- qgZ ---------------------------------------------------------------------------------------------
-    def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool):
+    def quantized_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool,
+                                 segments: Optional[Sequence[int]] = None):
         """Sum ``input`` over ranks into this rank's slice, through an all-to-all inside the node and then one
-        across nodes, each sending int4 codes with per-block scales (rounded to nearest); partial sums are fp32."""
+        across nodes, each sending int4 codes with per-block scales (rounded to nearest); partial sums are fp32.
+        ``segments``: the widths of the parts of a slice (a bucket's parameter units) no block may span."""
         topology, numel = self.topology, output.numel()
+        segments = tuple(segments) if segments else (numel,)
+        if sum(segments) != numel:
+            raise ValueError(f"quantized reduce-scatter: segments sum to {sum(segments)}, the slice has {numel}")
         mesh = topology.mesh
         nodes, per_node = (mesh.size(0), mesh.size(1)) if mesh is not None else (1, topology.world_size)
         local = topology.local_group() if mesh is not None else topology.group
         call = self.comm._count("reduce_scatter", input, label,
-                                wire_bytes=wire_bytes(topology.world_size, numel, 4, _quantize.GRAD_BLOCK))
+                                wire_bytes=topology.world_size * _quantize.segment_wire_bytes(1, segments))
         # row l: the slices of every node's l-th rank, sent to this node's l-th rank
         rows = input.view(nodes, per_node, numel).transpose(0, 1).reshape(per_node, nodes * numel)
-        partial = self._all_to_all_sum(rows, local, call).view(nodes, numel)
-        total = self._all_to_all_sum(partial, topology.cross_group(), call) if nodes > 1 else partial[0]
+        partial = self._all_to_all_sum(rows, segments * nodes, local, call).view(nodes, numel)
+        total = self._all_to_all_sum(partial, segments, topology.cross_group(), call) if nodes > 1 else partial[0]
         output.copy_(total.view_as(output))
         return DONE if async_op else None
 
-    def _all_to_all_sum(self, rows: torch.Tensor, group, call) -> torch.Tensor:
-        """Row i goes to member i (int4 on the wire); the rows received are summed in fp32."""
-        packed = self._timed(_quantize.quantize, rows, 4, _quantize.GRAD_BLOCK)
+    def _all_to_all_sum(self, rows: torch.Tensor, segments: tuple, group, call) -> torch.Tensor:
+        """Row i goes to member i (int4 on the wire, blocks within ``segments``); the rows received are summed
+        in fp32."""
+        packed = self._timed(_quantize.quantize_segments, rows, segments)
         codes, scales = torch.empty_like(packed.codes), torch.empty_like(packed.scales)
         self.comm.count_link("reduce_scatter", group, packed.codes[0].numel() + packed.scales[0].numel() * 4)
         self.comm.run(call, lambda a: dist.all_to_all_single(codes, packed.codes, group=group, async_op=a))
         self.comm.run(call, lambda a: dist.all_to_all_single(scales, packed.scales, group=group, async_op=a))
-        return self._timed(_quantize.dequantize, Quantized(codes, scales), 4, rows.shape[1], _quantize.GRAD_BLOCK).sum(0)
+        return self._timed(_quantize.dequantize_segments, Quantized(codes, scales), segments).sum(0)
 
     # -- MiCS replicas -----------------------------------------------------------------------------------
     def average_over_replicas(self, tensor: torch.Tensor, label: str) -> None:

@@ -116,7 +116,8 @@ class CoalescedReduce:
         send.div_(bucket.world)
         first = self.units[0]
         self.result = torch.empty(bucket.filled, dtype=first.dtype, device=first.device)
-        self._work = comm.reduce_scatter(self.result, send, async_op=async_op, label=_label(self.units))
+        self._work = comm.reduce_scatter(self.result, send, async_op=async_op, label=_label(self.units),
+                                         segments=[unit.layout.shard_numel for unit in self.units])
 
     def finish(self) -> None:
         if self._work is not None:
