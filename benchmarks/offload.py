@@ -105,6 +105,7 @@ def bench_step(args) -> dict:
     from zero_core.replicated.flat_param_group import FlatParamGroup
     from zero_core.layout import compute_layout
     from zero_core.offload import OptimizerOffload
+    from zero_core.optim.master_shards import step_in_tiles
 
     n = args.numel
     bare_param = torch.nn.Parameter(torch.randn(n))
@@ -127,14 +128,13 @@ def bench_step(args) -> dict:
             grad.copy_(torch.randn_like(grad))
         return group
 
-    # The same engine step without offload (MasterShards.attach_grads, the optimizer, the write-back), fused too.
+    # The same engine step without offload (step_in_tiles: the fp32 gradient copy per tile, the optimizer, the
+    # write-back), fused too.
     plain = flat_group()
     plain_optimizer = torch.optim.AdamW(plain.masters, lr=1e-3, fused=True)
 
     def not_offloaded():
-        plain.master_shards.attach_grads(plain.grad_shards(), [True] * len(sizes), 1.0, None)
-        plain_optimizer.step()
-        plain.master_shards.clear_grads()
+        step_in_tiles(plain_optimizer, [plain], [[True] * len(sizes)], 1.0, None, args.sub_group_size)
         plain.write_back_masters()
 
     group = flat_group()

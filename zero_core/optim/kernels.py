@@ -38,3 +38,18 @@ def multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> Iterator[None]:
     finally:
         for group in chosen:
             group["fused"] = None
+
+
+@contextlib.contextmanager
+def only_params(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> Iterator[None]:
+    """For the duration, each group lists only its members among ``params`` (the tile being stepped), so one
+    step over a tile walks the tile's pieces and not every piece of the optimizer; the lists come back after."""
+    wanted = {id(p) for p in params}
+    saved = [group["params"] for group in optimizer.param_groups]
+    for group, members in zip(optimizer.param_groups, saved):
+        group["params"] = [p for p in members if id(p) in wanted]
+    try:
+        yield
+    finally:
+        for group, members in zip(optimizer.param_groups, saved):
+            group["params"] = members

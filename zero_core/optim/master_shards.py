@@ -10,14 +10,14 @@ decay stay as they are, exactly as under DDP (docs/core-api.md, "No gradient, no
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
 from zero_core.fragments import Fragment
 from zero_core.layout import FlatLayout, Range
-from zero_core.optim.kernels import multi_tensor_kernels
+from zero_core.optim.kernels import multi_tensor_kernels, only_params
 
 
 class MasterShards:
@@ -103,21 +103,39 @@ def master_tiles(parts: Sequence, used: Sequence[Sequence[bool]], tile_numel: in
     return tiles + ([current] if current else [])
 
 
+def tile_runs(tile: Sequence[TileEntry]) -> Iterator[tuple]:
+    """(part, bucket, start, end, entries): the tile's pieces merged into runs that are contiguous in one bucket
+    shard (pieces come in flat order), so that a run is copied with one op instead of one per piece."""
+    run = None
+    for entry in tile:
+        fragment = entry.part.master_shards.pieces[entry.index]
+        start, end = fragment.shard_range.start, fragment.shard_range.end
+        if run is not None and run[0] is entry.part and run[1] == fragment.bucket and run[3] == start:
+            run = (run[0], run[1], run[2], end, run[4] + 1)
+            continue
+        if run is not None:
+            yield run
+        run = (entry.part, fragment.bucket, start, end, 1)
+    if run is not None:
+        yield run
+
+
 def step_in_tiles(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequence[Sequence[bool]],
                   inv_scale: float, clip_coef: Optional[torch.Tensor], tile_numel: int) -> None:
     """Step ``optimizer`` over the pieces that got a gradient, each with its gradient unscaled and clipped.
 
     Gradients already in the masters' dtype (fp32 training) are used in place, in one step. 16-bit gradients
     need an fp32 copy: that copy is made one tile of at most ``tile_numel`` elements at a time (DeepSpeed's
-    ``sub_group_size``), the optimizer steps the tile (pieces without ``.grad`` are skipped) and the copy is
-    freed, so the step never holds an fp32 copy of every gradient at once. Either way the optimizer runs its
+    ``sub_group_size``) into one buffer reused for every tile (on CUDA freed after the step, on the CPU kept:
+    see _tile_buffer), the optimizer steps the tile (pieces without ``.grad`` are skipped), so the step never
+    holds an fp32 copy of every gradient at once. Either way the optimizer runs its
     multi-tensor kernel where torch has one (kernels.py): one call over all the pieces, not one per piece."""
     with multi_tensor_kernels(optimizer):
         if all(_grads_in_master_dtype(part) for part in parts):
             _step_in_place(optimizer, parts, used, inv_scale, clip_coef)
             return
         for tile in master_tiles(parts, used, tile_numel):
-            _step_tile(optimizer, tile, inv_scale, clip_coef)
+            _step_tile(optimizer, tile, inv_scale, clip_coef, parts[0].master_shards)
 
 
 def _grads_in_master_dtype(part) -> bool:
@@ -154,16 +172,34 @@ def _step_in_place(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequ
         piece.grad = None
 
 
+def _tile_buffer(piece: torch.Tensor, numel: int, holder: "MasterShards") -> torch.Tensor:
+    """An fp32 buffer for one tile's gradients. On CUDA a fresh one per tile (the caching allocator reuses the
+    memory). On the CPU a large fresh buffer is freshly mapped memory whose page faults cost more than the copy,
+    so ``holder`` (the step's first part) keeps one between steps: at most one tile, the ``sub_group_size``
+    bound."""
+    if piece.device.type != "cpu":
+        return torch.empty(numel, dtype=piece.dtype, device=piece.device)
+    scratch = getattr(holder, "tile_scratch", None)
+    if scratch is None or scratch.numel() < numel:
+        scratch = holder.tile_scratch = torch.empty(numel, dtype=piece.dtype)
+    return scratch[:numel]
+
+
 def _step_tile(optimizer: torch.optim.Optimizer, tile: list[TileEntry], inv_scale: float,
-               clip_coef: Optional[torch.Tensor]) -> None:
-    """16-bit gradients: one fp32 buffer for the tile, filled by one multi-tensor copy, scaled in one go."""
+               clip_coef: Optional[torch.Tensor], holder: MasterShards) -> None:
+    """16-bit gradients: one fp32 buffer for the tile, filled with one cast copy per run of contiguous pieces
+    (torch's multi-tensor copy takes a slow path when it casts), scaled in one go."""
     sizes = [entry.grad.numel() for entry in tile]
-    buffer = torch.empty(sum(sizes), dtype=tile[0].piece.dtype, device=tile[0].piece.device)
+    buffer = _tile_buffer(tile[0].piece, sum(sizes), holder)
     views = buffer.split(sizes)
-    torch._foreach_copy_(views, [entry.grad for entry in tile])
+    offset = 0
+    for part, bucket, start, end, _ in tile_runs(tile):
+        buffer[offset : offset + end - start].copy_(part.grad_shards()[bucket][start:end])
+        offset += end - start
     _scale([buffer], inv_scale, clip_coef)
     for entry, grad in zip(tile, views):
         entry.piece.grad = grad
-    optimizer.step()
+    with only_params(optimizer, [entry.piece for entry in tile]):
+        optimizer.step()
     for entry in tile:
         entry.piece.grad = None
