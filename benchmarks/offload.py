@@ -140,6 +140,7 @@ def bench_step(args) -> dict:
     group = flat_group()
     config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"}, sub_group_size=args.sub_group_size)
     offload = OptimizerOffload([group], config, rank=0)
+    offload.copy_thread = args.copy_thread  # on a CPU-only run the engine copies inline (no accelerator transfers)
     optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
     offload.bind([optimizer])
     used = [[True] * len(sizes)]
@@ -164,7 +165,8 @@ def bench_step(args) -> dict:
             fn()
             times.append(time.perf_counter() - start)
     b, o = min(bare_times), min(off_times)
-    return {"numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward, "threads": torch.get_num_threads(), "bucket": args.bucket,
+    return {"numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward,
+            "copy_thread": args.copy_thread, "threads": torch.get_num_threads(), "bucket": args.bucket,
             "param": args.param, "engine_step_without_offload_s": min(plain_times),
             "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
             "bare_Gparams_per_s": n / b / 1e9, "offloaded_Gparams_per_s": n / o / 1e9, "offloaded_vs_bare": b / o,
@@ -261,6 +263,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="step: parameter dtype")
     parser.add_argument("--copied-in-backward", action="store_true",
                         help="step: the gradients reached the host during backward (the reducer's hook), untimed")
+    parser.add_argument("--copy-thread", action="store_true",
+                        help="step: the copies around the step on a thread, overlapping the next tile's step (the "
+                             "engine does this when the shards are on an accelerator)")
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")

@@ -69,13 +69,14 @@ class _Pipeline:
     masters go back into the model's parameter shards (cast to their dtype, one copy per run of contiguous
     pieces) while the next tile steps. The parts' own write-back after the step then has nothing left to do."""
 
-    def __init__(self, pool: ThreadPoolExecutor) -> None:
-        self.pool = pool
+    def __init__(self, pool: Optional[ThreadPoolExecutor]) -> None:
+        self.pool = pool  # None (aio.overlap_events false): every copy runs at once, on the training thread
         self.pending: list[Future] = []
         self.parts: dict = {}
 
     def submit(self, copies: list[tuple]) -> Optional[Future]:
-        if not copies:
+        if not copies or self.pool is None:
+            _copy_all(copies)
             return None
         future = self.pool.submit(_copy_all, copies)
         self.pending.append(future)
@@ -129,6 +130,9 @@ class OptimizerOffload:
         self._resident_depth = 0
         self._optimizers: list[torch.optim.Optimizer] = []
         self._write_pool: Optional[ThreadPoolExecutor] = None
+        # Device 'cpu': whether the copies around the step run on a thread (None: where they are transfers to and
+        # from an accelerator, when aio.overlap_events allows; see _copy_thread).
+        self.copy_thread: Optional[bool] = None if config.aio.overlap_events else False
         if nvme:
             # Freed tile buffers kept for reuse: buffer_count tiles of a master and Adam's two moments.
             pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, numel)
@@ -243,7 +247,7 @@ class OptimizerOffload:
         copied: set = set()  # buckets copied to the host in this step
         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
-        pipe = _Pipeline(self._writer()) if swap is None else None
+        pipe = _Pipeline(self._writer() if self._copy_thread(parts) else None) if swap is None else None
         upcoming = self._fetch_grads(tiles[0], copied, None)[0] if pipe is not None and tiles else None
         try:
             for index, tile in enumerate(tiles):
@@ -286,6 +290,14 @@ class OptimizerOffload:
         if writing is not None:
             writing.wait()
         self._fresh.clear()  # the step consumed them (the engine zeroes the shards next)
+
+    def _copy_thread(self, parts: list) -> bool:
+        """Host <-> accelerator copies are DMA transfers: on a thread they overlap the CPU step. When the model's
+        shards are host memory too (a CPU-only run) the casts compete with the step for the same cores and
+        memory bandwidth, and a thread was measured no faster (docs/benchmarks.md), so they run inline."""
+        if self.copy_thread is not None:
+            return self.copy_thread
+        return any(shard.device.type != "cpu" for part in parts for shard in part.grad_shards()[:1])
 
     def _writer(self) -> ThreadPoolExecutor:
         """One thread for the write-backs (torch's copies release the GIL, so they overlap the next tile)."""
