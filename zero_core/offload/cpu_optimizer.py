@@ -204,34 +204,35 @@ class OptimizerOffload:
         """The gradient shards were zeroed (a step, zero_grad, a skipped fp16 step): no host copy is current."""
         self._fresh.clear()
 
-    def _host_grads(self, tile: list[tuple], copied: set, copies: list) -> list[torch.Tensor]:
-        """Each tile entry's fp32 host gradient; the buckets not already copied during backward are added to
-        ``copies`` (host, device) for the caller to copy before the tile steps."""
+    def _host_grads(self, tile: list[tuple], copies: list) -> list[torch.Tensor]:
+        """Each tile entry's fp32 host gradient. What was not copied during backward is added to ``copies``
+        (host, device) for the caller to copy before the tile steps: the tile's own elements, one copy per run of
+        contiguous pieces, so that they are still in cache when the tile steps."""
         out = []
         for piece, grad, part, index in tile:
             if _in_host_fp32(grad):
                 out.append(grad)  # already fp32 in host memory: used in place, as without offload
                 continue
             fragment = part.master_shards.pieces[index]
-            key = (id(part), fragment.bucket)
-            if self.swapper is not None:
+            if self.swapper is not None:  # only the tile's gradients are in memory
                 host = self._host_bucket(part, fragment.bucket, grad.numel())
-                copy_to_host(host, grad)
+                copies.append((host, grad))
                 out.append(host)
                 continue
             whole = part.grad_shards()[fragment.bucket]
-            host = self._host_bucket(part, fragment.bucket, whole.numel())
-            if key not in self._fresh and key not in copied:
-                copies.append((host, whole))
-            copied.add(key)
-            out.append(host[fragment.shard_range.as_slice()])
+            out.append(self._host_bucket(part, fragment.bucket, whole.numel())[fragment.shard_range.as_slice()])
+        if self.swapper is None:
+            for part, bucket, start, end, _ in tile_runs(tile):
+                whole = part.grad_shards()[bucket]
+                if not _in_host_fp32(whole) and (id(part), bucket) not in self._fresh:
+                    copies.append((self._grads[(id(part), bucket)][start:end], whole[start:end]))
         return out
 
-    def _fetch_grads(self, tile: list[tuple], copied: set,
+    def _fetch_grads(self, tile: list[tuple],
                      pipe: Optional[_Pipeline]) -> tuple[list[torch.Tensor], Optional[Future]]:
         """The tile's host gradients, copied now (``pipe`` None) or queued on the copy thread (its future)."""
         copies: list = []
-        grads = self._host_grads(tile, copied, copies)
+        grads = self._host_grads(tile, copies)
         if pipe is None:
             _copy_all(copies)
             return grads, None
@@ -244,11 +245,11 @@ class OptimizerOffload:
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
         tiles = master_tiles(parts, used, self.sub_group_size)
         swap = self.swapper
-        copied: set = set()  # buckets copied to the host in this step
         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
         pipe = _Pipeline(self._writer() if self._copy_thread(parts) else None) if swap is None else None
-        upcoming = self._fetch_grads(tiles[0], copied, None)[0] if pipe is not None and tiles else None
+        threaded = pipe is not None and pipe.pool is not None
+        upcoming = self._fetch_grads(tiles[0], None)[0] if threaded and tiles else None
         try:
             for index, tile in enumerate(tiles):
                 arriving = None
@@ -258,11 +259,12 @@ class OptimizerOffload:
                         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[index + 1]))
                         if not swap.pool.overlap:
                             reading.wait()
-                    grads = self._fetch_grads(tile, copied, None)[0]  # only this tile's gradients in memory
+                if not threaded:
+                    grads = self._fetch_grads(tile, None)[0]  # just before the step (NVMe: only this tile's)
                 else:
                     grads = upcoming
                     if index + 1 < len(tiles):  # the next tile's gradients come in while this one steps
-                        upcoming, arriving = self._fetch_grads(tiles[index + 1], copied, pipe)
+                        upcoming, arriving = self._fetch_grads(tiles[index + 1], pipe)
                 wait_for_copies([grad for _, grad, *_ in tile])
                 _scale(grads, inv_scale, clip)  # the same arithmetic as step_in_tiles
                 for (piece, *_), host in zip(tile, grads):
