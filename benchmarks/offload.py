@@ -110,6 +110,7 @@ def bench_step(args) -> dict:
     from zero_core.replicated.flat_param_group import FlatParamGroup
     from zero_core.layout import compute_layout
     from zero_core.offload import OptimizerOffload
+    from zero_core.optim.master_shards import step_in_tiles
 
     n = args.numel
     bare_param = torch.nn.Parameter(torch.randn(n))
@@ -132,19 +133,19 @@ def bench_step(args) -> dict:
             grad.copy_(torch.randn_like(grad))
         return group
 
-    # The same engine step without offload (MasterShards.attach_grads, the optimizer, the write-back), fused too.
+    # The same engine step without offload (step_in_tiles: the fp32 gradient copy per tile, the optimizer, the
+    # write-back), fused too.
     plain = flat_group()
     plain_optimizer = torch.optim.AdamW(plain.masters, lr=1e-3, fused=True)
 
     def not_offloaded():
-        plain.master_shards.attach_grads(plain.grad_shards(), [True] * len(sizes), 1.0, None)
-        plain_optimizer.step()
-        plain.master_shards.clear_grads()
+        step_in_tiles(plain_optimizer, [plain], [[True] * len(sizes)], 1.0, None, args.sub_group_size)
         plain.write_back_masters()
 
     group = flat_group()
     config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"}, sub_group_size=args.sub_group_size)
     offload = OptimizerOffload([group], config, rank=0)
+    offload.copy_thread = args.copy_thread  # on a CPU-only run the engine copies inline (no accelerator transfers)
     optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
     offload.bind([optimizer])
     used = [[True] * len(sizes)]
@@ -158,23 +159,34 @@ def bench_step(args) -> dict:
         for shard, master in zip(group._param_shards(), group.master_shards.buckets):
             shard.copy_(master)
 
-    bare_times, off_times, copy_times, plain_times = [], [], [], []
-    bare.step(), offloaded(), not_offloaded()  # state allocation outside the timing
+    # The bare step again, over tensors the size of the offloaded pieces: torch's fused kernel runs one parallel
+    # region per tensor, and on a loaded machine each region waits for its sibling threads, so with several
+    # threads the tensor count alone changes the bare figure (docs/benchmarks.md).
+    pieces = [torch.nn.Parameter(torch.randn(m.numel())) for m in group.masters]
+    for piece in pieces:
+        piece.grad = torch.randn_like(piece)
+    bare_pieces = torch.optim.AdamW(pieces, lr=1e-3, fused=True)
+
+    bare_times, off_times, copy_times, plain_times, pieces_times = [], [], [], [], []
+    bare.step(), offloaded(), not_offloaded(), bare_pieces.step()  # state allocation outside the timing
     for _ in range(args.repeats):
         for fn, times in ((bare.step, bare_times), (offloaded, off_times), (copies_only, copy_times),
-                          (not_offloaded, plain_times)):
+                          (not_offloaded, plain_times), (bare_pieces.step, pieces_times)):
             if fn is offloaded and args.copied_in_backward:
                 offload.grad_reduced(group, None)  # 16-bit: the copies to the host happen during backward
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
     b, o = min(bare_times), min(off_times)
-    return {"numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward, "threads": torch.get_num_threads(), "bucket": args.bucket,
+    return {"numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward,
+            "copy_thread": args.copy_thread, "threads": torch.get_num_threads(), "bucket": args.bucket,
             "param": args.param, "engine_step_without_offload_s": min(plain_times),
             "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
             "bare_Gparams_per_s": n / b / 1e9, "offloaded_Gparams_per_s": n / o / 1e9, "offloaded_vs_bare": b / o,
             "bare_median_s": statistics.median(bare_times), "offloaded_median_s": statistics.median(off_times),
-            "copies_s": min(copy_times), "load_average": os.getloadavg()}
+            "copies_s": min(copy_times), "bare_same_pieces_s": min(pieces_times),
+            "offloaded_vs_bare_same_pieces": min(pieces_times) / o,
+            "bare_same_pieces_median_s": statistics.median(pieces_times), "load_average": os.getloadavg()}
 
 
 def _status_bytes(field: str) -> int:
@@ -323,6 +335,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="step: parameter dtype")
     parser.add_argument("--copied-in-backward", action="store_true",
                         help="step: the gradients reached the host during backward (the reducer's hook), untimed")
+    parser.add_argument("--copy-thread", action="store_true",
+                        help="step: the copies around the step on a thread, overlapping the next tile's step (the "
+                             "engine does this when the shards are on an accelerator)")
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")

@@ -136,6 +136,7 @@ class ZeroEngine:
         self._parts_of = [[part for part in self.runtime.parts if self.group_optimizer[part.group_index] == k]
                           for k in range(len(self.inner_optimizers))]
         self._optimizer_of = {p: k for k, parts in enumerate(self._parts_of) for part in parts for p in part.params}
+        self._managed_ids = {id(p) for p in self._optimizer_of}  # per-step membership tests without Tensor.__hash__
         # Each trainable parameter's slot in its optimizer's "got a gradient" flags (No gradient, no step).
         self._flag_slot = {p: i for parts in self._parts_of
                            for i, p in enumerate(p for part in parts for p in part.params)}
@@ -164,7 +165,7 @@ class ZeroEngine:
         get their master shards here (stage 3: their units become trainable). Every rank runs this at the same
         points (before reducing gradients, and in add_param_group), as requires_grad is the same everywhere."""
         with unguarded():  # metadata of every parameter, every step: not the user's code the guard watches
-            fresh = {i: [p for p in params if p.requires_grad and p not in self._optimizer_of]
+            fresh = {i: [p for p in params if p.requires_grad and id(p) not in self._managed_ids]
                      for i, params in enumerate(self.group_params)}
         fresh = {i: params for i, params in fresh.items() if params}
         if not fresh:
@@ -493,7 +494,7 @@ class ZeroEngine:
             self._offload.forget_grads()  # host copies of the zeroed gradients are stale
         if len(indices) == len(self.optimizers):
             for param in self.module.parameters():
-                if param not in self._optimizer_of:  # frozen, in no group, or unfrozen but not adopted yet
+                if id(param) not in self._managed_ids:  # frozen, in no group, or unfrozen but not adopted yet
                     param.grad = None
         for k in indices:
             self._pending[k] = _PendingGrads()

@@ -15,20 +15,20 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-from zero_core.optim.master_shards import master_tiles
+from zero_core.optim.kernels import FUSED_CPU, only_params
+from zero_core.optim.master_shards import _scale, master_tiles, tile_runs
 from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.host_masters import HostMasterShards
 from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
 from zero_core.offload.params import offload_param_shards
 from zero_core.offload.placement import copy_to_host, pinning, wait_for_copies
 
-# torch optimizers with a fused CPU kernel (torch.optim.*(fused=True) on CPU tensors).
-FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 # Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
 _SWAP_BYTES_PER_ELEMENT = 4 * 3
 
@@ -48,6 +48,54 @@ def _write_back(tile: list[tuple]) -> None:
             shards = part.param_shards()
             for index, piece in entries:
                 part.master_shards.piece_shard(shards, index).copy_(piece.detach())
+
+
+def _copy_all(copies: list[tuple]) -> None:
+    with torch.no_grad():
+        for dst, src in copies:
+            copy_to_host(dst, src)
+
+
+class _Pipeline:
+    """Device 'cpu': the copies around the step run on one thread, in order, while the main thread steps (torch's
+    copies release the GIL): the next tile's gradients come in while this tile steps, and each tile's updated
+    masters go back into the model's parameter shards (cast to their dtype, one copy per run of contiguous
+    pieces) while the next tile steps. The parts' own write-back after the step then has nothing left to do."""
+
+    def __init__(self, pool: Optional[ThreadPoolExecutor]) -> None:
+        self.pool = pool  # None (aio.overlap_events false): every copy runs at once, on the training thread
+        self.pending: list[Future] = []
+        self.parts: dict = {}
+
+    def submit(self, copies: list[tuple]) -> Optional[Future]:
+        if not copies or self.pool is None:
+            _copy_all(copies)
+            return None
+        future = self.pool.submit(_copy_all, copies)
+        self.pending.append(future)
+        return future
+
+    def write_back(self, tile: list[tuple]) -> None:
+        copies = []
+        for part, bucket, start, end, _ in tile_runs(tile):
+            if getattr(part, "swap", None) is not None:
+                continue  # parameter shards swapped to NVMe: written back by the part, after the step
+            master = part.master_shards.buckets[bucket][start:end]
+            shard = _param_shards(part)[bucket][start:end]
+            self.parts[id(part)] = part
+            if shard.data_ptr() != master.data_ptr():
+                copies.append((shard, master))
+        self.submit(copies)
+
+    def wait(self) -> None:
+        pending, self.pending = self.pending, []
+        for future in pending:
+            future.result()
+
+    def finish(self) -> None:
+        """Every tile was written back: the parts' own write-back after the step is skipped once."""
+        for part in self.parts.values():
+            part.master_shards.written_back = True
 
 
 class OptimizerOffload:
@@ -74,6 +122,10 @@ class OptimizerOffload:
         self.swapper: Optional[NvmeSwapper] = None
         self._resident_depth = 0
         self._optimizers: list[torch.optim.Optimizer] = []
+        self._write_pool: Optional[ThreadPoolExecutor] = None
+        # Device 'cpu': whether the copies around the step run on a thread (None: where they are transfers to and
+        # from an accelerator, when aio.overlap_events allows; see _copy_thread).
+        self.copy_thread: Optional[bool] = None if config.aio.overlap_events else False
         if nvme:
             # Freed tile buffers kept for reuse: buffer_count tiles of a master and Adam's two moments.
             pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, numel)
@@ -96,9 +148,12 @@ class OptimizerOffload:
         return [m for part in self.parts for m in part.masters]
 
     def close(self) -> None:
-        """Remove the swap file (also done when the engine is collected and at exit)."""
+        """Remove the swap file (also done when the engine is collected and at exit); stop the write-back thread."""
         if self.swapper is not None:
             self.swapper.close()
+        if self._write_pool is not None:
+            self._write_pool.shutdown()
+            self._write_pool = None
 
     # -- the user's optimizer on the CPU -------------------------------------------------------------------
     def use_fused(self, optimizer: torch.optim.Optimizer) -> None:
@@ -142,66 +197,108 @@ class OptimizerOffload:
         """The gradient shards were zeroed (a step, zero_grad, a skipped fp16 step): no host copy is current."""
         self._fresh.clear()
 
-    def _host_grads(self, tile: list[tuple], copied: set) -> list[torch.Tensor]:
-        """Each tile entry's fp32 host gradient, copying the buckets not already copied during backward."""
+    def _host_grads(self, tile: list[tuple], copies: list) -> list[torch.Tensor]:
+        """Each tile entry's fp32 host gradient. What was not copied during backward is added to ``copies``
+        (host, device) for the caller to copy before the tile steps: the tile's own elements, one copy per run of
+        contiguous pieces, so that they are still in cache when the tile steps."""
         out = []
         for piece, grad, part, index in tile:
             if _in_host_fp32(grad):
                 out.append(grad)  # already fp32 in host memory: used in place, as without offload
                 continue
             fragment = part.master_shards.pieces[index]
-            key = (id(part), fragment.bucket)
-            if self.swapper is not None:
+            if self.swapper is not None:  # only the tile's gradients are in memory
                 host = self._host_bucket(part, fragment.bucket, grad.numel())
-                copy_to_host(host, grad)
+                copies.append((host, grad))
                 out.append(host)
                 continue
             whole = part.grad_shards()[fragment.bucket]
-            host = self._host_bucket(part, fragment.bucket, whole.numel())
-            if key not in self._fresh and key not in copied:
-                copy_to_host(host, whole)
-            copied.add(key)
-            out.append(host[fragment.shard_range.as_slice()])
+            out.append(self._host_bucket(part, fragment.bucket, whole.numel())[fragment.shard_range.as_slice()])
+        if self.swapper is None:
+            for part, bucket, start, end, _ in tile_runs(tile):
+                whole = part.grad_shards()[bucket]
+                if not _in_host_fp32(whole) and (id(part), bucket) not in self._fresh:
+                    copies.append((self._grads[(id(part), bucket)][start:end], whole[start:end]))
         return out
+
+    def _fetch_grads(self, tile: list[tuple],
+                     pipe: Optional[_Pipeline]) -> tuple[list[torch.Tensor], Optional[Future]]:
+        """The tile's host gradients, copied now (``pipe`` None) or queued on the copy thread (its future)."""
+        copies: list = []
+        grads = self._host_grads(tile, copies)
+        if pipe is None:
+            _copy_all(copies)
+            return grads, None
+        return grads, pipe.submit(copies)
 
     def step(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
              clip_coef: Optional[torch.Tensor]) -> None:
-        """Copy the gradients to the host, step ``optimizer`` tile by tile, write NVMe tiles back."""
+        """Copy the gradients to the host, step ``optimizer`` tile by tile, write each tile back (NVMe: and out)."""
         self.use_fused(optimizer)
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
         tiles = master_tiles(parts, used, self.sub_group_size)
         swap = self.swapper
-        copied: set = set()  # buckets copied to the host in this step
         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
-        for index, tile in enumerate(tiles):
-            if swap is not None:
-                reading.wait()
-                if index + 1 < len(tiles):  # read the next tile while this one steps
-                    reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[index + 1]))
-                    if not swap.pool.overlap:
-                        reading.wait()
-            for (piece, *_), host in zip(tile, self._host_grads(tile, copied)):
-                piece.grad = host.view(piece.shape)
-            wait_for_copies([grad for _, grad, *_ in tile])
-            for piece, *_ in tile:  # the same arithmetic as MasterShards.attach_grads
-                if inv_scale != 1.0:
-                    piece.grad.mul_(inv_scale)
-                if clip is not None:
-                    piece.grad.mul_(clip)
-            optimizer.step()  # pieces of other tiles (and unused ones) have no .grad, so they are skipped
-            for piece, *_ in tile:
-                piece.grad = None
-            if swap is not None:
+        pipe = _Pipeline(self._writer() if self._copy_thread(parts) else None) if swap is None else None
+        threaded = pipe is not None and pipe.pool is not None
+        upcoming = self._fetch_grads(tiles[0], None)[0] if threaded and tiles else None
+        try:
+            for index, tile in enumerate(tiles):
+                arriving = None
+                if swap is not None:
+                    reading.wait()
+                    if index + 1 < len(tiles):  # read the next tile while this one steps
+                        reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[index + 1]))
+                        if not swap.pool.overlap:
+                            reading.wait()
+                if not threaded:
+                    grads = self._fetch_grads(tile, None)[0]  # just before the step (NVMe: only this tile's)
+                else:
+                    grads = upcoming
+                    if index + 1 < len(tiles):  # the next tile's gradients come in while this one steps
+                        upcoming, arriving = self._fetch_grads(tiles[index + 1], pipe)
+                wait_for_copies([grad for _, grad, *_ in tile])
+                _scale(grads, inv_scale, clip)  # the same arithmetic as step_in_tiles
+                for (piece, *_), host in zip(tile, grads):
+                    piece.grad = host.view(piece.shape)
+                with only_params(optimizer, [piece for piece, *_ in tile]):
+                    optimizer.step()
+                for piece, *_ in tile:
+                    piece.grad = None
+                if pipe is not None:
+                    pipe.write_back(tile)  # while the next tile steps
+                    if arriving is not None:
+                        arriving.result()  # queued before this write-back: it does not wait for it
+                    continue
                 _write_back(tile)  # the write-back after the step skips swapped-out pieces
                 if writing is not None:
                     writing.wait()
                 writing = swap.swap_out(self._swap_items(m for m, *_ in tile))
                 if not swap.pool.overlap:
                     writing.wait()
+        finally:
+            if pipe is not None:
+                pipe.wait()
+        if pipe is not None:
+            pipe.finish()
         if writing is not None:
             writing.wait()
         self._fresh.clear()  # the step consumed them (the engine zeroes the shards next)
+
+    def _copy_thread(self, parts: list) -> bool:
+        """Host <-> accelerator copies are DMA transfers: on a thread they overlap the CPU step. When the model's
+        shards are host memory too (a CPU-only run) the casts compete with the step for the same cores and
+        memory bandwidth, and a thread was measured no faster (docs/benchmarks.md), so they run inline."""
+        if self.copy_thread is not None:
+            return self.copy_thread
+        return any(shard.device.type != "cpu" for part in parts for shard in part.grad_shards()[:1])
+
+    def _writer(self) -> ThreadPoolExecutor:
+        """One thread for the write-backs (torch's copies release the GIL, so they overlap the next tile)."""
+        if self._write_pool is None:
+            self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-writeback")
+        return self._write_pool
 
     # -- NVMe ----------------------------------------------------------------------------------------------
     def _optimizers_state(self, master: nn.Parameter) -> dict:

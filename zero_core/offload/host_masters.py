@@ -49,7 +49,14 @@ class HostMasterShards(MasterShards):
     def holds_values(self) -> bool:
         return not self.separate or any(master.numel() for master in self.params)
 
+    # Set by the offloaded step when it wrote every stepped piece back itself, tile by tile (cpu_optimizer.py):
+    # the write-back that follows the step is then skipped once (the pieces it did not step are unchanged).
+    written_back = False
+
     def write_back(self, param_shards: Sequence[torch.Tensor]) -> None:
+        if self.written_back:
+            self.written_back = False
+            return
         if not self.separate:
             super().write_back(param_shards)
             return

@@ -10,13 +10,14 @@ decay stay as they are, exactly as under DDP (docs/core-api.md, "No gradient, no
 
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Sequence
+from typing import Iterator, NamedTuple, Optional, Sequence
 
 import torch
 from torch import nn
 
 from zero_core.fragments import Fragment
 from zero_core.layout import FlatLayout, Range
+from zero_core.optim.kernels import multi_tensor_kernels, only_params
 
 
 class MasterShards:
@@ -28,6 +29,19 @@ class MasterShards:
         self.pieces = list(layout.fragments(rank))
         self.params = [nn.Parameter(self.buckets[f.bucket][f.shard_range.as_slice()], requires_grad=True)
                        for f in self.pieces]
+
+    # The gradient views of the pieces, made once per gradient storage (not per step): see grad_pieces.
+    _grad_key: Optional[tuple] = None
+    _grad_views: list = []
+
+    def grad_pieces(self, grad_shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Each piece's slice of the part's gradient shards, in ``params`` order. Cached: slicing per piece at
+        every step is Python per parameter; the views are made again only if the shards were reallocated."""
+        key = tuple((g.data_ptr(), g.numel(), g.dtype) for g in grad_shards)
+        if key != self._grad_key:
+            self._grad_views = [grad_shards[f.bucket][f.shard_range.as_slice()] for f in self.pieces]
+            self._grad_key = key
+        return self._grad_views
 
     def clear_grads(self) -> None:
         for master in self.params:
@@ -75,17 +89,35 @@ def master_tiles(parts: Sequence, used: Sequence[Sequence[bool]], tile_numel: in
     in order, grouped into tiles of at most ``tile_numel`` gradient elements (a bigger piece is a tile alone)."""
     tiles, current, size = [], [], 0
     for part, mask in zip(parts, used):
-        grads, masters = part.grad_shards(), part.master_shards
-        for index, (piece, fragment) in enumerate(zip(masters.params, masters.pieces)):
+        masters = part.master_shards
+        grads = masters.grad_pieces(part.grad_shards())
+        for index, (piece, fragment, grad) in enumerate(zip(masters.params, masters.pieces, grads)):
             if not mask[fragment.param_index]:
                 continue  # no rank produced a gradient: not stepped (grad stays None)
-            grad = grads[fragment.bucket][fragment.shard_range.as_slice()]
-            if current and size + grad.numel() > tile_numel:
+            numel = fragment.shard_range.size
+            if current and size + numel > tile_numel:
                 tiles.append(current)
                 current, size = [], 0
             current.append(TileEntry(piece, grad, part, index))
-            size += grad.numel()
+            size += numel
     return tiles + ([current] if current else [])
+
+
+def tile_runs(tile: Sequence[TileEntry]) -> Iterator[tuple]:
+    """(part, bucket, start, end, entries): the tile's pieces merged into runs that are contiguous in one bucket
+    shard (pieces come in flat order), so that a run is copied with one op instead of one per piece."""
+    run = None
+    for entry in tile:
+        fragment = entry.part.master_shards.pieces[entry.index]
+        start, end = fragment.shard_range.start, fragment.shard_range.end
+        if run is not None and run[0] is entry.part and run[1] == fragment.bucket and run[3] == start:
+            run = (run[0], run[1], run[2], end, run[4] + 1)
+            continue
+        if run is not None:
+            yield run
+        run = (entry.part, fragment.bucket, start, end, 1)
+    if run is not None:
+        yield run
 
 
 def step_in_tiles(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequence[Sequence[bool]],
@@ -94,19 +126,80 @@ def step_in_tiles(optimizer: torch.optim.Optimizer, parts: Sequence, used: Seque
 
     Gradients already in the masters' dtype (fp32 training) are used in place, in one step. 16-bit gradients
     need an fp32 copy: that copy is made one tile of at most ``tile_numel`` elements at a time (DeepSpeed's
-    ``sub_group_size``), the optimizer steps the tile (pieces without ``.grad`` are skipped) and the copy is
-    freed, so the step never holds an fp32 copy of every gradient at once."""
-    tiles = master_tiles(parts, used, tile_numel)
-    if all(e.grad.dtype == e.piece.dtype for tile in tiles for e in tile):
-        tiles = [[e for tile in tiles for e in tile]]  # no copies to bound: one step over views
-    for tile in tiles:
-        grads = [e.grad if e.grad.dtype == e.piece.dtype else e.grad.to(e.piece.dtype) for e in tile]
-        if grads and inv_scale != 1.0:
-            torch._foreach_mul_(grads, inv_scale)
-        if grads and clip_coef is not None:
-            torch._foreach_mul_(grads, clip_coef)
-        for entry, grad in zip(tile, grads):
-            entry.piece.grad = grad
+    ``sub_group_size``) into one buffer reused for every tile (on CUDA freed after the step, on the CPU kept:
+    see _tile_buffer), the optimizer steps the tile (pieces without ``.grad`` are skipped), so the step never
+    holds an fp32 copy of every gradient at once. Either way the optimizer runs its
+    multi-tensor kernel where torch has one (kernels.py): one call over all the pieces, not one per piece."""
+    with multi_tensor_kernels(optimizer):
+        if all(_grads_in_master_dtype(part) for part in parts):
+            _step_in_place(optimizer, parts, used, inv_scale, clip_coef)
+            return
+        for tile in master_tiles(parts, used, tile_numel):
+            _step_tile(optimizer, tile, inv_scale, clip_coef, parts[0].master_shards)
+
+
+def _grads_in_master_dtype(part) -> bool:
+    masters = part.master_shards.params
+    return not masters or all(g.dtype == masters[0].dtype for g in part.grad_shards())
+
+
+def _scale(grads: list[torch.Tensor], inv_scale: float, clip_coef: Optional[torch.Tensor]) -> None:
+    """Unscale, then clip: two multiplications, as the loss scaler and clip_grad_norm_ would do them."""
+    if grads and inv_scale != 1.0:
+        torch._foreach_mul_(grads, inv_scale)
+    if grads and clip_coef is not None:
+        torch._foreach_mul_(grads, clip_coef)
+
+
+def _step_in_place(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequence[Sequence[bool]],
+                   inv_scale: float, clip_coef: Optional[torch.Tensor]) -> None:
+    """fp32 gradients: the pieces' gradients are views of the gradient shards, scaled in place (whole shards:
+    a few large multiplications; what belongs to unused parameters is zero on every rank)."""
+    stepped, shards = [], []
+    for part, mask in zip(parts, used):
+        masters = part.master_shards
+        grad_shards = part.grad_shards()
+        before = len(stepped)
+        for piece, fragment, grad in zip(masters.params, masters.pieces, masters.grad_pieces(grad_shards)):
+            if mask[fragment.param_index]:
+                piece.grad = grad
+                stepped.append(piece)
+        if len(stepped) > before:
+            shards += grad_shards
+    _scale(shards, inv_scale, clip_coef)
+    optimizer.step()
+    for piece in stepped:
+        piece.grad = None
+
+
+def _tile_buffer(piece: torch.Tensor, numel: int, holder: "MasterShards") -> torch.Tensor:
+    """An fp32 buffer for one tile's gradients. On CUDA a fresh one per tile (the caching allocator reuses the
+    memory). On the CPU a large fresh buffer is freshly mapped memory whose page faults cost more than the copy,
+    so ``holder`` (the step's first part) keeps one between steps: at most one tile, the ``sub_group_size``
+    bound."""
+    if piece.device.type != "cpu":
+        return torch.empty(numel, dtype=piece.dtype, device=piece.device)
+    scratch = getattr(holder, "tile_scratch", None)
+    if scratch is None or scratch.numel() < numel:
+        scratch = holder.tile_scratch = torch.empty(numel, dtype=piece.dtype)
+    return scratch[:numel]
+
+
+def _step_tile(optimizer: torch.optim.Optimizer, tile: list[TileEntry], inv_scale: float,
+               clip_coef: Optional[torch.Tensor], holder: MasterShards) -> None:
+    """16-bit gradients: one fp32 buffer for the tile, filled with one cast copy per run of contiguous pieces
+    (torch's multi-tensor copy takes a slow path when it casts), scaled in one go."""
+    sizes = [entry.grad.numel() for entry in tile]
+    buffer = _tile_buffer(tile[0].piece, sum(sizes), holder)
+    views = buffer.split(sizes)
+    offset = 0
+    for part, bucket, start, end, _ in tile_runs(tile):
+        buffer[offset : offset + end - start].copy_(part.grad_shards()[bucket][start:end])
+        offset += end - start
+    _scale([buffer], inv_scale, clip_coef)
+    for entry, grad in zip(tile, views):
+        entry.piece.grad = grad
+    with only_params(optimizer, [entry.piece for entry in tile]):
         optimizer.step()
-        for entry in tile:
-            entry.piece.grad = None
+    for entry in tile:
+        entry.piece.grad = None

@@ -67,18 +67,19 @@ class FlatParamGroup:
     def _allocate_grads(self) -> list[torch.Tensor]:
         if self.full_grads:
             self.flat_grad = torch.zeros_like(self.flat)
+            # Each parameter's view of flat_grad, made once: the step and zero_grad re-point .grad at them.
+            self._grad_views = [self.flat_grad[slot.range.as_slice()].view_as(param)
+                                for param, slot in zip(self.params, self.layout.slots)]
             self._point_grads_at_views()
             return [self.flat_grad[b.shard_range(self.rank).as_slice()] for b in self.layout.buckets]
         storage = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         offsets = self.layout.shard_offsets()
         return [storage[o : o + b.shard_size] for o, b in zip(offsets, self.layout.buckets)]
 
-    def _grad_view(self, index: int) -> torch.Tensor:
-        return self.flat_grad[self.layout.slots[index].range.as_slice()].view_as(self.params[index])
-
     def _point_grads_at_views(self) -> None:
-        for index, param in enumerate(self.params):
-            param.grad = self._grad_view(index)
+        for param, view in zip(self.params, self._grad_views):
+            if param.grad is not view:
+                param.grad = view
 
     def build_masters(self, master_dtype: torch.dtype) -> None:
         """fp32 master shards, one per bucket: views of ``flat`` when it is already fp32, copies otherwise."""
@@ -105,11 +106,14 @@ class FlatParamGroup:
     def bucket_grad_input(self, bucket: BucketLayout) -> torch.Tensor:
         """Stage 1: the full local gradients of one bucket, gathered into the flat gradient buffer."""
         for index in bucket.param_indices:
-            param, view = self.params[index], self._grad_view(index)
-            if param.grad is None:
+            param, view = self.params[index], self._grad_views[index]
+            grad = param.grad
+            if grad is view:
+                continue  # autograd accumulated into the view, as it should
+            if grad is None:
                 view.zero_()  # released by the user since the last step: no gradient this step
-            elif param.grad.data_ptr() != view.data_ptr():
-                view.copy_(param.grad)  # autograd made a new tensor (the user set .grad to None)
+            elif grad.data_ptr() != view.data_ptr():
+                view.copy_(grad)  # autograd made a new tensor (the user set .grad to None)
             param.grad = view
         return self.flat_grad[bucket.range.as_slice()]
 
