@@ -78,10 +78,10 @@ class _Pipeline:
     def write_back(self, tile: list[tuple]) -> None:
         copies = []
         for part, bucket, start, end, _ in tile_runs(tile):
-            if getattr(part, "swap", None) is not None:
+            if part.swap is not None:
                 continue  # parameter shards swapped to NVMe: written back by the part, after the step
             master = part.master_shards.buckets[bucket][start:end]
-            shard = _param_shards(part)[bucket][start:end]
+            shard = part.param_shards()[bucket][start:end]
             self.parts[id(part)] = part
             if shard.data_ptr() != master.data_ptr():
                 copies.append((shard, master))

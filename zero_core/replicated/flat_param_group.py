@@ -26,6 +26,8 @@ class FlatParamGroup:
     """Flat parameter storage, gradient storage and fp32 master shards for one (group, dtype); a
     ``zero_core.contracts.Part``."""
 
+    swap = None  # parameter shards are never swapped to NVMe at stages 1-2 (a stage 3 unit's may be)
+
     def __init__(
         self,
         params: Sequence[nn.Parameter],
