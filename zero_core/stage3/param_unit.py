@@ -212,6 +212,7 @@ class ParamUnit:
                     param, slot = self.params[index], self.layout.slots[index]
                     grad = param.grad
                     start, end = slot.range.start - bucket.range.start, slot.range.end - bucket.range.start
+                    _write_rows(target, used - bucket.range.start, start, None)  # alignment gap (shard_alignment)
                     if grad is None:
                         _write_rows(target, start, end, None)
                         if param.requires_grad:
