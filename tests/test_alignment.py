@@ -5,7 +5,8 @@ On CUDA the default is 64; on the CPU it is 1, so these tests force it (64, and 
 - 2 ranks train like DDP (AdamW, fp32, gradient accumulation and clipping, <= 1e-5) at stages 1-3 aligned,
   with optimizer and parameter offload, and ZeRO++'s quantised gathers and reductions stay close to DDP;
 - checkpoints interchange: aligned -> packed and packed -> aligned, at the same and at another world size and
-  stage, and continue exactly as DDP resumed from its own state dicts.
+  stage, and continue exactly as DDP resumed from its own state dicts;
+- hpZ's secondary partition (2 simulated nodes of 2 ranks) gathers aligned units exactly.
 The estimator under alignment is checked against memory_stats() in test_estimator_plan.py.
 """
 
@@ -208,3 +209,27 @@ def test_aligned_engines_train_like_ddp_and_checkpoints_interchange(tmp_path):
     problems += [f"1 rank: {case} differs from DDP after loading by {d:.3g}"
                  for case, d in at_one[0].items() if not d <= TOLERANCE]
     assert not problems, "\n".join(problems)
+
+
+def _hpz(rank: int, world_size: int) -> dict:
+    def data(r, step, micro):
+        return make_batch("transformer", r, step, micro)
+
+    def build():
+        return build_model("transformer")
+
+    reference = train_ddp(build, data, STEPS)
+    out = {}
+    for alignment in (64, 3):
+        config = {**SMALL, **Z3, "zero_hpz_partition_size": 2, "shard_alignment": alignment}
+        result, engine = train_engine(build, data, config, STEPS)
+        out[alignment] = (max_difference(result.params, reference.params), _aligned(engine, alignment))
+        engine.close()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_hpz_secondary_partition_of_aligned_units_trains_like_ddp():
+    for rank, result in enumerate(run_distributed(_hpz, 4, nodes=2, timeout=240)):
+        for alignment, (diff, aligned) in result.items():
+            assert aligned and diff <= TOLERANCE, (rank, alignment, diff, aligned)
