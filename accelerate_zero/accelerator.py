@@ -17,6 +17,7 @@ from typing import Iterator, Optional
 import torch
 import torch.distributed as dist
 from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import (
     DynamoBackend,
@@ -31,8 +32,7 @@ from torch import nn
 from torch.distributed.algorithms.join import Join
 
 import zero_core
-from zero_core import ZeroConfigError
-from zero_core.optim.mixed_precision import cast_floating_inputs
+from zero_core import ZeroConfigError, cast_floating_inputs
 
 from . import hf_trainer, state_io, weights
 from .managed import ManagedModel
@@ -249,7 +249,7 @@ class ZeroAccelerator(Accelerator):
                 yield
 
     def _owner_of_optimizer(self, optimizer) -> Optional[ManagedModel]:
-        inner = getattr(optimizer, "optimizer", optimizer)  # an AcceleratedOptimizer wraps the engine's
+        inner = optimizer.optimizer if isinstance(optimizer, AcceleratedOptimizer) else optimizer  # wraps the engine's
         return next((m for m in self._managed if any(inner is o or optimizer is o for o in m.engine.optimizers)), None)
 
     def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
@@ -390,9 +390,7 @@ def _pair_models_with_optimizers(args: list, managed: list[ManagedModel]) -> lis
 def _built_in_place(model: nn.Module) -> bool:
     """Built under zero_core.Init (already partitioned where it belongs) or on the meta device (setup
     materialises it): moving it first would break either."""
-    from zero_core.stage3.partitioned_param import PartitionedParameter
-
-    return any(isinstance(p, PartitionedParameter) or p.is_meta for p in model.parameters())
+    return any(zero_core.is_partitioned(p) or p.is_meta for p in model.parameters())
 
 
 def _optimizer_params(optimizer: torch.optim.Optimizer) -> list:
@@ -407,8 +405,7 @@ def _after_backward(managed: ManagedModel, step_follows: bool) -> None:
     """Stage 1 with all-reduce: make param.grad the averaged gradient right after the synchronising backward
     before a step, as DDP leaves it. (With reduce-scatter each rank would hold only its own slice averaged, so
     gradients stay local until the step; stages 2 and 3 reduce inside backward anyway.)"""
-    cfg = managed.engine.config
-    if cfg.stage == 1 and not cfg.reduce_scatter and step_follows:
+    if managed.engine.averages_whole_grads and step_follows:
         managed.engine.reduce_gradients()  # a later backward re-arms it: averaged grads average again exactly
 
 

@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Union
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
+
+import zero_core
 
 from .state_io import ZERO_STATE_FILE, suffix
 
@@ -24,8 +25,6 @@ def export_accelerate_state(checkpoint: PathLike, out: PathLike) -> Path:
 
     Runs offline, in one process; the whole model and optimizer state are held in memory once.
     """
-    from zero_core.checkpoint import consolidate, read_optimizer_states
-
     source, out = Path(checkpoint), Path(out)
     info_file = source / ZERO_STATE_FILE
     if not info_file.is_file():
@@ -38,19 +37,11 @@ def export_accelerate_state(checkpoint: PathLike, out: PathLike) -> Path:
             shutil.copy2(item, out / item.name)
     for entry in json.loads(info_file.read_text())["models"]:
         sharded = source / entry["dir"]
-        _write_weights(sharded, out / f"model{suffix(entry['model_index'])}.safetensors", consolidate)
+        # tied weights once (safetensors refuses shared tensors), as Accelerate's own save_state writes them
+        tensors = zero_core.consolidated_state_dict(sharded, dtype="fp32", tied_weights=False)
+        save_file(tensors, str(out / f"model{suffix(entry['model_index'])}.safetensors"), metadata={"format": "pt"})
         indices = entry.get("optimizer_indices", [entry.get("optimizer_index")])  # older files: one optimizer
         if all(i is not None for i in indices):
-            for index, state in zip(indices, read_optimizer_states(sharded)):
+            for index, state in zip(indices, zero_core.read_optimizer_states(sharded)):
                 torch.save(state, out / f"optimizer{suffix(index)}.bin")
     return out
-
-
-def _write_weights(sharded: Path, target: Path, consolidate) -> None:
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".export-") as temp:
-        consolidated = Path(temp) / "model"
-        consolidate(sharded, consolidated, dtype="fp32", max_shard_size=2**62, progress=False)
-        tensors = {}
-        for shard in sorted(consolidated.glob("*.safetensors")):
-            tensors.update(load_file(str(shard)))
-        save_file(tensors, str(target), metadata={"format": "pt"})

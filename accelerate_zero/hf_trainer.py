@@ -111,7 +111,7 @@ def load_optimizer(trainer, managed, checkpoint: Optional[str]) -> None:
 def load_best(trainer, managed) -> None:
     """``load_best_model_at_end``: the best checkpoint's weights go into the engine (fp32 masters included, so
     the next ``save_model`` writes them), from its ``zero_model`` or else its ``model.safetensors``."""
-    from zero_core.checkpoint import load_checkpoint, load_full_state_dict
+    from zero_core import load_checkpoint, load_full_state_dict
 
     directory = Path(trainer.state.best_model_checkpoint)
     if (directory / "zero_model").is_dir():
@@ -130,6 +130,6 @@ def _model_file(directory: Path) -> Path:
 def _load_plain(engine, directory: Path) -> None:
     """A checkpoint written by plain DDP: its whole weights and whole optimizer state, each rank keeping its own
     ranges. A shard written by an earlier ZeRO Trainer (rank 0's only) is refused by the loader."""
-    from zero_core.checkpoint import load_full_state_dict
+    from zero_core import load_full_state_dict
 
     load_full_state_dict(engine, _model_file(directory), optimizer_state=directory / OPTIMIZER_NAME)

@@ -43,8 +43,9 @@ def _positions(accelerator) -> list[tuple[object, int, list[Optional[int]]]]:
 
 
 def save_engines(accelerator, directory) -> None:
-    """Every rank: one sharded checkpoint per ZeRO model, then rank 0 writes ``zero_state.json``."""
-    from zero_core.checkpoint import save_checkpoint
+    """Every rank: one sharded checkpoint per ZeRO model, then rank 0 writes ``zero_state.json`` (with
+    ``checkpoint.use_node_local_storage``: each machine's first process, into its own directory)."""
+    from zero_core import save_checkpoint
 
     directory = Path(directory)
     entries = []
@@ -53,14 +54,16 @@ def save_engines(accelerator, directory) -> None:
         save_checkpoint(managed.engine, directory / name)
         entries.append({"dir": name, "model_index": model_index, "optimizer_indices": opt_indices,
                         "stage": managed.engine.config.stage})
-    if accelerator.is_main_process:
+    # node-local checkpoints: every machine's directory is its own, so each machine's first process records it
+    node_local = any(m.engine.config.checkpoint.use_node_local_storage for m in accelerator._managed)
+    if accelerator.is_main_process or (node_local and accelerator.is_local_main_process):
         (directory / ZERO_STATE_FILE).write_text(json.dumps({"models": entries}, indent=2) + "\n")
     accelerator.wait_for_everyone()
 
 
 def load_engines(accelerator, directory) -> None:
     """Every rank: each ZeRO model from its sharded checkpoint, or from plain Accelerate files if there is none."""
-    from zero_core.checkpoint import load_checkpoint
+    from zero_core import load_checkpoint
 
     directory = Path(directory)
     for managed, model_index, opt_indices in _positions(accelerator):
@@ -76,7 +79,7 @@ def _load_accelerate_files(managed, directory: Path, model_index: int, opt_indic
     the loader) and each optimizer's full ``state_dict()``; each rank keeps its own ranges."""
     import torch
 
-    from zero_core.checkpoint import load_full_state_dict
+    from zero_core import load_full_state_dict
 
     model_file = _model_file(directory, model_index)
     optimizer_state = None
@@ -111,7 +114,7 @@ def latest_state(checkpoints_dir) -> Optional[Path]:
     last) is there and every ZeRO checkpoint it lists verifies. Others are skipped with a warning."""
     import warnings
 
-    from zero_core.checkpoint.latest import checkpoint_problem
+    from zero_core import checkpoint_problem
 
     directory = Path(checkpoints_dir)
     if not directory.is_dir():

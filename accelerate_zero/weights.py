@@ -12,7 +12,6 @@ import torch
 import torch.distributed as dist
 
 import zero_core
-from zero_core.checkpoint.full_state import state_dict_entries
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_INDEX_NAME = "model.safetensors.index.json"
@@ -21,26 +20,15 @@ SAFE_INDEX_NAME = "model.safetensors.index.json"
 def full_state_dict(engine: zero_core.ZeroEngine) -> dict[str, torch.Tensor]:
     """The model's whole state dict. Stages 1/2: on every rank (parameters are whole everywhere). Stage 3: on
     rank 0 as CPU copies, gathered one unit at a time; other ranks get ``{}``. A collective."""
-    module = engine.module
     if engine.config.stage < 3:
-        return module.state_dict()
-    leader = engine.topology.rank == 0
-    gathered = {}
-    for _, param in engine.iter_full_params():  # every rank walks it: each item is a collective gather
-        if leader:
-            gathered[id(param)] = param.detach().to("cpu", copy=True)
-    if not leader:
-        return {}
-    return {key: gathered[id(t)] if id(t) in gathered else t.detach().to("cpu", copy=True)
-            for key, t in state_dict_entries(module)}
+        return engine.module.state_dict()
+    return engine.full_state_dict(rank0_only=True, masters=False)  # the live (training dtype) values
 
 
 def save_model(engine: zero_core.ZeroEngine, save_directory: Union[str, os.PathLike], max_shard_size) -> None:
     """Write the live weights as safetensors into ``save_directory``, as ``Accelerator.save_model`` lays them
     out: ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` plus an index when larger than
     ``max_shard_size``. Streams through ``zero_core.checkpoint.save_16bit_model``; a collective."""
-    from zero_core.checkpoint import save_16bit_model
-
     if engine.config.stage == 3 and not engine.config.gather_16bit_weights_on_model_save:
         raise ValueError(
             "save_model at ZeRO stage 3 gathers the partitioned weights, which DeepSpeed's setting "
@@ -53,7 +41,7 @@ def save_model(engine: zero_core.ZeroEngine, save_directory: Union[str, os.PathL
     leader = engine.topology.rank == 0
     if leader:
         target.mkdir(parents=True, exist_ok=True)
-    save_16bit_model(engine, staging, max_shard_size=max_shard_size)
+    zero_core.save_16bit_model(engine, staging, max_shard_size=max_shard_size)
     if leader:
         _publish_weights(staging, target)
     _barrier(engine)

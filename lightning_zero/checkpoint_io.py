@@ -12,14 +12,14 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-import zero_core.checkpoint as zero_checkpoint
+import zero_core
+from zero_core import MANIFEST_FILE as MANIFEST
 
 ENGINE_KEYS = ("state_dict", "optimizer_states")
-MANIFEST = "manifest.json"
 
 
 def is_sharded_checkpoint(path: Path) -> bool:
-    return path.is_dir() and (path / MANIFEST).is_file()
+    return zero_core.is_checkpoint(path)
 
 
 def missing_checkpoint_error(path: Path) -> FileNotFoundError:
@@ -41,12 +41,12 @@ def client_state_of(checkpoint: dict) -> dict:
 
 def save_sharded(engine, checkpoint: dict, path: Path) -> None:
     """Every rank calls; the directory appears at ``path`` when complete."""
-    zero_checkpoint.save_checkpoint(engine, path, client_state=client_state_of(checkpoint))
+    zero_core.save_checkpoint(engine, path, client_state=client_state_of(checkpoint))
 
 
 def load_sharded(engine, path: Path, load_optimizer: bool, strict: bool) -> dict:
     """Weights (and optimizer state when ``load_optimizer``) into the engine; returns the Lightning rest."""
-    client_state = zero_checkpoint.load_checkpoint(engine, path, strict=strict, load_optimizer_states=load_optimizer)
+    client_state = zero_core.load_checkpoint(engine, path, strict=strict, load_optimizer_states=load_optimizer)
     if not isinstance(client_state, dict):
         raise RuntimeError(
             f"'{path}' is a ZeRO checkpoint without Lightning's state (it was not written by a Lightning "
@@ -63,7 +63,7 @@ def load_full(engine, checkpoint: dict, optimizer_count: Optional[int], strict: 
     if "state_dict" not in checkpoint:
         raise KeyError("the checkpoint has no 'state_dict': it is not a Lightning checkpoint")
     optimizer_state = _optimizer_states(checkpoint, optimizer_count)
-    zero_checkpoint.load_full_state_dict(engine, checkpoint["state_dict"], optimizer_state=optimizer_state,
+    zero_core.load_full_state_dict(engine, checkpoint["state_dict"], optimizer_state=optimizer_state,
                                          strict=strict)
     return client_state_of(checkpoint)
 

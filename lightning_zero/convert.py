@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
-import shutil
 from pathlib import Path
 from typing import Literal, Union
 
 import torch
-from safetensors.torch import load_file
 
-import zero_core.checkpoint as zero_checkpoint
-from zero_core.checkpoint import load_client_state
+import zero_core
 
 from .checkpoint_io import is_sharded_checkpoint, missing_checkpoint_error
 
@@ -39,32 +35,15 @@ def convert_to_single_file(checkpoint_dir: PathLike, output_file: PathLike,
     source, out = Path(checkpoint_dir), Path(output_file)
     if not is_sharded_checkpoint(source):
         raise missing_checkpoint_error(source)
-    checkpoint = dict(load_client_state(source) or {})
-    scratch = out.parent / f".{out.name}.convert-{secrets.token_hex(6)}"
-    scratch.mkdir(parents=True)
-    try:
-        checkpoint["state_dict"] = _model_state(source, scratch / "model", dtype)
-        if optimizer:
-            state = torch.load(zero_checkpoint.export_optimizer_state(source, scratch / "optimizer.pt"),
-                               weights_only=True)
-            checkpoint["optimizer_states"] = state if isinstance(state, list) else [state]  # one per optimizer
-        partial = scratch / "checkpoint.ckpt"
+    checkpoint = dict(zero_core.load_client_state(source) or {})
+    # tied weights repeated under each name, as state_dict() has them
+    checkpoint["state_dict"] = zero_core.consolidated_state_dict(source, dtype=dtype, tied_weights=True)
+    if optimizer:
+        checkpoint["optimizer_states"] = zero_core.read_optimizer_states(source)  # one per optimizer
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with zero_core.atomic_file(out) as partial:  # never a half-written file at ``out``
         torch.save(checkpoint, partial)
-        os.replace(partial, out)  # never a half-written file at ``out``
-    finally:
-        shutil.rmtree(scratch, ignore_errors=True)
     return out
-
-
-def _model_state(source: Path, scratch: Path, dtype: str) -> dict[str, torch.Tensor]:
-    """Consolidated weights and buffers, with tied weights repeated under each name as state_dict() has them."""
-    zero_checkpoint.consolidate(source, scratch, dtype=dtype, progress=False)
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(scratch.glob("*.safetensors")):
-        state.update(load_file(file))
-    for alias, canonical in zero_checkpoint.read_manifest(source).get("aliases", {}).items():
-        state[alias] = state[canonical]
-    return state
 
 
 def main(argv=None) -> None:

@@ -27,10 +27,10 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 import zero_core
-import zero_core.checkpoint as zero_checkpoint
 
 from . import checkpoint_io
 from .config import base_config, run_config
+from .optimizer import optimizer_index
 from .state_dict import StateDictType, checked_state_dict_type, module_state_dict
 from .placement import to_device_around_partitioned
 from .precision import ZeroFabricPrecision, as_zero_precision, clip_grad_value
@@ -149,7 +149,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0, error_if_nonfinite: bool = True):
         engine = self._require_engine()
-        norm = engine.clip_grad_norm_(float(max_norm), float(norm_type), optimizer=optimizer)
+        norm = engine.clip_grad_norm_(float(max_norm), float(norm_type), optimizer=optimizer_index(engine, optimizer))
         if error_if_nonfinite and engine.loss_scaler is None and not torch.isfinite(norm):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is non-finite ({norm.item()}); "
                                "pass error_if_nonfinite=False to clip anyway")
@@ -213,7 +213,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
             states = [checkpoint.pop(k, None) if k is not None else None for k in keys]
             if all(s is not None for s in states):
                 optimizer_state = states[0] if len(states) == 1 else states
-        zero_checkpoint.load_full_state_dict(engine, checkpoint.pop(model_key), optimizer_state, strict=strict)
+        zero_core.load_full_state_dict(engine, checkpoint.pop(model_key), optimizer_state, strict=strict)
         return checkpoint
 
     def _is_engine_object(self, value: Any) -> bool:

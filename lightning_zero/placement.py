@@ -12,12 +12,13 @@ from typing import Callable
 import torch
 from torch import nn
 
-from zero_core import registry
+import zero_core
 
 
 def is_partitioned(module: nn.Module) -> bool:
-    """Built under ``zero_core.Init`` (or already under an engine): some of its parameters are partitioned."""
-    return any(registry.owner_of(p) is not None for p in module.parameters())
+    """Built under ``zero_core.Init`` (or already under an engine): some of its parameters are held by the core
+    (partitioned, or views of an engine's flat buffers) and must not be moved."""
+    return any(zero_core.is_partitioned(p) or zero_core.engine_of(p) is not None for p in module.parameters())
 
 
 def apply_around_partitioned(module: nn.Module, fn: Callable[[nn.Module], object]) -> None:

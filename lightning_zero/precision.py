@@ -21,6 +21,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 from torch.utils._pytree import tree_map
 
 from .config import PRECISION_BLOCKS
+from .optimizer import optimizer_index
 
 PrecisionFlag = Literal["32-true", "bf16-mixed", "bf16-true", "16-mixed", "16-true"]
 DTYPES = {"32-true": torch.float32, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16,
@@ -87,6 +88,7 @@ class _ZeroPrecisionMixin:
 def clip_grad_value(engine, clip_val: float, optimizer=None) -> None:
     """Clamp every reduced gradient element (of ``optimizer``'s parameters, default all) to ±clip_val, as
     torch's clip_grad_value_ after DDP's all-reduce."""
+    optimizer = optimizer_index(engine, optimizer)
     engine.reduce_gradients(optimizer)
     limit = float(clip_val) * engine.loss_scale  # shards hold loss-scaled gradients under fp16
     for fragment in engine.fragments(optimizer):
@@ -130,7 +132,7 @@ class ZeroPrecision(_ZeroPrecisionMixin, Precision):
         if gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
             clip_grad_value(engine, clip_val, optimizer)
         else:
-            engine.clip_grad_norm_(clip_val, 2.0, optimizer=optimizer)
+            engine.clip_grad_norm_(clip_val, 2.0, optimizer=optimizer_index(engine, optimizer))
 
 
 class ZeroFabricPrecision(_ZeroPrecisionMixin, FabricPrecision):

@@ -10,7 +10,6 @@ docs/lightning.md is the user's guide.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import MutableMapping
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -29,91 +28,17 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 import zero_core
-import zero_core.checkpoint as zero_checkpoint
-from zero_core import registry
-from zero_core.optim.sharded_optimizer import ShardedOptimizer
 
 from . import checkpoint_io
 from .config import base_config, differing_fields, run_config
 from .offload_args import OFFLOAD_STRATEGIES, OffloadArg, apply_offload_args
 from .state_dict import checked_state_dict_type, module_state_dict
+from .optimizer import ZeroOptimizer
 from .placement import is_partitioned, to_device_around_partitioned
 from .precision import ZeroPrecision, as_zero_precision
 
 _warnings = WarningCache()
 SUPPORTED_ACCELERATORS = ("CPUAccelerator", "CUDAAccelerator")
-
-
-class ParamGroupView(MutableMapping):
-    """An optimizer group as Lightning sees it: the user's hyper-parameters (the engine's group dict itself,
-    so LR schedulers and monitors work as usual), but ``"params"`` are the model's parameters rather than this
-    rank's master shards, so ``toggle_optimizer`` freezes the right tensors."""
-
-    def __init__(self, group: dict, params: list) -> None:
-        self._group = group
-        self._params = params
-
-    def __getitem__(self, key):
-        return self._params if key == "params" else self._group[key]
-
-    def __setitem__(self, key, value) -> None:
-        if key == "params":
-            raise ValueError("the parameters of an optimizer group are fixed once the ZeRO engine is set up")
-        self._group[key] = value
-
-    def __delitem__(self, key) -> None:
-        del self._group[key]
-
-    def __iter__(self):
-        return iter(self._group)
-
-    def __len__(self) -> int:
-        return len(self._group)
-
-
-class ZeroOptimizer(ShardedOptimizer):
-    """Optimizer ``index`` of the engine as Lightning sees it; ``.optimizer`` is the user's (as with DeepSpeed).
-    ``step``/``zero_grad`` act on this optimizer's parameters only."""
-
-    def __init__(self, engine: zero_core.ZeroEngine, index: int = 0) -> None:
-        facade = engine.optimizers[index]
-        super().__init__(facade.inner, facade.step, facade.zero_grad, facade.add_param_group)
-        self.describe_shard = facade.describe_shard
-        self._engine = engine
-        self._index = index
-
-    @property
-    def optimizer(self) -> torch.optim.Optimizer:
-        return self.inner
-
-    @property
-    def param_groups(self) -> list:
-        params = [p for p, k in zip(self._engine.group_params, self._engine.group_optimizer) if k == self._index]
-        return [ParamGroupView(g, p) for g, p in zip(self.inner.param_groups, params)]
-
-    @param_groups.setter
-    def param_groups(self, groups: list) -> None:
-        """Lightning's BaseFinetuning restores, on resume, the groups it added before the checkpoint: groups
-        holding this optimizer's parameters take the given hyper-parameters, further ones are added."""
-        current = self.param_groups
-        for index, group in enumerate(groups):
-            if index >= len(current):
-                self.add_param_group(dict(group))
-                continue
-            if [id(p) for p in group["params"]] != [id(p) for p in current[index]["params"]]:
-                raise ValueError(
-                    f"optimizer param_groups[{index}] cannot change its parameters once the ZeRO engine is set up; "
-                    "add new parameters with add_param_group"
-                )
-            current[index].update({k: v for k, v in group.items() if k != "params"})
-        if len(groups) < len(current):
-            raise ValueError(f"optimizer groups cannot be removed once the ZeRO engine is set up ({len(current)} "
-                             f"groups, {len(groups)} given)")
-
-
-def engine_of(module: torch.nn.Module) -> Optional[zero_core.ZeroEngine]:
-    owner = next((registry.owner_of(p) for p in module.parameters()), None)
-    return owner if isinstance(owner, zero_core.ZeroEngine) else None
 
 
 class ZeroStrategy(DDPStrategy):
@@ -236,7 +161,7 @@ class ZeroStrategy(DDPStrategy):
         self.precision_plugin.device_type = self.root_device.type
         _evaluate_without_inference_mode(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
-        existing = engine_of(self.lightning_module)
+        existing = zero_core.engine_of(self.lightning_module)
         if existing is not None and fitting:
             self._refit(existing, trainer)
         elif existing is not None:
@@ -419,7 +344,7 @@ class ZeroStrategy(DDPStrategy):
                 for p in cb._find_last_checkpoints(trainer)}
         if trainer.state.fn != TrainerFn.FITTING or path not in last:
             return path
-        return zero_checkpoint.latest_checkpoint(path.parent) or path
+        return zero_core.latest_checkpoint(path.parent) or path
 
     def _read_file(self, path: Path, weights_only: Optional[bool]) -> dict[str, Any]:
         """A single-file checkpoint; with the default CheckpointIO it is memory-mapped, so each rank reads only
@@ -444,7 +369,7 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is None:
             raise RuntimeError("save_16bit_model needs the ZeRO engine: call it after (or during) fit")
         out = Path(self.broadcast(str(out_dir)))
-        return zero_checkpoint.save_16bit_model(self._engine, out, dtype=dtype, max_shard_size=max_shard_size)
+        return zero_core.save_16bit_model(self._engine, out, dtype=dtype, max_shard_size=max_shard_size)
 
     # -- end -----------------------------------------------------------------------------------------------
     def on_exception(self, exception: BaseException) -> None:

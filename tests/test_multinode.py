@@ -34,6 +34,9 @@ QUANTIZED = {
     "zero3_qwz": {**Z3, "zero_quantized_weights": True},
     "zeropp": {**Z3, "zero_hpz_partition_size": 2, "zero_quantized_weights": True,
                "zero_quantized_gradients": True},
+    # 8-bit codes (uint8) and their scales and minima through the two-hop gather
+    "zero3_hier_qwz": {**Z3, "mics_shard_size": 4, "mics_hierarchical_params_gather": True,
+                       "zero_quantized_weights": True},
 }
 
 
@@ -87,7 +90,10 @@ def _frozen(rank: int) -> dict:
     """``zero_quantized_nontrainable_weights``: frozen units' gathers are int8, trainable ones stay exact."""
     reference = train_ddp(_frozen_model, _data, STEPS)
     out = {"ddp_losses": reference.losses}
-    for name, extra in {"plain": {}, "quantized": {"zero_quantized_nontrainable_weights": True}}.items():
+    for name, extra in {"plain": {}, "quantized": {"zero_quantized_nontrainable_weights": True},
+                        # stored 8-bit frozen shards under hpZ: the backward gathers the in-node 16-bit copy
+                        "quantized_hpz": {"zero_quantized_nontrainable_weights": True,
+                                          "zero_hpz_partition_size": 2}}.items():
         result, engine = train_engine(_frozen_model, _data, {**Z3, **extra}, STEPS)
         out[name] = {"losses": result.losses, "diff": max((result.params[k] - reference.params[k]).abs().max().item()
                                                           for k in reference.params), **_one_step_stats(engine, rank)}
@@ -199,8 +205,11 @@ def test_quantized_nontrainable_weights_shrink_frozen_gathers_only(results):
         plain, quantized = (frozen[k]["comm"]["all_gather"] for k in ("plain", "quantized"))
         assert quantized["elements"] == plain["elements"] and quantized["bytes"] < plain["bytes"]
         assert frozen["quantized"]["diff"] > 0
-        gaps = [abs(a - b) / abs(b) for a, b in zip(frozen["quantized"]["losses"], frozen["ddp_losses"])]
-        assert max(gaps) < 0.02, gaps
+        for name in ("quantized", "quantized_hpz"):
+            gaps = [abs(a - b) / abs(b) for a, b in zip(frozen[name]["losses"], frozen["ddp_losses"])]
+            assert max(gaps) < 0.02, (name, gaps)
+        # the frozen shards are 8-bit in memory: fewer parameter bytes than the plain run
+        assert frozen["quantized"]["memory"]["params"] < frozen["plain"]["memory"]["params"]
 
 
 def test_group_sizes_that_do_not_divide_the_world_are_named(results):

@@ -33,10 +33,12 @@ def _clean_env() -> dict:
     return env
 
 
-def _run_nodes(commands: list, cwd: Path, env: dict) -> None:
-    """Start one launcher per node, wait for all (killing them after TIMEOUT_S), fail with the log of a bad one."""
-    nodes = [subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for command in commands]
+def _run_nodes(commands: list, cwd, env: dict) -> None:
+    """Start one launcher per node (in ``cwd``, or ``cwd[i]``), wait for all (killing them after TIMEOUT_S), fail
+    with the log of a bad one."""
+    cwds = cwd if isinstance(cwd, list) else [cwd] * len(commands)
+    nodes = [subprocess.Popen(command, cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True) for command, where in zip(commands, cwds)]
     try:
         logs = [node.communicate(timeout=TIMEOUT_S)[0] for node in nodes]
     finally:
@@ -80,3 +82,31 @@ def test_accelerate_launch_two_machines_on_localhost(tmp_path):
         diff = max(abs(a - b) for key in ddp for a, b in zip(report[name]["weights"][key], ddp[key]))
         assert diff <= 1e-5, (name, diff)
     assert report["mics"]["replicas"] == 2
+
+
+def test_accelerate_node_local_save_state_resumes_on_two_machines(tmp_path):
+    """``checkpoint.use_node_local_storage`` through ``save_state``/``load_state``: each machine (its own working
+    directory, the same relative path) holds its ranks' shards with its own manifest, and Accelerate's files
+    (``save_on_each_node``); resuming ends like the uninterrupted run."""
+    port = _free_port()
+    config = tmp_path / "accelerate.yaml"
+    config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: 'no'\n")
+    script = ROOT / "tests" / "accelerate_scripts" / "node_local_state.py"
+    machines = [tmp_path / f"machine{i}" for i in range(2)]
+    for directory in machines:
+        directory.mkdir()
+    env = {**_clean_env(), "ACCELERATE_USE_CPU": "true"}
+    _run_nodes([[sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                 "--num_machines", "2", "--machine_rank", str(i), "--num_processes", "4",
+                 "--main_process_ip", "127.0.0.1", "--main_process_port", str(port), str(script), str(tmp_path)]
+                for i in range(2)], machines, env)
+    weights = json.loads((tmp_path / "weights.json").read_text())
+    straight, resumed = weights["straight"], weights["resumed"]
+    diff = max(abs(a - b) for key in straight for a, b in zip(straight[key], resumed[key]))
+    assert diff <= 1e-6, diff
+    for machine in range(2):
+        report = json.loads((tmp_path / f"machine{machine}.json").read_text())
+        shards = [name for name in report["zero_files"] if name.startswith("shard-")]
+        assert shards == [f"shard-0000{r}-of-00004.safetensors" for r in (2 * machine, 2 * machine + 1)], report
+        assert (report["node_local"]["node"], report["node_local"]["nodes"]) == (machine, 2), report
+        assert "zero_state.json" in report["files"], report

@@ -19,7 +19,6 @@ from distributed import run_distributed
 from models import build_model, make_batch
 from reference import make_optimizer, make_sgd, train_ddp
 from zero_core.tools.estimator import estimate_stage, model_info
-from zero_core.offload.cpu_optimizer import _param_shards
 from zero_core.offload.estimate import HOST_GRAD_BYTES, MASTER_BYTES, placement_bytes
 from stage3_support import train_engine
 
@@ -105,7 +104,7 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         # fp32 parameter shards in host memory (this CPU run) are their own masters with device 'cpu'
         "masters_are_shards": all(m.untyped_storage().data_ptr() == s.untyped_storage().data_ptr()
                                   for part in engine.runtime.parts if getattr(part, "swap", None) is None
-                                  for m, s in zip(part.master_shards.buckets, _param_shards(part))),
+                                  for m, s in zip(part.master_shards.buckets, part.param_shards())),
         "units_in_file": sum(1 for u in getattr(engine.runtime, "units", []) if u.swap is not None),
         "units_in_host": sum(1 for u in getattr(engine.runtime, "units", []) if u.swap is None and u.shard.numel()),
         "swap_files": swap_files,

@@ -2,15 +2,26 @@
 
     engine = zero_core.setup(model, optimizer, config)
 
-See docs/core-api.md for the engine and docs/config.md for every configuration field.
+See docs/core-api.md for the engine and docs/config.md for every configuration field. ``__all__`` is the
+public surface: the front-ends (lightning_zero, accelerate_zero) import nothing else of the core
+(tests/test_public_surface.py checks it); docs/core-api.md, "The public surface", lists what it is for.
 """
 
 from zero_core.checkpoint import (
+    MANIFEST_FILE,
     CheckpointError,
+    atomic_directory,
+    atomic_file,
+    checkpoint_problem,
     consolidate,
+    consolidated_state_dict,
+    export_optimizer_state,
+    is_checkpoint,
     latest_checkpoint,
     load_checkpoint,
+    load_client_state,
     load_full_state_dict,
+    read_optimizer_states,
     save_16bit_model,
     save_checkpoint,
 )
@@ -29,6 +40,9 @@ from zero_core.fragments import Fragment
 from zero_core.stage3.init_context import Init
 from zero_core.layout import FlatLayout, Range, compute_layout
 from zero_core.stage3.leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
+from zero_core.optim.mixed_precision import cast_floating_inputs
+from zero_core.optim.sharded_optimizer import ShardedOptimizer
+from zero_core.registry import engine_of, is_partitioned
 
 __all__ = [
     "CheckpointError",
@@ -60,4 +74,18 @@ __all__ = [
     "safe_get_full_optimizer_state",
     "safe_set_full_fp32_param",
     "safe_set_full_optimizer_state",
+    # the surface the front-ends build on (docs/core-api.md, "The public surface")
+    "engine_of",
+    "is_partitioned",
+    "ShardedOptimizer",
+    "cast_floating_inputs",
+    "MANIFEST_FILE",
+    "is_checkpoint",
+    "checkpoint_problem",
+    "load_client_state",
+    "consolidated_state_dict",
+    "read_optimizer_states",
+    "export_optimizer_state",
+    "atomic_directory",
+    "atomic_file",
 ]

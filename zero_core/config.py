@@ -76,8 +76,9 @@ FIELD_STATUS = {
     "round_robin_gradients": NOT_YET,
     "zero_hpz_partition_size": HONOURED,
     "zero_quantized_weights": HONOURED,
-    "zero_quantized_nontrainable_weights": _mapped("frozen units' gathers are int8 on the wire; their shards stay "
-                                                   "16-bit in memory"),
+    "zero_quantized_nontrainable_weights": _mapped("frozen units keep 8-bit shards (codes, per-block scales and "
+                                                   "minima) in memory and gather them as such; persistent or "
+                                                   "offloaded frozen units stay 16-bit"),
     "zero_quantized_gradients": HONOURED,
     "mics_shard_size": HONOURED,
     "mics_hierarchical_params_gather": HONOURED,
@@ -374,7 +375,8 @@ class ZeroConfig(Block):
         False, doc="ZeRO++ qwZ: the forward all-gather sends int8 blockwise-quantised weights; fp32 masters stay exact.")
     zero_quantized_nontrainable_weights: bool = setting(
         False,
-        doc="ZeRO++: gathers of parameters without gradients (frozen, e.g. under LoRA) send int8 weights.")
+        doc="ZeRO++: parameters without gradients (frozen, e.g. under LoRA) keep their shards as 8-bit codes "
+        "with per-block scales in memory, gathered as such and dequantised.")
     zero_quantized_gradients: bool = setting(
         False, doc="ZeRO++ qgZ: gradients go through an all-to-all inside each node, then across nodes, int4 on the "
         "wire, summed in fp32.")

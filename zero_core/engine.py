@@ -253,7 +253,8 @@ class ZeroEngine:
         return self.optimizers[0]
 
     def optimizer_indices(self, optimizer: OptimizerRef = None) -> list[int]:
-        """Which optimizers ``optimizer`` means: None is all; else an index, a facade or the user's optimizer."""
+        """Which optimizers ``optimizer`` means: None is all; else an index, a facade or the user's optimizer.
+        Front-ends unwrap their own optimizer wrappers (or pass the index) before calling."""
         if optimizer is None:
             return list(range(len(self.optimizers)))
         if isinstance(optimizer, int):
@@ -261,12 +262,10 @@ class ZeroEngine:
                 raise IndexError(f"optimizer index {optimizer} is out of range: this engine has "
                                  f"{len(self.optimizers)} optimizers")
             return [optimizer]
-        for _ in range(4):  # unwrap facades: ours (.inner), Lightning's and Fabric's (.optimizer, ._optimizer)
-            for k, candidate in enumerate(self.inner_optimizers):
-                if optimizer is candidate or optimizer is self.optimizers[k]:
-                    return [k]
-            optimizer = next((getattr(optimizer, a) for a in ("inner", "optimizer", "_optimizer")
-                              if hasattr(optimizer, a)), optimizer)
+        inner = optimizer.inner if isinstance(optimizer, ShardedOptimizer) else optimizer  # a facade: its optimizer
+        for k, candidate in enumerate(self.inner_optimizers):
+            if inner is candidate:
+                return [k]
         raise ValueError(f"{type(optimizer).__name__} is not one of this engine's optimizers: pass one given to "
                          "zero_core.setup, its facade from engine.optimizers, or its index")
 
@@ -459,6 +458,12 @@ class ZeroEngine:
         return self.config.stage == 1 and not self.config.reduce_scatter
 
     @property
+    def averages_whole_grads(self) -> bool:
+        """Whether reducing leaves every rank ``param.grad`` = the averaged whole gradient, as DDP does (stage 1
+        with ``reduce_scatter: false``); otherwise each rank holds only its shard of the reduced gradients."""
+        return self._averages_whole_grads()
+
+    @property
     def step_zeroes_grads(self) -> bool:
         """Whether ``step()`` consumes the gradients (DeepSpeed's rule) or leaves them for ``zero_grad()``."""
         return not self._averages_whole_grads()
@@ -521,6 +526,10 @@ class ZeroEngine:
     def fragments_of(self, name: str) -> list[Fragment]:
         return [f for f in self.fragments() if f.name == name]
 
+    def restore_skipped_steps(self, count: int) -> None:
+        """A loaded checkpoint's count of fp16 steps skipped for overflow (zero_core.checkpoint)."""
+        self.skipped_steps = int(count)
+
     def name_of(self, param: torch.Tensor) -> str:
         return self._names[param]
 
@@ -551,16 +560,17 @@ class ZeroEngine:
         collected and at exit. The engine cannot train or save afterwards."""
         if self._offload is not None:
             self._offload.close()
-        swap = getattr(self.runtime, "param_swap", None)
-        if swap is not None:
-            swap.close()
+        if self.runtime.param_swap is not None:
+            self.runtime.param_swap.close()
 
-    def full_state_dict(self, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = True, masters: bool = True) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` of the trained model as DDP would give it (fp32 masters for trainable
-        parameters), as CPU tensors, on rank 0 (every rank unless ``rank0_only``). A collective; see
-        zero_core.checkpoint.full_state."""
-        from zero_core.checkpoint.full_state import full_state_dict
+        parameters), as CPU tensors, on rank 0 (every rank unless ``rank0_only``). ``masters=False``: the
+        model's own values instead (the training dtype). A collective; see zero_core.checkpoint.full_state."""
+        from zero_core.checkpoint.full_state import full_state_dict, live_state_dict
 
+        if not masters:
+            return live_state_dict(self, rank0_only=rank0_only)
         with self.offload_resident():
             return full_state_dict(self, rank0_only=rank0_only)
 
@@ -604,9 +614,7 @@ class ZeroEngine:
 
     def empty_partition_cache(self) -> None:
         """Release every gathered stage 3 parameter that is not in use (no-op for stages 1 and 2)."""
-        release = getattr(self.runtime, "release_all", None)
-        if release is not None:
-            release()
+        self.runtime.release_all()
 
     # -- checkpoints (zero_core.checkpoint; every rank calls these) -----------------------------------------
     def save_checkpoint(self, path, client_state: Optional[dict] = None):

@@ -63,7 +63,7 @@ class _ShadowStep(JoinHook):
         """One step of the ranks that still have data, with a zero gradient from this one."""
         runtime = self.engine.runtime
         self.engine.zero_grad()  # the shadow's zero gradients are reduced into clean shards
-        if hasattr(runtime, "trace"):
+        if self.engine.config.stage == 3:
             _shadow_stage3_pass(runtime)
         elif self.engine.config.stage == 2:
             _shadow_stage2_backward(runtime.reducer)

@@ -9,10 +9,13 @@
 docs/checkpoints.md is the user's guide; docs/checkpoint-format.md describes the files.
 """
 
-from zero_core.checkpoint.consolidate import consolidate, export_optimizer_state, read_optimizer_states
+from zero_core.checkpoint.consolidate import (
+    consolidate, consolidated_state_dict, export_optimizer_state, read_optimizer_states,
+)
 from zero_core.checkpoint.export16 import save_16bit_model
-from zero_core.checkpoint.format import CheckpointError, CheckpointMismatchError, read_manifest
-from zero_core.checkpoint.latest import checkpoint_problem, latest_checkpoint
+from zero_core.checkpoint.files import atomic_directory, atomic_file
+from zero_core.checkpoint.format import MANIFEST as MANIFEST_FILE, CheckpointError, CheckpointMismatchError, read_manifest
+from zero_core.checkpoint.latest import checkpoint_problem, is_checkpoint, latest_checkpoint
 from zero_core.checkpoint.load import load_checkpoint, load_full_state_dict
 from zero_core.checkpoint.node_local import gather as gather_node_dirs
 from zero_core.checkpoint.save import save_checkpoint
@@ -22,11 +25,16 @@ from zero_core.checkpoint.values import load_client_state
 __all__ = [
     "CheckpointError",
     "CheckpointMismatchError",
+    "MANIFEST_FILE",
+    "atomic_directory",
+    "atomic_file",
     "checkpoint_problem",
     "consolidate",
+    "consolidated_state_dict",
     "describe",
     "export_optimizer_state",
     "gather_node_dirs",
+    "is_checkpoint",
     "read_optimizer_states",
     "latest_checkpoint",
     "load_checkpoint",

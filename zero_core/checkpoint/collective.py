@@ -6,12 +6,15 @@ the next collective while another has given up. So each step that can fail on on
 
 from __future__ import annotations
 
+import contextlib
 import json
 import secrets
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Iterator, Optional
 
 import torch
 
+from zero_core.checkpoint.files import StagedDirectory
 from zero_core.checkpoint.format import CheckpointError, CheckpointMismatchError
 
 _ERRORS = {cls.__name__: cls for cls in (CheckpointError, CheckpointMismatchError, FileNotFoundError)}
@@ -76,3 +79,21 @@ def on_first_replica(engine, write, *args) -> None:
         with engine.comm.shard_group_only():
             write(*args)
     engine.comm.barrier_world()
+
+
+@contextlib.contextmanager
+def staged_together(engine, staged: StagedDirectory, leader: bool) -> Iterator[Path]:
+    """A :class:`StagedDirectory` that every rank writes into: the leader prepares it (agreed by all) and
+    removes it when anything fails; the leader publishes it, inside the block, once every rank has written."""
+    run_agreed(engine, _prepare_staged, staged, leader)
+    try:
+        yield staged.temp
+    except BaseException:
+        if leader:
+            staged.discard()
+        raise
+
+
+def _prepare_staged(staged: StagedDirectory, leader: bool) -> None:
+    if leader:
+        staged.prepare()

@@ -9,9 +9,6 @@ output shard (benchmarks/consolidation_memory.py measures it).
 from __future__ import annotations
 
 import math
-import os
-import secrets
-import shutil
 from pathlib import Path
 from typing import Literal, Union
 
@@ -20,7 +17,7 @@ from tqdm.auto import tqdm
 
 from zero_core.layout import Range
 
-from zero_core.checkpoint.files import check_replaceable, publish, remove_stale_temps, temp_sibling
+from zero_core.checkpoint.files import atomic_directory, atomic_file
 from zero_core.checkpoint.format import CheckpointError, PathLike, group_optimizers, optimizer_classes, read_manifest
 from zero_core.checkpoint.hf_shards import INDEX, ShardedWriter, parse_size
 from zero_core.checkpoint.node_local import require_whole
@@ -42,31 +39,60 @@ def consolidate(path: PathLike, out: PathLike, dtype: DtypeName = "fp32", max_sh
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path, out = Path(path), Path(out).absolute()
     max_bytes = parse_size(max_shard_size)
+    manifest = _checked_manifest(path, verify)
+    with atomic_directory(out, marker=INDEX) as temp:
+        _write_model(path, manifest, temp, DTYPES[dtype], max_bytes, progress, dtype)
+    return out
+
+
+def consolidated_state_dict(path: PathLike, dtype: DtypeName = "fp32", tied_weights: bool = True,
+                            verify: bool = True) -> dict[str, torch.Tensor]:
+    """The model of checkpoint ``path`` as one state dict of CPU tensors, held whole in memory (for a model
+    too large for that, :func:`consolidate` streams it to files). No process group needed.
+
+    Floating tensors are cast to ``dtype`` from the fp32 masters. ``tied_weights``: a tied weight appears under
+    each of its names, as ``module.state_dict()`` has it; False: once, under its first name (safetensors
+    refuses tensors that share memory)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    path = Path(path)
+    manifest = _checked_manifest(path, verify)
+    with ShardedSource(path, manifest) as source:
+        state = dict(_whole_tensors(source, _tensor_names(manifest), DTYPES[dtype], progress=False))
+    if tied_weights:
+        for alias, canonical in manifest["aliases"].items():
+            state[alias] = state[canonical]
+    return state
+
+
+def _checked_manifest(path: Path, verify: bool) -> dict:
     manifest = read_manifest(path)
     require_whole(manifest, path)
     verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
-    check_replaceable(out, marker=INDEX)
-    remove_stale_temps(out)
-    temp = temp_sibling(out, secrets.token_hex(8))
-    temp.mkdir(parents=True)
-    try:
-        _write_model(path, manifest, temp, DTYPES[dtype], max_bytes, progress, dtype)
-        publish(temp, out)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
-    return out
+    return manifest
+
+
+def _tensor_names(manifest: dict) -> list[str]:
+    return [p["name"] for p in manifest["parameters"]] + [r["name"] for r in manifest["replicated"]]
+
+
+def _whole_tensors(source: ShardedSource, names: list[str], dtype: torch.dtype, progress: bool):
+    """(name, whole tensor) one at a time, floating ones cast to ``dtype``."""
+    for name in tqdm(names, desc="consolidating", unit="tensor", disable=not progress):
+        tensor = source.read_whole(name)
+        if tensor.is_floating_point():
+            tensor = tensor.to(dtype)  # the fp32 copy goes now
+        yield name, tensor
+        del tensor  # before the next read: only the consumer (a shard writer) keeps it
 
 
 def _write_model(path: Path, manifest: dict, temp: Path, dtype: torch.dtype, max_bytes: int, progress: bool,
                  dtype_label: str) -> None:
-    names = [p["name"] for p in manifest["parameters"]] + [r["name"] for r in manifest["replicated"]]
+    names = _tensor_names(manifest)
     writer = ShardedWriter(temp, max_bytes)
     with ShardedSource(path, manifest) as source:
-        for name in tqdm(names, desc="consolidating", unit="tensor", disable=not progress):
-            tensor = source.read_whole(name)
-            writer.add(name, tensor.to(dtype) if tensor.is_floating_point() else tensor)
-            del tensor  # the fp32 copy goes now; only the converted one waits in the writer
+        for name, tensor in _whole_tensors(source, names, dtype, progress):
+            writer.add(name, tensor)
     index = writer.finish({"dtype": dtype_label, "tied_weights": manifest["aliases"],
                            "source_checkpoint": str(path.absolute())})
     if sorted(index["weight_map"]) != sorted(names):
@@ -84,18 +110,15 @@ def export_optimizer_state(path: PathLike, out: PathLike, verify: bool = True) -
     states = read_optimizer_states(path, verify=verify)
     state_dict = states[0] if len(states) == 1 else states
     out = Path(out)
-    partial = out.with_name(f".{out.name}.tmp-{secrets.token_hex(8)}")
-    torch.save(state_dict, partial)
-    os.replace(partial, out)  # never a half-written file at ``out``
+    with atomic_file(out) as partial:
+        torch.save(state_dict, partial)
     return out
 
 
 def read_optimizer_states(path: PathLike, verify: bool = True) -> list[dict]:
     """The checkpoint's optimizer state as plain ``optimizer.state_dict()`` dicts, one per optimizer."""
     path = Path(path)
-    manifest = read_manifest(path)
-    require_whole(manifest, path)
-    verify_files(path, manifest, sorted(manifest["files"]), checksum=verify)
+    manifest = _checked_manifest(path, verify)
     with ShardedSource(path, manifest) as source:
         return plain_optimizer_states(source, manifest)
 

@@ -7,22 +7,22 @@ moment only); rank 0 keeps one output shard at a time. No rank ever holds the wh
 
 from __future__ import annotations
 
-import shutil
 import warnings
 from pathlib import Path
 from typing import Optional, Union
 
 import torch
 
-from zero_core.checkpoint.collective import on_first_replica, run_agreed, shared_token
+from zero_core.contracts import CheckpointedEngine
+from zero_core.checkpoint.collective import on_first_replica, run_agreed, shared_token, staged_together
 from zero_core.checkpoint.consolidate import DTYPES, DtypeName
-from zero_core.checkpoint.files import check_replaceable, publish, remove_stale_temps, temp_sibling
+from zero_core.checkpoint.files import StagedDirectory
 from zero_core.checkpoint.format import PathLike
 from zero_core.checkpoint.hf_shards import INDEX, ShardedWriter, parse_size
 from zero_core.checkpoint.model_info import non_persistent_buffers, tied_aliases
 
 
-def save_16bit_model(engine, out_dir: PathLike, dtype: Optional[DtypeName] = None,
+def save_16bit_model(engine: CheckpointedEngine, out_dir: PathLike, dtype: Optional[DtypeName] = None,
                      max_shard_size: Union[int, str] = "5GB", exclude_frozen_parameters: bool = False) -> bool:
     """Save the model's weights to ``out_dir`` (sharded safetensors + index). A collective; returns whether saved.
 
@@ -43,23 +43,11 @@ def save_16bit_model(engine, out_dir: PathLike, dtype: Optional[DtypeName] = Non
 
 def _save(engine, out: Path, dtype, max_shard_size, exclude_frozen_parameters: bool) -> None:
     leader = engine.topology.rank == 0
-    temp = temp_sibling(out, shared_token(engine))
-    run_agreed(engine, _prepare, out, temp, leader)
-    writer = ShardedWriter(temp, parse_size(max_shard_size)) if leader else None
-    try:
+    staged = StagedDirectory(out, shared_token(engine), marker=INDEX)
+    with staged_together(engine, staged, leader) as temp:
+        writer = ShardedWriter(temp, parse_size(max_shard_size)) if leader else None
         run_agreed(engine, _stream, engine, writer, DTYPES.get(dtype), exclude_frozen_parameters)
-        run_agreed(engine, _finish, engine, writer, temp, out, dtype)
-    except BaseException:
-        if leader:
-            shutil.rmtree(temp, ignore_errors=True)
-        raise
-
-
-def _prepare(out: Path, temp: Path, leader: bool) -> None:
-    if leader:
-        check_replaceable(out, marker=INDEX)
-        remove_stale_temps(out)
-        temp.mkdir(parents=True)
+        run_agreed(engine, _finish, engine, writer, staged, dtype)
 
 
 def _stream(engine, writer: Optional[ShardedWriter], dtype: Optional[torch.dtype], exclude_frozen: bool) -> None:
@@ -89,7 +77,7 @@ def _converted(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tens
     return tensor.detach().to(device="cpu", dtype=target, copy=True)
 
 
-def _finish(engine, writer: Optional[ShardedWriter], temp: Path, out: Path, dtype: Optional[str]) -> None:
+def _finish(engine, writer: Optional[ShardedWriter], staged: StagedDirectory, dtype: Optional[str]) -> None:
     if writer is not None:
         writer.finish({"dtype": dtype or "as trained", "tied_weights": tied_aliases(engine.module)})
-        publish(temp, out)
+        staged.publish()

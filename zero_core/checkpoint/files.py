@@ -7,14 +7,16 @@ which would force a copy of this rank's whole state, and it cannot hash while wr
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
 import os
+import secrets
 import shutil
 import zlib
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence, Union
 
 import torch
 
@@ -96,6 +98,60 @@ def remove_stale_temps(path: Path) -> None:
     """Delete what interrupted saves to ``path`` left behind (they can never become valid)."""
     for stale in path.parent.glob(f".{path.name}.tmp-*"):
         shutil.rmtree(stale, ignore_errors=True)
+
+
+class StagedDirectory:
+    """A directory written in a hidden sibling (``temp``) and made visible at ``path`` only when complete.
+
+    The one way this library publishes a directory (checkpoints, consolidations, 16-bit exports, node-local
+    joins). Several ranks may write into ``temp``; one of them calls :meth:`prepare` first and :meth:`publish`
+    once all are done, or :meth:`discard` on an error. One process: :func:`atomic_directory`.
+    """
+
+    def __init__(self, path: Path, token: str, marker: str = MANIFEST):
+        self.path = Path(path)
+        self.temp = temp_sibling(self.path, token)
+        self.marker = marker  # a file that marks an earlier output of this library, which may be replaced
+
+    def prepare(self) -> None:
+        check_replaceable(self.path, self.marker)
+        remove_stale_temps(self.path)
+        self.temp.mkdir(parents=True)
+
+    def publish(self) -> None:
+        publish(self.temp, self.path)
+
+    def discard(self) -> None:
+        shutil.rmtree(self.temp, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def atomic_directory(path: Union[str, "os.PathLike[str]"], marker: str = MANIFEST,
+                     token: Optional[str] = None) -> Iterator[Path]:
+    """``with atomic_directory(out) as temp:`` write the files into ``temp``; on leaving the block they appear
+    at ``out`` all at once (replacing an earlier output that holds ``marker``), and on an error nothing at
+    ``out`` changes. One process; see :class:`StagedDirectory` for several."""
+    staged = StagedDirectory(Path(path).absolute(), token or secrets.token_hex(8), marker)
+    staged.prepare()
+    try:
+        yield staged.temp
+        staged.publish()
+    except BaseException:
+        staged.discard()
+        raise
+
+
+@contextlib.contextmanager
+def atomic_file(path: Union[str, "os.PathLike[str]"]) -> Iterator[Path]:
+    """``with atomic_file(out) as partial: torch.save(obj, partial)``: ``out`` is replaced by the complete file
+    only, never left half-written."""
+    path = Path(path)
+    partial = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
+    try:
+        yield partial
+        os.replace(partial, path)
+    finally:
+        partial.unlink(missing_ok=True)
 
 
 def publish(temp: Path, path: Path) -> None:

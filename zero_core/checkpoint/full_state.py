@@ -16,6 +16,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from zero_core.contracts import CheckpointedEngine
+
 
 def state_dict_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor) in exactly ``module.state_dict()``'s order, without reading any value (partitioned
@@ -31,7 +33,7 @@ def state_dict_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[st
             yield from state_dict_entries(child, f"{prefix}{name}.")
 
 
-def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     """The whole model state as CPU tensors; ``{}`` on ranks other than 0 when ``rank0_only``. A collective:
     every rank of the engine calls it, at the same point."""
     keep = not rank0_only or engine.topology.rank == 0
@@ -50,6 +52,21 @@ def full_state_dict(engine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
     if not keep:
         return {}
     return {key: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
+            for key, t in state_dict_entries(engine.module)}
+
+
+def live_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+    """The model's own values (the training dtype, not the fp32 masters) as CPU tensors, in
+    ``module.state_dict()``'s order; ``{}`` on ranks other than 0 when ``rank0_only``. A collective at stage 3,
+    where each unit is gathered in turn."""
+    keep = not rank0_only or engine.topology.rank == 0
+    gathered = {}
+    for _, param in engine.iter_full_params():  # every rank walks it: each item is a collective gather
+        if keep:
+            gathered[id(param)] = param.detach().to("cpu", copy=True)
+    if not keep:
+        return {}
+    return {key: gathered[id(t)] if id(t) in gathered else t.detach().to("cpu", copy=True)
             for key, t in state_dict_entries(engine.module)}
 
 

@@ -26,8 +26,7 @@ def latest_checkpoint(directory: PathLike, verify: str = "checksum") -> Optional
     if leftovers:
         warnings.warn(f"skipping what interrupted saves left in '{directory}' (never complete checkpoints): "
                       f"{', '.join(leftovers)}", stacklevel=2)
-    candidates = [p for p in directory.iterdir()
-                  if p.is_dir() and not p.name.startswith(".") and (p / MANIFEST).is_file()]
+    candidates = [p for p in directory.iterdir() if not p.name.startswith(".") and is_checkpoint(p)]
     candidates.sort(key=lambda p: ((p / MANIFEST).stat().st_mtime_ns, p.name), reverse=True)
     for candidate in candidates:
         problem = checkpoint_problem(candidate, verify)
@@ -35,6 +34,13 @@ def latest_checkpoint(directory: PathLike, verify: str = "checksum") -> Optional
             return candidate
         warnings.warn(f"skipping damaged checkpoint '{candidate}': {problem}", stacklevel=2)
     return None
+
+
+def is_checkpoint(path: PathLike) -> bool:
+    """Whether ``path`` is a checkpoint directory: it holds the manifest (``MANIFEST``, written last by a
+    save). Cheap; :func:`checkpoint_problem` checks the files too."""
+    path = Path(path)
+    return path.is_dir() and (path / MANIFEST).is_file()
 
 
 def checkpoint_problem(path: PathLike, verify: str = "checksum") -> Optional[str]:

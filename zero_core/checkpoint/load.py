@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
+from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import agree, gather_json, run_agreed
 from zero_core.checkpoint.format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
 from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases, trainable_shapes
@@ -25,7 +26,7 @@ from zero_core.checkpoint.verify import verify_files
 Verify = Literal["checksum", "size"]
 
 
-def load_checkpoint(engine, path: PathLike, strict: bool = True, load_optimizer_states: bool = True,
+def load_checkpoint(engine: CheckpointedEngine, path: PathLike, strict: bool = True, load_optimizer_states: bool = True,
                     verify: Verify = "checksum") -> Any:
     """Load a checkpoint written by :func:`save_checkpoint` (any world size, any stage) into ``engine``.
 
@@ -55,7 +56,7 @@ def load_checkpoint(engine, path: PathLike, strict: bool = True, load_optimizer_
     return None
 
 
-def load_full_state_dict(engine, model_state: Union[dict, PathLike],
+def load_full_state_dict(engine: CheckpointedEngine, model_state: Union[dict, PathLike],
                          optimizer_state: Optional[Union[dict, list, PathLike]] = None, strict: bool = True) -> None:
     """Load a plain model state dict (DDP or one process) and optionally a plain ``optimizer.state_dict()``.
 
@@ -225,6 +226,6 @@ def _load_hyperparameters(groups: list[dict], saved: list[dict], strict: bool) -
 
 
 def _load_scaler(engine, manifest: dict) -> None:
-    engine.skipped_steps = int(manifest.get("skipped_steps", 0))
+    engine.restore_skipped_steps(int(manifest.get("skipped_steps", 0)))
     if engine.loss_scaler is not None and manifest.get("loss_scaler"):
         engine.loss_scaler.load_state_dict(manifest["loss_scaler"])

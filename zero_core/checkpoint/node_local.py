@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Sequence
 
 from zero_core.checkpoint.collective import gather_json
-from zero_core.checkpoint.files import check_replaceable, publish, remove_stale_temps, temp_sibling
+from zero_core.checkpoint.files import atomic_directory
 from zero_core.checkpoint.format import MANIFEST, CheckpointError, PathLike, read_manifest, write_json
 from zero_core.checkpoint.verify import verify_files
 
@@ -117,19 +117,11 @@ def gather(node_dirs: Sequence[PathLike], out: PathLike, verify: bool = True) ->
     _check_complete(first, files)
     merged = {k: v for k, v in first.items() if k != NODE_LOCAL}
     merged["files"] = {name: entry for name, (_, entry) in sorted(files.items())}
-    check_replaceable(out)
-    remove_stale_temps(out)
-    temp = temp_sibling(out, first[NODE_LOCAL]["save_id"])
-    temp.mkdir(parents=True)
-    try:
+    with atomic_directory(out, token=first[NODE_LOCAL]["save_id"]) as temp:
         for name, (directory, _) in files.items():
             shutil.copyfile(directory / name, temp / name)
         verify_files(temp, merged, sorted(merged["files"]), checksum=False)  # the copies are whole
         write_json(temp / MANIFEST, merged)
-        publish(temp, out)
-    except BaseException:
-        shutil.rmtree(temp, ignore_errors=True)
-        raise
     return out
 
 

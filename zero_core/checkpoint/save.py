@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import platform
-import shutil
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -24,8 +23,9 @@ from typing import Any, Optional
 
 import torch
 
-from zero_core.checkpoint.collective import gather_json, on_first_replica, run_agreed, shared_token
-from zero_core.checkpoint.files import check_replaceable, publish, remove_stale_temps, temp_sibling, write_safetensors
+from zero_core.contracts import CheckpointedEngine
+from zero_core.checkpoint.collective import gather_json, on_first_replica, run_agreed, shared_token, staged_together
+from zero_core.checkpoint.files import StagedDirectory, publish, write_safetensors
 from zero_core.checkpoint.format import (
     FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
     tensor_key, write_json,
@@ -35,7 +35,7 @@ from zero_core.checkpoint.node_local import NODE_LOCAL, check_not_shared, leave_
 from zero_core.checkpoint.values import encode_hyperparameters, encode_value, save_client_state
 
 
-def save_checkpoint(engine, path: PathLike, client_state: Optional[Any] = None) -> Path:
+def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Optional[Any] = None) -> Path:
     """Save ``engine``'s model and optimizer state as a sharded checkpoint directory at ``path``. A collective.
 
     ``client_state`` (rank 0's is kept: loop counters, scheduler and RNG state...) is saved beside it and
@@ -57,28 +57,16 @@ def _save(engine, path: Path, client_state: Optional[Any]) -> None:
     place = node_place(engine) if engine.config.checkpoint.use_node_local_storage else None
     leader = rank == (place.first if place else 0)
     token = shared_token(engine)
-    temp = temp_sibling(path, token)
+    staged = StagedDirectory(path, token)
     if place is not None:
         run_agreed(engine, leave_probe, path, token, place, leader)
         run_agreed(engine, check_not_shared, path, token, place, leader)
-    run_agreed(engine, _prepare, path, temp, leader)
-    replicated = persistent_replicated_state(engine)  # on every rank: a collective in stage 3
-    try:
+    with staged_together(engine, staged, leader) as temp:
+        replicated = persistent_replicated_state(engine)  # on every rank: a collective in stage 3
         report = run_agreed(engine, _write_rank, engine, temp, client_state, replicated if leader else None)
         reports = gather_json(engine, report)
         node = None if place is None else {"place": place, "save_id": token}
-        run_agreed(engine, _finish, engine, reports, temp, path, leader, node)
-    except BaseException:
-        if leader:
-            shutil.rmtree(temp, ignore_errors=True)
-        raise
-
-
-def _prepare(path: Path, temp: Path, leader: bool) -> None:
-    if leader:
-        check_replaceable(path)
-        remove_stale_temps(path)
-        temp.mkdir(parents=True)
+        run_agreed(engine, _finish, engine, reports, staged, leader, node)
 
 
 def _write_rank(engine, temp: Path, client_state: Any, replicated: Optional[dict]) -> dict:
@@ -145,7 +133,7 @@ def _write_replicated(state: dict, temp: Path) -> tuple[list, dict]:
     return described, _file_entry(info)
 
 
-def _finish(engine, reports: list, temp: Path, path: Path, leader: bool, node: Optional[dict]) -> None:
+def _finish(engine, reports: list, staged: StagedDirectory, leader: bool, node: Optional[dict]) -> None:
     if not leader:
         return
     if node is None:
@@ -154,8 +142,8 @@ def _finish(engine, reports: list, temp: Path, path: Path, leader: bool, node: O
         place = node["place"]
         manifest = build_manifest(engine, reports, here=place.ranks)
         manifest[NODE_LOCAL] = {"node": place.node, "nodes": place.nodes, "save_id": node["save_id"]}
-    write_json(temp / MANIFEST, manifest)
-    publish(temp, path)
+    write_json(staged.temp / MANIFEST, manifest)
+    publish(staged.temp, staged.path)  # the moment the checkpoint appears (tests/test_checkpoint_crash.py kills here)
 
 
 def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from zero_core.contracts import CheckpointedEngine
+
 SHARD_KEY = "zero_shard"
 FORMAT = "zero_core.optimizer_shard/1"
 
@@ -26,7 +28,7 @@ _PORTABLE_FIX = (
 )
 
 
-def describe(engine, index: int) -> dict[str, Any]:
+def describe(engine: CheckpointedEngine, index: int) -> dict[str, Any]:
     """The identity of optimizer ``index``'s shard on this rank: topology, and for each of its parameter groups
     each master shard's size and the parameter pieces it holds (name, shape, element range)."""
     pieces: dict[int, list] = {}

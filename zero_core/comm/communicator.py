@@ -201,6 +201,16 @@ class Communicator:
         self.count_link("all_gather", group, input.numel() * input.element_size())
         return self._issue(call, async_op, lambda a: _all_gather(output, input, group=group, async_op=a))
 
+    def all_gather_packed(
+        self, output: torch.Tensor, packed: "comm_paths.Quantized", numel: int, async_op: bool = False,
+        label: str = "", phase: Optional[str] = None, key: Optional[object] = None,
+    ) -> Optional[dist.Work]:
+        """:meth:`all_gather` of a shard stored quantised (``zero_quantized_nontrainable_weights``): its codes go
+        on the wire as they are and every rank's are dequantised into ``output``, in every phase."""
+        if phase == "backward" and self.paths.has_secondary(key):
+            return self.paths.gather_secondary(output, key, label, async_op)
+        return self.paths.gather_packed(output, packed, numel, label, async_op, phase, key)
+
     def plain_gather(self, phase: Optional[str], frozen: bool = False) -> bool:
         """Whether a stage-3 parameter gather in ``phase`` is one plain all-gather over the shard group (no ZeRO++
         path): only those may be coalesced across units (param_unit.gather_together)."""

@@ -82,22 +82,34 @@ class Paths:
 
     def gather(self, output: torch.Tensor, input: torch.Tensor, label: str, async_op: bool, quantized: bool,
                phase: Optional[str], key):
-        """All-gather, int8-quantised when ``quantized`` (dequantised into ``output``), flat or hierarchical."""
-        world, numel = self.topology.world_size, input.numel()
+        """All-gather, 8-bit-quantised when ``quantized`` (dequantised into ``output``), flat or hierarchical."""
         if quantized:
-            packed = self._timed(_quantize.quantize, input.reshape(1, -1), 8)
-            call = self.comm._count("all_gather", output, label, wire_bytes=wire_bytes(world, numel, 8))
-            codes = torch.empty(world, packed.codes.shape[1], dtype=packed.codes.dtype, device=input.device)
-            scales = torch.empty(world, packed.scales.shape[1], dtype=packed.scales.dtype, device=input.device)
-            self._route(codes, packed.codes.reshape(-1), call)
-            self._route(scales, packed.scales.reshape(-1), call)
-            output.view(world, numel).copy_(self._timed(_quantize.dequantize, Quantized(codes, scales), 8, numel))
-        else:
-            call = self.comm._count("all_gather", output, label)
-            self._route(output, input, call)
+            packed = self._timed(_quantize.quantize, input.reshape(1, -1), 8, _quantize.BLOCK, None, True)
+            return self.gather_packed(output, packed, input.numel(), label, async_op, phase, key)
+        call = self.comm._count("all_gather", output, label)
+        self._route(output, input, call)
+        self._after_gather(output, phase, key)
+        return DONE if async_op else None
+
+    def gather_packed(self, output: torch.Tensor, packed: Quantized, numel: int, label: str, async_op: bool,
+                      phase: Optional[str], key):
+        """All-gather this rank's ``numel`` elements already quantised (asymmetric 8 bits, one row: qwZ's wire
+        format, or a frozen unit's stored shard) and dequantise every rank's into ``output``."""
+        world = self.topology.world_size
+        call = self.comm._count("all_gather", output, label, wire_bytes=wire_bytes(world, numel, 8, asymmetric=True))
+        codes = torch.empty(world, packed.codes.shape[1], dtype=packed.codes.dtype, device=output.device)
+        # each block's scale and minimum travel together: one fp32 gather
+        ranges = torch.empty(world, 2 * packed.scales.shape[1], dtype=torch.float32, device=output.device)
+        self._route(codes, packed.codes.reshape(-1).to(output.device), call)
+        self._route(ranges, torch.cat((packed.scales, packed.offsets), dim=1).reshape(-1).to(output.device), call)
+        scales, offsets = ranges.chunk(2, dim=1)
+        output.view(world, numel).copy_(self._timed(_quantize.dequantize, Quantized(codes, scales, offsets), 8, numel))
+        self._after_gather(output, phase, key)
+        return DONE if async_op else None
+
+    def _after_gather(self, output: torch.Tensor, phase: Optional[str], key) -> None:
         if phase == "forward" and self.keeps_secondary(key):
             self._keep_secondary(output, key)
-        return DONE if async_op else None
 
     def _route(self, output: torch.Tensor, input: torch.Tensor, call) -> None:
         """Gather over the shard group: in one hop, or across nodes first and then inside each node."""

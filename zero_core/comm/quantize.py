@@ -1,19 +1,26 @@
-"""Blockwise symmetric quantisation for ZeRO++'s wire formats, in plain torch ops (no compiled kernel).
+"""Blockwise quantisation for ZeRO++'s wire formats, in plain torch ops (no compiled kernel).
 
 Each row of a 2-D tensor is cut into blocks of ``block`` elements (fewer for a shorter row; the last block is
-zero-padded); a block keeps one
-fp32 scale (its largest magnitude over the largest code) and one signed integer code per element:
-- int8 (qwZ, weights in the forward all-gather): codes in [-127, 127], one byte each;
-- int4 (qgZ, gradients through the all-to-all): codes in [-7, 7], two per byte (low nibble first).
-Dequantising gives values within half a step (scale / 2) of the originals; all-zero blocks stay exact. With a
-``generator``, codes are rounded stochastically instead (within one step, unbiased: the expected value is the
-original). qgZ rounds to nearest: with Adam, stochastic rounding's extra variance cost more loss than its
-bias removal gained (+6% against +1.6% after 200 steps in benchmarks/nodes.py).
+padded); a block keeps one fp32 scale and one integer code per element:
+- int4, symmetric (qgZ, gradients through the all-to-all): scale = the block's largest magnitude / 7, codes in
+  [-7, 7], two per byte (low nibble first); padding is zeros.
+- 8 bits, asymmetric (qwZ, weights): the block's minimum is kept too (``offsets``, fp32), scale = (max - min) /
+  255 and codes in [0, 255] (uint8); padding repeats the row's last element, so it never widens a range.
+  Asymmetric because weights are not all centred on zero: a LayerNorm gain sits near 1 within a few percent,
+  where a symmetric grid (steps of max/127) lands between 16-bit values and rounds a whole block the same way,
+  a systematic change of that layer's scale (+1.6% loss after 200 steps in benchmarks/nodes.py, from the final
+  norm alone); its min..max grid resolves such a block finely, and costs a centred one nothing.
+  ``asymmetric=False`` gives the symmetric int8 form (codes in [-127, 127]).
+Dequantising gives values within half a step (scale / 2) of the originals; constant blocks (all zeros, a fresh
+LayerNorm's ones) stay exact. With a ``generator``, codes are rounded stochastically instead (within one step,
+unbiased: the expected value is the original). qgZ rounds to nearest: with Adam, stochastic rounding's extra
+variance cost more loss than its bias removal gained (+6% against +1.6% after 200 steps in benchmarks/nodes.py;
+single runs, and qgZ's 200-step loss moves by about ±1.7% with where its blocks fall: docs/multinode.md).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -23,8 +30,9 @@ _LEVELS = {8: 127, 4: 7}
 
 
 class Quantized(NamedTuple):
-    codes: torch.Tensor  # (rows, bytes per row), int8 for 8 bits, uint8 (packed pairs) for 4 bits
+    codes: torch.Tensor  # (rows, bytes per row): int8 (symmetric 8 bits), uint8 (asymmetric 8 bits, 4-bit pairs)
     scales: torch.Tensor  # (rows, blocks per row), fp32
+    offsets: Optional[torch.Tensor] = None  # (rows, blocks per row), fp32: each block's minimum (asymmetric)
 
 
 def block_size(numel: int, block: int = BLOCK) -> int:
@@ -37,19 +45,31 @@ def blocks_per_row(numel: int, block: int = BLOCK) -> int:
 
 
 def quantize(rows: torch.Tensor, bits: int, block: int = BLOCK,
-             generator: "torch.Generator | None" = None) -> Quantized:
+             generator: "torch.Generator | None" = None, asymmetric: bool = False) -> Quantized:
     """Quantise every row of ``rows`` (2-D, floating) to ``bits`` (8 or 4) in blocks of ``block`` elements;
-    rounding to nearest, or stochastically with ``generator``."""
+    rounding to nearest, or stochastically with ``generator``; ``asymmetric`` (8 bits only): min..max codes."""
     if bits not in _LEVELS:
         raise ValueError(f"quantize: bits must be 8 or 4, got {bits}")
+    if asymmetric and bits != 8:
+        raise ValueError(f"quantize: asymmetric codes are 8-bit only, got bits={bits}")
     count, numel = rows.shape
     block = block_size(numel, block)
     nblocks = blocks_per_row(numel, block)
     padded = torch.zeros(count, nblocks * block, dtype=torch.float32, device=rows.device)
     padded[:, :numel] = rows
+    if asymmetric and numel < nblocks * block:
+        padded[:, numel:] = padded[:, numel - 1 : numel]  # the last block's own value: its range stays
     padded = padded.view(count, nblocks, block)
-    levels = _LEVELS[bits]
-    scales = padded.abs().amax(dim=2) / levels
+    offsets = None
+    if asymmetric:
+        offsets = padded.amin(dim=2)
+        scales = (padded.amax(dim=2) - offsets) / 255
+        padded = padded - offsets.unsqueeze(2)
+        low, high = 0, 255
+    else:
+        high = _LEVELS[bits]
+        low = -high
+        scales = padded.abs().amax(dim=2) / high
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
     scaled = padded / safe.unsqueeze(2)
     if generator is None:
@@ -57,26 +77,29 @@ def quantize(rows: torch.Tensor, bits: int, block: int = BLOCK,
     else:
         noise = torch.rand(scaled.shape, generator=generator, device=scaled.device)
         scaled = torch.floor(scaled + noise)
-    codes = scaled.clamp_(-levels, levels).to(torch.int8).view(count, -1)
+    codes = scaled.clamp_(low, high).to(torch.uint8 if asymmetric else torch.int8).view(count, -1)
     if bits == 4:
         nibbles = (codes + 8).to(torch.uint8).view(count, -1, 2)
         codes = nibbles[:, :, 0] | (nibbles[:, :, 1] << 4)
-    return Quantized(codes.contiguous(), scales.contiguous())
+    return Quantized(codes.contiguous(), scales.contiguous(), None if offsets is None else offsets.contiguous())
 
 
 def dequantize(packed: Quantized, bits: int, numel: int, block: int = BLOCK) -> torch.Tensor:
     """fp32 rows of ``numel`` elements back from :func:`quantize`'s output."""
-    codes, scales = packed
+    codes, scales, offsets = packed
     count, block = codes.shape[0], block_size(numel, block)
     if bits == 4:
         low = (codes & 0x0F).to(torch.int8) - 8
         high = (codes >> 4).to(torch.int8) - 8
         codes = torch.stack((low, high), dim=2).view(count, -1)
     values = codes.to(torch.float32).view(count, -1, block) * scales.unsqueeze(2)
+    if offsets is not None:
+        values += offsets.unsqueeze(2)
     return values.view(count, -1)[:, :numel]
 
 
-def wire_bytes(rows: int, numel: int, bits: int, block: int = BLOCK) -> int:
-    """Bytes ``rows`` quantised rows of ``numel`` elements take on the wire (codes and scales)."""
+def wire_bytes(rows: int, numel: int, bits: int, block: int = BLOCK, asymmetric: bool = False) -> int:
+    """Bytes ``rows`` quantised rows of ``numel`` elements take on the wire (codes, scales and offsets)."""
     nblocks = blocks_per_row(numel, block)
-    return rows * (nblocks * block_size(numel, block) * bits // 8 + nblocks * 4)
+    per_block = 8 if asymmetric else 4
+    return rows * (nblocks * block_size(numel, block) * bits // 8 + nblocks * per_block)

@@ -33,13 +33,6 @@ FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.A
 _SWAP_BYTES_PER_ELEMENT = 4 * 3
 
 
-def _param_shards(part) -> list[torch.Tensor]:
-    """The model-side (16-bit or fp32) bucket shards the masters of ``part`` write back into."""
-    if hasattr(part, "shard_of_params"):  # stages 1-2: FlatParamGroup
-        return [part.shard_of_params(b.index) for b in part.layout.buckets]
-    return [part._bucket_shard(part.shard, b.index) for b in part.layout.buckets]  # stage 3: ParamUnit
-
-
 def _in_host_fp32(grad: torch.Tensor) -> bool:
     return grad.device.type == "cpu" and grad.dtype == torch.float32
 
@@ -51,8 +44,8 @@ def _write_back(tile: list[tuple]) -> None:
     for piece, _, part, index in tile:
         by_part.setdefault(part, []).append((index, piece))
     for part, entries in by_part.items():
-        with getattr(part, "_shard_in_memory", contextlib.nullcontext)():
-            shards = _param_shards(part)
+        with part.shard_in_memory():
+            shards = part.param_shards()
             for index, piece in entries:
                 part.master_shards.piece_shard(shards, index).copy_(piece.detach())
 

@@ -25,7 +25,7 @@ def offload_param_shards(runtime, units: list, config, rank: int) -> None:
     if block is None or block.device == "none" or not units:
         return
     pin = pinning(block.pin_memory)
-    in_cpu = getattr(runtime, "param_elements_in_cpu", 0)
+    in_cpu = runtime.param_elements_in_cpu
     to_file = []
     for unit in units:
         unit.offloaded = True
@@ -33,17 +33,17 @@ def offload_param_shards(runtime, units: list, config, rank: int) -> None:
         if block.device == "nvme" and in_cpu + old.numel() > block.max_in_cpu:
             to_file.append(unit)
             if _master_aliases(unit, old):  # the master was the shard itself: it keeps its own copy
-                unit.master_shards = MasterShards(unit.layout, unit.rank, [b.clone() for b in unit._shard_buckets()],
+                unit.master_shards = MasterShards(unit.layout, unit.rank, [b.clone() for b in unit.param_shards()],
                                                   torch.float32)
             continue
         in_cpu += old.numel()
         unit.shard = host_copy(old, old.dtype, pin)
         if _master_aliases(unit, old):  # rebuild the master over the host shard
-            unit.master_shards = MasterShards(unit.layout, unit.rank, unit._shard_buckets(), torch.float32)
+            unit.master_shards = MasterShards(unit.layout, unit.rank, unit.param_shards(), torch.float32)
     runtime.param_elements_in_cpu = in_cpu
     if not to_file:
         return
-    swap = getattr(runtime, "param_swap", None)
+    swap = runtime.param_swap
     if swap is None:
         swap = runtime.param_swap = ParamSwap(block, config.aio, rank, [u.shard for u in to_file])
     for unit in to_file:

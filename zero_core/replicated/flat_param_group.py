@@ -11,7 +11,8 @@ where gradients live, and that is chosen here by ``full_grads``:
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+import contextlib
+from typing import ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -22,7 +23,8 @@ from zero_core.optim.master_shards import MasterShards
 
 
 class FlatParamGroup:
-    """Flat parameter storage, gradient storage and fp32 master shards for one (group, dtype)."""
+    """Flat parameter storage, gradient storage and fp32 master shards for one (group, dtype); a
+    ``zero_core.contracts.Part``."""
 
     def __init__(
         self,
@@ -80,7 +82,7 @@ class FlatParamGroup:
 
     def build_masters(self, master_dtype: torch.dtype) -> None:
         """fp32 master shards, one per bucket: views of ``flat`` when it is already fp32, copies otherwise."""
-        self.master_shards = MasterShards(self.layout, self.rank, self._param_shards(), master_dtype)
+        self.master_shards = MasterShards(self.layout, self.rank, self.param_shards(), master_dtype)
 
     @property
     def masters(self) -> list[nn.Parameter]:
@@ -126,9 +128,12 @@ class FlatParamGroup:
         """This rank's slice of the parameters in ``bucket`` (a view of ``flat``)."""
         return self.flat[self.layout.buckets[bucket].shard_range(self.rank).as_slice()]
 
-    def _param_shards(self) -> list[torch.Tensor]:
+    def param_shards(self) -> list[torch.Tensor]:
         return [self.shard_of_params(b.index) for b in self.layout.buckets]
+
+    def shard_in_memory(self) -> ContextManager:
+        return contextlib.nullcontext()  # parameters stay in memory at stages 1-2
 
     def write_back_masters(self) -> None:
         """Copy updated 16-bit values of this rank's shards from their fp32 masters."""
-        self.master_shards.write_back(self._param_shards())
+        self.master_shards.write_back(self.param_shards())

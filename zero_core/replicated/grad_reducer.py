@@ -17,10 +17,10 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.autograd import Variable
 
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
+from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 from zero_core.replicated.flat_param_group import FlatParamGroup
 
 
@@ -74,19 +74,39 @@ class GradReducer:
         buckets = [(g, b.index) for g in groups for b in g.layout.buckets]
         self.order = sorted(buckets, key=lambda gb: min(
             (model_position[gb[0].params[i]] for i in gb[0].layout.buckets[gb[1]].param_indices), default=-1))
-        self.sync = True
+        # no_sync, waiting gradients and the end-of-backward flush (zero_core/reduction.py, shared with stage 3)
+        self.session = BackwardSession(self.finish_backward, on_open=self._count_expected)
+        self._inflight: ReductionQueue[_InFlight] = ReductionQueue(self._complete, self.MAX_IN_FLIGHT, overlap)
         self._reset_backward_state()
         if partition_grads:
             self._register_hooks()
+
+    @property
+    def sync(self) -> bool:
+        return self.session.sync
+
+    @sync.setter
+    def sync(self, sync: bool) -> None:
+        self.session.sync = sync
+
+    @property
+    def unsynced_grads(self) -> bool:
+        return self.session.unsynced_grads
+
+    @unsynced_grads.setter
+    def unsynced_grads(self, waiting: bool) -> None:
+        self.session.unsynced_grads = waiting
 
     # -- stage 2: during backward --------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
         self._states = [_BucketState() for _ in self.order]
         self._next = len(self.order) - 1
-        self._inflight: list[_InFlight] = []
-        self._callback_queued = False
         self._expected: list[int] = []  # per position: parameters taking part, counted when a backward starts
-        self.unsynced_grads = False
+        self.session.close()
+        self.session.unsynced_grads = False
+
+    def _count_expected(self) -> None:
+        self._expected = [len(self._active_indices(position)) for position in range(len(self.order))]
 
     def _register_hooks(self) -> None:
         self._handles = []
@@ -103,13 +123,8 @@ class GradReducer:
             handle.remove()
 
     def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
-        if not self.sync:
-            self.unsynced_grads = True  # no_sync: autograd keeps accumulating in param.grad
-            return
-        if not self._callback_queued:
-            Variable._execution_engine.queue_callback(self.finish_backward)
-            self._callback_queued = True
-            self._expected = [len(self._active_indices(position)) for position in range(len(self.order))]
+        if not self.session.grad_arrived():
+            return  # no_sync: autograd keeps accumulating in param.grad
         if position > self._next:
             group = self.order[position][0]
             raise RuntimeError(
@@ -151,11 +166,10 @@ class GradReducer:
         size = group.layout.buckets[bucket].range.size
         if state.staging is None:
             state.staging = self.pool.acquire(size, group.dtype)  # nothing arrived here on this rank
-        self._inflight.append(self._reduce(group, bucket, state.staging[:size], accumulate=True))
-        self._inflight[-1].scratch.append(state.staging)
+        job = self._reduce(group, bucket, state.staging[:size], accumulate=True)
+        job.scratch.append(state.staging)
         state.staging = None
-        # Overlap keeps a few buckets in flight; waiting for the oldest bounds scratch memory.
-        self._complete_inflight(keep=self.MAX_IN_FLIGHT if self.overlap else 0)
+        self._inflight.push(job)
 
     def finish_backward(self, only: Optional[set] = None) -> None:
         """End of a backward: stage what no hook delivered, launch the remaining buckets in order, wait.
@@ -170,14 +184,11 @@ class GradReducer:
                 continue
             unused += self._stage_leftovers(position)
             self._launch_staged(position)
-        self._complete_inflight()
+        self._inflight.drain()
         self._reset_backward_state()
         self.unsynced_grads = any(p.grad is not None for g in self.groups for p in g.params)
         if unused and not self.ignore_unused:
-            raise RuntimeError(
-                f"parameters got no gradient in this backward: {', '.join(unused)}. Set "
-                "zero_optimization.ignore_unused_parameters=true if that is expected, or freeze them."
-            )
+            raise RuntimeError(unused_parameters_message(unused))
 
     def _stage_leftovers(self, position: int) -> list[str]:
         """Gradients still held by parameters (accumulated under no_sync); names of parameters with none."""
@@ -205,9 +216,9 @@ class GradReducer:
     def quiesce(self, communicate: bool) -> None:
         """Teardown: wait for every bucket in flight (or forget them when the process group is gone)."""
         if communicate:
-            self._complete_inflight()
+            self._inflight.drain()
         else:
-            self._inflight = []
+            self._inflight.drop()
 
     # -- stage 1: once per step ----------------------------------------------------------------------------
     def reduce_full_grads(self, only: set) -> None:
@@ -216,9 +227,8 @@ class GradReducer:
             if group not in only:
                 continue
             source = group.bucket_grad_input(group.layout.buckets[bucket])
-            self._inflight.append(self._reduce(group, bucket, source, accumulate=False))
-            self._complete_inflight(keep=self.MAX_IN_FLIGHT if self.overlap else 0)
-        self._complete_inflight()
+            self._inflight.push(self._reduce(group, bucket, source, accumulate=False))
+        self._inflight.drain()
 
     # -- the collectives -----------------------------------------------------------------------------------
     def _reduce(self, group: FlatParamGroup, bucket: int, source: torch.Tensor, accumulate: bool) -> _InFlight:
@@ -233,19 +243,16 @@ class GradReducer:
         work = self.comm.reduce_scatter(scratch[:shard_size], source, async_op=self.overlap)
         return _InFlight(group, bucket, work, scratch[:shard_size], [scratch], accumulate)
 
-    def _complete_inflight(self, keep: int = 0) -> None:
-        """Wait for the oldest collectives until at most ``keep`` are still in flight."""
-        split = max(len(self._inflight) - keep, 0)
-        done, self._inflight = self._inflight[:split], self._inflight[split:]
-        for job in done:
-            if job.work is not None:
-                job.work.wait()
-            target = job.group.grad_shard(job.bucket)
-            if job.accumulate:
-                target.add_(job.result)
-            elif target.data_ptr() != job.result.data_ptr():
-                target.copy_(job.result)
-            if job.group.on_grad_reduced is not None:
-                job.group.on_grad_reduced(job.group, job.bucket)
-            for buffer in job.scratch:
-                self.pool.release(buffer)
+    def _complete(self, job: _InFlight) -> None:
+        """Wait for one collective (the reduction queue's oldest) and add its result to the gradient shard."""
+        if job.work is not None:
+            job.work.wait()
+        target = job.group.grad_shard(job.bucket)
+        if job.accumulate:
+            target.add_(job.result)
+        elif target.data_ptr() != job.result.data_ptr():
+            target.copy_(job.result)
+        if job.group.on_grad_reduced is not None:
+            job.group.on_grad_reduced(job.group, job.bucket)
+        for buffer in job.scratch:
+            self.pool.release(buffer)

@@ -4,7 +4,7 @@ gradients) are sharded. The engine drives this runtime through the same methods 
 
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -18,7 +18,10 @@ from zero_core.planning import FlatGroupPlan, ParamSpec, plan_flat_groups, plan_
 
 
 class ReplicatedParamsRuntime:
-    """Flat parameter groups, the bucketed gradient reducer, and the all-gather after each step."""
+    """Flat parameter groups, the bucketed gradient reducer, and the all-gather after each step; a
+    ``zero_core.contracts.Runtime``."""
+
+    param_swap: Optional[object] = None  # parameters are never offloaded at stages 1-2
 
     def __init__(
         self,
@@ -150,6 +153,12 @@ class ReplicatedParamsRuntime:
 
     def gather_params(self, params) -> list:
         return []  # parameters are whole on every rank already
+
+    def release_all(self) -> None:
+        pass  # nothing is gathered at stages 1-2
+
+    def add_external_after_setup(self, module: nn.Module, param: nn.Parameter) -> None:
+        pass  # parameters are whole: a module using another's parameter needs no gather
 
     def commit_params(self, params, opened: list, modified: bool) -> None:
         """Parameters changed in place (and broadcast): copy them into their fp32 master fragments."""

@@ -1,7 +1,12 @@
 """Stage 3's backward hooks, bound to one runtime.
 
-``PreBackward`` (a tiny autograd Function, as in FSDP2) wraps a module's outputs: its backward runs just before
-the module's own backward, which is when the module's parameters must be gathered again. The release after the
+The gather before a module's backward (``attach``) fires when the gradient of the module's output is complete,
+just before the module's own backward, which is when its parameters must be gathered again. For the usual
+output, one tensor computed in the module, that is a pre-hook on the tensor's autograd node: no node is added
+and no Python function runs in backward but the hook (several times cheaper per module than a custom Function).
+Other outputs (several tensors, or a leaf) go through ``PreBackward``, a tiny autograd Function (as in FSDP2)
+whose backward runs once every output's gradient is in. Node pre-hooks run after tensor hooks on the same node,
+so the previous module's release (below, a tensor hook on this module's output) still comes first. The release after the
 module's backward is a multi-grad hook on the module's inputs (``after_input_grads``): it fires once their
 gradients are computed. It adds no node to the graph: an identity node on the inputs would make autograd sum
 the module's own contributions to an input's gradient first and the other consumers' after, a different
@@ -56,13 +61,24 @@ def _single_tensor(tree: Any):
 
 
 def attach(function: type[torch.autograd.Function], callback: Callable[[], None], tree: Any) -> tuple[Any, int]:
-    """Route every tensor in ``tree`` that requires grad through ``function``; returns the tree and a count."""
+    """Call ``callback`` before the backward of what produced ``tree``: a pre-hook on the autograd node of its one
+    tensor that requires grad, or else every such tensor routed through ``function``. Returns the tree (new
+    tensors where routed) and how many tensors take part."""
     if torch.is_tensor(tree):  # one output tensor: no flattening
-        return (function.apply(callback, tree)[0], 1) if tree.requires_grad else (tree, 0)
+        if not tree.requires_grad:
+            return tree, 0
+        node = tree.grad_fn
+        if node is None:  # a leaf: its hooks would outlive this forward
+            return function.apply(callback, tree)[0], 1
+        node.register_prehook(lambda grads: callback())
+        return tree, 1
     leaves, spec = tree_flatten(tree)
     positions = [i for i, leaf in enumerate(leaves) if torch.is_tensor(leaf) and leaf.requires_grad]
     if not positions:
         return tree, 0
+    if len(positions) == 1 and leaves[positions[0]].grad_fn is not None:
+        leaves[positions[0]].grad_fn.register_prehook(lambda grads: callback())
+        return tree, 1
     outputs = function.apply(callback, *[leaves[i] for i in positions])
     for i, out in zip(positions, outputs):
         leaves[i] = out

@@ -29,10 +29,9 @@ def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> N
     entries = _EXTERNALS.setdefault(module, [])
     if not any(p is parameter for p in entries):
         entries.append(parameter)
-    engine = registry.owner_of(parameter)
-    runtime = getattr(engine, "runtime", None)
-    if hasattr(runtime, "add_external_after_setup"):
-        runtime.add_external_after_setup(module, parameter)
+    engine = registry.engine_of(parameter)
+    if engine is not None:
+        engine.runtime.add_external_after_setup(module, parameter)
 
 
 def unregister_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:

@@ -118,7 +118,7 @@ class Init:
         full.untyped_storage().resize_(0)
         self._shards[param] = _InitShard(label, full, shard)
         mark_partitioned(param)
-        registry.register([param], self)
+        registry.register_pending([param], self)
 
     def _gather(self, param: nn.Parameter) -> bool:
         entry = self._shards[param]

@@ -38,11 +38,10 @@ def materialize_meta(module: nn.Module, module_name: str, device: torch.device) 
 
 def whole_value(param: nn.Parameter) -> torch.Tensor:
     """The parameter's whole value; Init-partitioned parameters are gathered (and their Init storage freed)."""
-    owner = registry.owner_of(param)
-    take = getattr(owner, "take_whole_value", None)
-    return take(param) if take is not None else param.detach()
+    partition = registry.pending_partition_of(param)
+    return partition.take_whole_value(param) if partition is not None else param.detach()
 
 
 def comes_from_init(param: nn.Parameter) -> bool:
     """Values from zero_core.Init are already identical on every rank: no broadcast needed."""
-    return hasattr(registry.owner_of(param), "take_whole_value")
+    return registry.pending_partition_of(param) is not None

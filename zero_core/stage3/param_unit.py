@@ -22,6 +22,7 @@ from zero_core.fragments import Fragment
 from zero_core.layout import FlatLayout
 from zero_core.optim.master_shards import MasterShards
 from zero_core.stage3.partitioned_param import unguarded
+from zero_core.comm.quantize import BLOCK, Quantized, quantize
 
 
 class UnitState(enum.Enum):
@@ -31,7 +32,8 @@ class UnitState(enum.Enum):
 
 
 class ParamUnit:
-    """Partitioned storage, gather/release, gradient shard and fp32 masters of one unit."""
+    """Partitioned storage, gather/release, gradient shard and fp32 masters of one unit; a
+    ``zero_core.contracts.Part``."""
 
     def __init__(
         self,
@@ -64,6 +66,11 @@ class ParamUnit:
         self.offloaded = False
         self.swap = None
         self.swapped_shard: Optional[tuple[int, torch.dtype]] = None
+        # zero_quantized_nontrainable_weights (set by the runtime before adopt): a frozen, non-persistent unit
+        # keeps its shard as 8-bit codes with per-block scales and minima (one Quantized per bucket), and
+        # ``shard`` is empty; its gathers send the codes and dequantise (docs/multinode.md)
+        self.store_quantized = False
+        self.quantized: Optional[list[Quantized]] = None
         self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
         self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()
@@ -97,10 +104,12 @@ class ParamUnit:
         if broadcast:
             self.comm.broadcast(self.full, src=0)
         self._take_shard_from_full()
+        if self.store_quantized:
+            self._quantize_shard()
         for param, slot in zip(self.params, self.layout.slots):
             param.data = self.full[slot.range.as_slice()].view(param.shape)
         if self.trainable:
-            self.master_shards = MasterShards(self.layout, self.rank, self._shard_buckets(), torch.float32)
+            self.master_shards = MasterShards(self.layout, self.rank, self.param_shards(), torch.float32)
         self.release()  # persistent units stay gathered
 
     @property
@@ -108,12 +117,24 @@ class ParamUnit:
         """What the optimizer steps: one fp32 piece per parameter fragment this rank owns."""
         return self.master_shards.params if self.master_shards is not None else []
 
-    def _shard_buckets(self) -> list[torch.Tensor]:
+    def param_shards(self) -> list[torch.Tensor]:
         return [self._bucket_shard(self.shard, b.index) for b in self.layout.buckets]
 
     def _take_shard_from_full(self) -> None:
         for bucket in self.layout.buckets:
             self._bucket_shard(self.shard, bucket.index).copy_(self.full[bucket.shard_range(self.rank).as_slice()])
+
+    def _quantize_shard(self) -> None:
+        """Keep the shard as 8-bit codes (asymmetric, per block) and free its 16-bit storage."""
+        self.quantized = [quantize(self._bucket_shard(self.shard, b.index).reshape(1, -1), 8, BLOCK, None, True)
+                          for b in self.layout.buckets]
+        self.shard = torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def stored(self) -> list[torch.Tensor]:
+        """The tensors holding this rank's shard (memory_stats counts them)."""
+        if self.quantized is None:
+            return [self.shard]
+        return [t for packed in self.quantized for t in packed]
 
     # -- gather / release ----------------------------------------------------------------------------------
     def gather(self, async_op: bool = False, phase: Optional[str] = None) -> None:
@@ -149,13 +170,21 @@ class ParamUnit:
         if self.swap is not None:
             self.swap.release(self)
 
-    def _shard_in_memory(self):
+    def shard_in_memory(self):
         """A context in which ``shard`` holds this rank's values (offload_param nvme reads and rewrites it)."""
         return self.swap.resident(self) if self.swap is not None else contextlib.nullcontext()
 
     def _gather_alone(self, phase: Optional[str]) -> None:
         """One all-gather per bucket through the comm layer's ZeRO++ paths (quantised, hierarchical, hpZ's
         secondary partition), which keep per-buffer state (``key``) and so are not coalesced with other units."""
+        if self.quantized is not None:
+            self._works = [
+                self.comm.all_gather_packed(self.full[b.range.as_slice()], self.quantized[b.index], b.shard_size,
+                                            async_op=True, label=self.module_name, phase=phase, key=(self.index, b.index))
+                for b in self.layout.buckets
+            ]
+            self.state = UnitState.GATHERING
+            return
         source = self.gather_source()
         self._works = [
             self.comm.all_gather(self.full[b.range.as_slice()], self._bucket_shard(source, b.index), async_op=True,
@@ -185,10 +214,15 @@ class ParamUnit:
 
     def write_full_into_shard(self) -> None:
         """After the full values were changed in place (GatheredParameters with a modifier): keep them."""
-        with self._shard_in_memory():
+        if self.quantized is not None:
+            self.shard = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+            self._take_shard_from_full()
+            self._quantize_shard()
+            return
+        with self.shard_in_memory():
             self._take_shard_from_full()
             if self.master_shards is not None:
-                self.master_shards.read_from(self._shard_buckets())
+                self.master_shards.read_from(self.param_shards())
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
@@ -201,27 +235,32 @@ class ParamUnit:
         rank-major buffer (row ``r``: what rank ``r`` receives); this unit's shard-shaped part starts at
         ``column``, so bucket ``b`` occupies ``by_rank[:, column + offset_b :][:, :shard_size_b]`` with its flat
         elements in row-major order. Padding and parameters without a gradient get zeros. Returns the names of
-        trainable parameters with none (a frozen one contributes zeros)."""
+        trainable parameters with none (a frozen one contributes zeros). One concatenation per bucket, straight
+        into place when the target is contiguous (this runs for every unit of every backward)."""
         missing = []
         with unguarded():
             for bucket, offset in zip(self.layout.buckets, self._offsets):
-                size = bucket.shard_size
-                target = by_rank[:, column + offset : column + offset + size]
-                used = bucket.range.start
+                pieces, used = [], bucket.range.start
                 for index in bucket.param_indices:
                     param, slot = self.params[index], self.layout.slots[index]
+                    if slot.range.start > used:
+                        pieces.append(by_rank.new_zeros(slot.range.start - used))
                     grad = param.grad
-                    start, end = slot.range.start - bucket.range.start, slot.range.end - bucket.range.start
-                    _write_rows(target, used - bucket.range.start, start, None)  # alignment gap (shard_alignment)
                     if grad is None:
-                        _write_rows(target, start, end, None)
+                        pieces.append(by_rank.new_zeros(slot.range.size))
                         if param.requires_grad:
                             missing.append(self.names[index])
                     else:
-                        _write_rows(target, start, end, grad.reshape(-1))
+                        pieces.append(grad.reshape(-1))
                         param.grad = None
                     used = slot.range.end
-                _write_rows(target, used - bucket.range.start, bucket.range.size, None)  # padding
+                if used < bucket.range.end:  # padding
+                    pieces.append(by_rank.new_zeros(bucket.range.end - used))
+                target = by_rank[:, column + offset : column + offset + bucket.shard_size]
+                if target.is_contiguous():
+                    torch.cat(pieces, out=target.view(-1))
+                else:
+                    target.copy_(torch.cat(pieces).view(target.shape))
         return missing
 
     def zero_grads(self) -> None:
@@ -235,8 +274,8 @@ class ParamUnit:
     def write_back_masters(self) -> None:
         if self.swap is not None and not self.master_shards.holds_values():
             return  # NVMe-swapped masters: the offloaded step wrote them back tile by tile
-        with self._shard_in_memory():
-            self.master_shards.write_back(self._shard_buckets())
+        with self.shard_in_memory():
+            self.master_shards.write_back(self.param_shards())
 
     def fragments(self) -> list[Fragment]:
         if not self.trainable:
@@ -251,7 +290,7 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
     plain = []
     for unit in units:
         unit._allocate()
-        if comm.plain_gather(phase, frozen=not unit.trainable):
+        if unit.quantized is None and comm.plain_gather(phase, frozen=not unit.trainable):
             plain.append(unit)
         else:
             unit._gather_alone(phase)
@@ -261,18 +300,3 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
             unit._works = [batch]
             unit.state = UnitState.GATHERING
 
-
-def _write_rows(target: torch.Tensor, start: int, end: int, values: Optional[torch.Tensor]) -> None:
-    """Write flat elements ``[start, end)`` of the row-major 2-D view ``target`` (zeros when ``values`` is None):
-    one copy per row the range spans."""
-    width = target.shape[1]
-    while start < end:
-        row, column = divmod(start, width)
-        stop = min(end, (row + 1) * width)
-        piece = target[row, column : column + stop - start]
-        if values is None:
-            piece.zero_()
-        else:
-            piece.copy_(values[: stop - start])
-            values = values[stop - start :]
-        start = stop

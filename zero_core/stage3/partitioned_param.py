@@ -148,7 +148,7 @@ def _bind_views(result, bases: dict):
 
 def _handled_by_owner(released, func):
     owner = registry.owner_of(base_of(released))
-    if owner is None or not getattr(owner, "handles_released", lambda f: False)(func):
+    if owner is None or not owner.handles_released(func):
         raise _released_error(released, func)
     return owner
 
@@ -205,8 +205,8 @@ def _dispatch(func, args, kwargs):
             return func(*args, **(kwargs or {}))
     kind = _kind(func)
     if kind is _DATA_SET and isinstance(args[0], PartitionedParameter):
-        owner = registry.owner_of(args[0])
-        if owner is not None and getattr(owner, "handles_released", lambda f: False)(func):
+        owner = registry.pending_partition_of(args[0])
+        if owner is not None and owner.handles_released(func):
             return owner.assign_data(args[0], args[1])  # Init: keep the partition in step with the new values
     kwargs = kwargs or {}
     if kind is _COMPUTE:

@@ -15,7 +15,6 @@ from typing import Iterator, Optional
 
 import torch
 from torch import nn
-from torch.autograd import Variable
 
 from zero_core.stage3 import param_sources
 from zero_core.stage3.backward_hooks import PreBackward, after_input_grads, attach
@@ -32,6 +31,9 @@ from zero_core.stage3.leaf_modules import leaf_of, z3_leaf_module
 from zero_core.stage3.coalesced import CoalescedReduce, ReduceBucket
 from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
 from zero_core.stage3.partitioned_param import mark_partitioned, unguarded
+from zero_core.stage3.phase import Phase, checked
+from zero_core.stage3.policy import Stage3Policy
+from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 
 
 class _Cursor:
@@ -54,10 +56,13 @@ class PartitionedParamsRuntime:
     """Owns the units, the module hooks, prefetch, and gradient reduction for stage 3."""
 
     MAX_IN_FLIGHT = 1  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
+    param_swap = None  # offload_param nvme (zero_core/offload/params.py): the swap file of unit shards
+    param_elements_in_cpu = 0  # offload_param: shard elements moved to host memory so far
 
     def __init__(self, module, trainable_by_group, names, config: ZeroConfig, comm: Communicator) -> None:
         self.module = module
         self.config = config
+        self.policy = Stage3Policy.from_config(config)  # what the hooks read, frozen at setup
         self.comm = comm
         self.names = names
         self.units: list[ParamUnit] = []
@@ -83,14 +88,15 @@ class PartitionedParamsRuntime:
         module_names = {m: n for n, m in module.named_modules() if m in self._own or m in self._externals}
         self.trace = ExecutionTrace(module_names, comm)
         self.comm.check = True  # verify collectives while the first trace is recorded
-        self.sync = True
+        # no_sync, waiting gradients and the end-of-backward flush (zero_core/reduction.py, shared with stage 2)
+        self.session = BackwardSession(self._finish_backward)
+        self._inflight: ReductionQueue[tuple[CoalescedReduce, torch.Tensor]] = ReductionQueue(
+            self._complete_reduction, self.MAX_IN_FLIGHT, self.policy.overlap_comm)
+        self.phase = Phase.IDLE  # phase.py
+        self._resume_phase = Phase.IDLE  # the phase a backward returns to
         self._active: dict[ParamUnit, int] = defaultdict(int)
         self._positions: dict[nn.Module, list] = defaultdict(list)  # trace position of each open forward call
         self._held: set[ParamUnit] = set()
-        # A step ends the trace's step at the next root forward (a step can come in the middle of one: several
-        # optimizers in a Lightning training_step); without root forwards, at the step itself.
-        self._root_forward_in_step = False
-        self._trace_step_over = False
         # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
         # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
         self._reduce_order: Optional[list[ParamUnit]] = None
@@ -141,11 +147,12 @@ class PartitionedParamsRuntime:
         if layout is None:  # a unit split by add_trainable: laid out as planning.py lays out every unit
             layout = unit_layout([p.numel() for p in params], self.comm.topology.world_size, self.config,
                                  params[0].device)
-        dtype = self.config.param_dtype if params[0].is_floating_point() else params[0].dtype
+        dtype = self.policy.param_dtype if params[0].is_floating_point() else params[0].dtype
         unit = ParamUnit(self._unit_count, module_name, params, [self.names[p] for p in params], group_index, layout,
                          self.comm, dtype)
         self._unit_count += 1
         unit.persistent = persistent
+        unit.store_quantized = self._stores_quantized(unit)
         unit.adopt(values, broadcast=broadcast)
         for param in params:
             mark_partitioned(param)
@@ -159,6 +166,13 @@ class PartitionedParamsRuntime:
         if unit.persistent:
             self._note_live(unit.numel)
         return unit
+
+    def _stores_quantized(self, unit: ParamUnit) -> bool:
+        """zero_quantized_nontrainable_weights: frozen units the hooks gather keep 8-bit shards (not persistent
+        ones, kept whole anyway, nor offloaded ones, whose 16-bit shards leave the accelerator)."""
+        offload = self.config.offload_param
+        return (self.config.zero_quantized_nontrainable_weights and not unit.trainable and not unit.persistent
+                and unit.dtype.is_floating_point and (offload is None or offload.device == "none"))
 
     def add_trainable(self, by_group: dict[int, list[nn.Parameter]]) -> list[ParamUnit]:
         """Parameters that became trainable after setup (unfrozen, or in a group added later). They sit in frozen
@@ -176,9 +190,7 @@ class PartitionedParamsRuntime:
         if self._bucket_numel() > self.pool.largest:
             self.pool = BufferPool(self.pool.device, self._bucket_numel())
         trainable = [u for u in new if u.trainable]
-        for unit in trainable:
-            for param in unit.params:
-                param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
+        self._hook_grads(trainable)
         # A backward since the unfreezing left gradients in param.grad: the step reduces them.
         self.unsynced_grads = self.unsynced_grads or any(p.grad is not None for u in trainable for p in u.params)
         return trainable
@@ -242,7 +254,16 @@ class PartitionedParamsRuntime:
         root.register_forward_hook(eager(self._root_post_forward))
         for mod in module_names:
             self._hook_module(mod)
-        for unit in self.parts:
+        self._hook_grads(self.parts)
+
+    def _hook_grads(self, units: list[ParamUnit]) -> None:
+        """A post-accumulate-grad hook per parameter, for the units whose gradients nothing else completes. A
+        block's units need none: the block's post-backward hook completes them all at once (block_units.py), and
+        when it cannot fire (the block's input needs no gradient, reentrant checkpointing) the end-of-backward
+        flush reduces them, in the same agreed order. That saves a Python call per parameter per backward."""
+        for unit in units:
+            if self._module_of[unit] in self._blocks:
+                continue
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
 
@@ -256,21 +277,51 @@ class PartitionedParamsRuntime:
             units = self._unit_cache[mod] = self._own.get(mod, []) + self._externals.get(mod, [])
         return units
 
+    # -- phases (phase.py) ---------------------------------------------------------------------------------
+    def _to(self, phase: Phase) -> None:
+        self.phase = checked(self.phase, phase)
+
+    @property
+    def _in_backward(self) -> bool:
+        return self.phase is Phase.BACKWARD
+
+    @_in_backward.setter
+    def _in_backward(self, inside: bool) -> None:
+        """Enter (join's shadow pass) or leave a backward."""
+        if inside and self.phase is not Phase.BACKWARD:
+            self._resume_phase = self.phase
+            self._to(Phase.BACKWARD)
+        elif not inside and self.phase is Phase.BACKWARD:
+            self._to(self._resume_phase)
+
+    @property
+    def sync(self) -> bool:
+        return self.session.sync
+
+    @property
+    def unsynced_grads(self) -> bool:
+        return self.session.unsynced_grads
+
+    @unsynced_grads.setter
+    def unsynced_grads(self, waiting: bool) -> None:
+        self.session.unsynced_grads = waiting
+
     def _root_pre_forward(self, module, args) -> None:
-        if self._in_backward:
-            return
-        if self._trace_step_over:
+        phase = self.phase
+        if phase is Phase.BACKWARD:
+            return  # recomputation under activation checkpointing
+        if phase is Phase.STEPPED:
             self._end_trace_step()
-        self._root_forward_in_step = True
+        self._to(Phase.FORWARD)
         self.trace.start_forward()
 
     def _root_post_forward(self, module, args, output) -> None:
-        if not torch.is_grad_enabled() and not self._in_backward:
+        if self.phase is not Phase.BACKWARD and not torch.is_grad_enabled():
             self.release_all()  # no backward follows: nothing needs to stay gathered
 
     def _pre_forward(self, mod, _hook_module, args, kwargs):
         units = self._units_for(mod)
-        if self._in_backward:
+        if self.phase is Phase.BACKWARD:
             # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
             # hook never runs; nothing is counted here and backward releases what it gathered.
             self._fetch(units, None, backward=False, phase="backward")
@@ -310,29 +361,35 @@ class PartitionedParamsRuntime:
                 "{'names': [...]} (docs/stage3.md, leaf modules).")
 
     def _post_forward(self, mod, _hook_module, args, output):
-        if self._in_backward:
+        if self.phase is Phase.BACKWARD:
             return output  # recomputation under activation checkpointing: backward releases these
         units = self._units_for(mod)
+        active = self._active
         for unit in units:
-            self._active[unit] -= 1
-        position = self._positions[mod].pop() if self._positions[mod] else None
-        returned = self._returned_units(output)
+            active[unit] -= 1
+        positions = self._positions[mod]
+        position = positions.pop() if positions else None
+        returned = () if type(output) is torch.Tensor else self._returned_units(output)  # a plain tensor: none
+        grad_enabled = torch.is_grad_enabled()
         wrapped = 0
-        if torch.is_grad_enabled():
+        if grad_enabled:
             output, wrapped = attach(PreBackward, functools.partial(self._pre_backward, mod), output)
         for unit in units:
-            if unit in returned or (torch.is_grad_enabled() and wrapped == 0 and unit.active_count()):
+            if unit in returned or (grad_enabled and wrapped == 0 and unit.active_count()):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
-            elif not self._reused_soon(position, unit):
+            elif not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
         return output
 
-    def _reused_soon(self, position: Optional[int], unit: ParamUnit) -> bool:
-        """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting."""
-        if position is None or not self.trace.following or self.live_elements > self.config.max_live_parameters:
+    def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None) -> bool:
+        """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting
+        (``backward_follows``: grad mode, when the caller has not read it already)."""
+        if position is None or not self.trace.following or self.live_elements > self.policy.max_live_parameters:
             return False
-        distance = self.trace.reuse_distance(position, unit, self._units_for, torch.is_grad_enabled())
-        return distance <= self.config.max_reuse_distance
+        if backward_follows is None:
+            backward_follows = torch.is_grad_enabled()
+        distance = self.trace.reuse_distance(position, unit, self._units_for, backward_follows)
+        return distance <= self.policy.max_reuse_distance
 
     def _returned_units(self, output) -> set:
         leaves = output if isinstance(output, (tuple, list)) else [output]
@@ -435,13 +492,14 @@ class PartitionedParamsRuntime:
         order, index = self.trace.order, cursor.next
         if (position + step - index) * step > 0:
             index = position + step
-        budget, live, batch = self.config.prefetch_bucket_size, self.live_elements, []
+        budget, live, batch = self.policy.prefetch_bucket_size, self.live_elements, []
+        max_live = self.policy.max_live_parameters
         while 0 <= index < len(order):
             fits = True
             for unit in self._units_for(order[index]):
                 if unit.state is not UnitState.SHARDED or unit in taken:
                     continue
-                if unit.numel > budget or live + unit.numel > self.config.max_live_parameters:
+                if unit.numel > budget or live + unit.numel > max_live:
                     fits = False
                     break
                 budget -= unit.numel
@@ -459,11 +517,11 @@ class PartitionedParamsRuntime:
     def _reset_backward_state(self) -> None:
         self._seen: dict[ParamUnit, int] = defaultdict(int)
         self._reduced: set[ParamUnit] = set()
-        self._inflight: list = []
-        self._callback_queued = False
-        self._in_backward = False
+        if self.phase is Phase.BACKWARD:
+            self._to(self._resume_phase)
+        self.session.close()
         self._bwd_cursor = len(self.trace.order) - 1
-        self.unsynced_grads = False
+        self.session.unsynced_grads = False
         self._touched: set[ParamUnit] = set()  # units of modules that ran forward since the last backward
         self._skipped_positions: set[int] = set()  # trace positions this rank skipped in those forwards
         self._skipped_units: set[ParamUnit] = set()  # their units, once backward passed their place
@@ -483,15 +541,13 @@ class PartitionedParamsRuntime:
         return count
 
     def _enter_backward(self) -> None:
+        """A module's backward (or a gradient) arrived: the phase is BACKWARD and the flush is queued."""
         self._in_backward = True
-        if not self._callback_queued:
-            Variable._execution_engine.queue_callback(self._finish_backward)
-            self._callback_queued = True
+        self.session.begin()
 
     def _on_grad(self, unit: ParamUnit, param: nn.Parameter) -> None:
-        if not self.sync:
-            self.unsynced_grads = True  # no_sync: autograd keeps accumulating in param.grad
-            return
+        if not self.session.grad_arrived():
+            return  # no_sync: autograd keeps accumulating in param.grad
         self._enter_backward()
         self._seen[unit] += 1
         if unit in self._deferred or self._seen[unit] < self._wanted(unit):
@@ -507,7 +563,7 @@ class PartitionedParamsRuntime:
         small too); never less than the largest unit."""
         total = sum(u.numel for u in self.parts)
         largest = max((u.numel for u in self.parts), default=1)
-        return max(largest, min(self.config.reduce_bucket_size, total, self.config.max_live_parameters), 1)
+        return max(largest, min(self.policy.reduce_bucket_size, total, self.policy.max_live_parameters), 1)
 
     def _reduce(self, unit: ParamUnit) -> list[str]:
         """Stage ``unit``'s gradients into the reduction bucket (freeing ``param.grad``); a full bucket is
@@ -523,28 +579,29 @@ class PartitionedParamsRuntime:
         # While the collectives are checked (the first trace is recorded, when ranks' orders may still differ),
         # each unit goes alone, so that a mismatch is caught and named by its module.
         filled = self._bucket.filled * self._bucket.world
-        if filled >= min(self.config.reduce_bucket_size, self.pool.largest) or self.comm.check:
+        if filled >= min(self.policy.reduce_bucket_size, self.pool.largest) or self.comm.check:
             self._flush_bucket()
         return missing
 
     def _flush_bucket(self) -> None:
         if self._bucket is None:
             return
-        overlap = self.config.resolved_overlap_comm
-        batch = CoalescedReduce(self._bucket, self.comm, async_op=overlap)
-        self._inflight.append((batch, self._bucket.buffer))
+        batch = CoalescedReduce(self._bucket, self.comm, async_op=self.policy.overlap_comm)
+        self._inflight.push((batch, self._bucket.buffer))
         self._bucket = None
-        self._complete_inflight(keep=self.MAX_IN_FLIGHT if overlap else 0)
 
-    def _complete_inflight(self, keep: int = 0) -> None:
-        split = max(len(self._inflight) - keep, 0)
-        done, self._inflight = self._inflight[:split], self._inflight[split:]
-        for batch, staging in done:
-            batch.finish()
-            for unit in batch.units:
-                if unit.on_grad_reduced is not None:  # offload: copy the reduced shard to the host now
-                    unit.on_grad_reduced(unit, None)
-            self.pool.release(staging)
+    def _complete_reduction(self, job: tuple[CoalescedReduce, torch.Tensor]) -> None:
+        """The reduction queue's oldest reduce-scatter: wait, add into the gradient shards, free its bucket."""
+        batch, staging = job
+        batch.finish()
+        for unit in batch.units:
+            if unit.on_grad_reduced is not None:  # offload: copy the reduced shard to the host now
+                unit.on_grad_reduced(unit, None)
+        self.pool.release(staging)
+
+    def _complete_inflight(self) -> None:
+        """Wait for every reduce-scatter in flight."""
+        self._inflight.drain()
 
     def _finish_backward(self, only: Optional[set] = None) -> None:
         """End of backward: reduce what no hook completed (fixed order), wait, release every gathered unit.
@@ -554,7 +611,7 @@ class PartitionedParamsRuntime:
         unused, pending = list(self._block_missing), self.unsynced_grads and not self.sync
         if self.sync:
             for unit in self._reduce_order if self._reduce_order is not None else reversed(self.parts):
-                skip = unit not in only if only is not None else unit.active_count() == 0
+                skip = unit not in only if only is not None else self._wanted(unit) == 0
                 if unit not in self._reduced and not skip:
                     unused += self._reduce(unit)
             self._flush_bucket()
@@ -564,15 +621,13 @@ class PartitionedParamsRuntime:
         self._reset_backward_state()
         with unguarded():
             self.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
-        if unused and not self.config.ignore_unused_parameters:
+        if unused and not self.policy.ignore_unused_parameters:
             self.comm.guard.fail(  # raised on every rank: the others would otherwise wait for this one
-                f"rank {self.comm.topology.rank}: parameters got no gradient in this backward: {', '.join(unused)}. "
-                "Set zero_optimization.ignore_unused_parameters=true if that is expected, or freeze them.",
-                RuntimeError)
+                f"rank {self.comm.topology.rank}: {unused_parameters_message(unused)}", RuntimeError)
 
     # -- the engine's calls --------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
-        self.sync = sync
+        self.session.sync = sync
 
     def reduce_gradients(self, parts: list[ParamUnit]) -> None:
         """Reduce what ``parts`` (one optimizer's units, or all) still hold in ``param.grad``."""
@@ -589,8 +644,10 @@ class PartitionedParamsRuntime:
                 unit.gather()
         self._active.clear()
         self.release_all()
-        if self._root_forward_in_step:
-            self._trace_step_over = True
+        if self.phase is Phase.BACKWARD and self._resume_phase is not Phase.IDLE:
+            self._resume_phase = Phase.STEPPED  # a step inside a backward: the backward ends in STEPPED
+        elif self.phase in (Phase.FORWARD, Phase.STEPPED):
+            self._to(Phase.STEPPED)  # the trace's step ends at the next root forward
         else:
             self._end_trace_step()  # the model is driven through its submodules: the step is the trace's unit
             self.trace.start_forward()
@@ -606,8 +663,6 @@ class PartitionedParamsRuntime:
         elif self._reduce_order is None or self._order_source is not self.trace.order:
             self._reduce_order, self._order_source = reduce_order(self), self.trace.order
         self._bwd_cursor = len(self.trace.order) - 1
-        self._trace_step_over = False
-        self._root_forward_in_step = False
 
     def zero_grads(self, parts: list[ParamUnit]) -> None:
         for unit in parts:
@@ -621,7 +676,7 @@ class PartitionedParamsRuntime:
             self._flush_bucket()
             self._complete_inflight()
         else:
-            self._inflight = []
+            self._inflight.drop()
             self._bucket = None
         for unit in self.units:
             if not communicate:
@@ -674,7 +729,7 @@ class PartitionedParamsRuntime:
         self.commit_params([param], opened, modified=True)
 
     def param_shards(self) -> list[torch.Tensor]:
-        return [u.shard for u in self.units] + [u.full for u in self.units]
+        return [t for u in self.units for t in u.stored()] + [u.full for u in self.units]
 
     def scratch_nbytes(self) -> int:
         return self.pool.nbytes()

@@ -16,6 +16,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
+from zero_core.comm.quantize import wire_bytes
 from zero_core.config import ZeroConfig
 from zero_core.layout import FlatLayout
 from zero_core.planning import (
@@ -77,8 +78,10 @@ def rank_bytes(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k_byte
         plan, sizes, positions = _replicated_plan(info, cfg, n, precision)
         parts = [_Part(g.layout, g.dtype, sizes[g.dtype], True) for g in plan.groups]
     trainable = [p for p in parts if p.trainable]
-    params = sum(p.layout.shard_numel * p.element_size + (p.layout.total * p.element_size if p.persistent else 0)
-                 for p in parts) if stage == 3 else sum(p.layout.total * p.element_size for p in parts)
+    if stage == 3:
+        params = sum(_stage3_param_bytes(p, cfg) for p in parts)
+    else:
+        params = sum(p.layout.total * p.element_size for p in parts)
     if stage < 3:  # parameters outside the flat groups stay whole on every rank
         params += sum(_final_size(p, cast) * p.numel for p in info.params if p.group is None or not p.trainable)
     grads = sum((p.layout.total if stage == 1 else p.layout.shard_numel) * p.element_size for p in trainable)
@@ -101,6 +104,18 @@ def rank_bytes(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k_byte
         step_tile=tile,
         shard_numel=sum(p.layout.shard_numel for p in trainable),
     )
+
+
+def _stage3_param_bytes(part: _Part, cfg: ZeroConfig) -> int:
+    """A unit's bytes on this rank: its shard (a frozen gathered unit's as 8-bit codes with a scale and minimum
+    per block under ``zero_quantized_nontrainable_weights``, unless parameters are offloaded), plus the whole
+    unit when it is persistent."""
+    if part.persistent:
+        return (part.layout.shard_numel + part.layout.total) * part.element_size
+    offload = cfg.offload_param
+    if not part.trainable and cfg.zero_quantized_nontrainable_weights and (offload is None or offload.device == "none"):
+        return sum(wire_bytes(1, b.shard_size, 8, asymmetric=True) for b in part.layout.buckets)
+    return part.layout.shard_numel * part.element_size
 
 
 # -- the plans, from a ModelInfo --------------------------------------------------------------------------

@@ -1,0 +1,178 @@
+"""The core's written contracts: what each kind of object promises to the code that uses it.
+
+The engine drives a *runtime* (where parameters and gradients live: ``ReplicatedParamsRuntime`` for stages 1-2,
+``PartitionedParamsRuntime`` for stage 3), which owns *parts* (one flat group of parameters with this rank's
+fp32 master shards: ``FlatParamGroup``, ``ParamUnit``). A parameter has an *owner* (zero_core/registry.py): the
+engine it trains under, or before setup the ``zero_core.Init`` partition it was built in. Checkpoints read an
+engine through :class:`CheckpointedEngine`. Callers use these types instead of probing with ``hasattr``;
+tests/test_contracts.py checks that each implementation satisfies its protocol.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Protocol, runtime_checkable
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:  # annotations only: these modules import this one's users
+    from zero_core.comm.communicator import Communicator
+    from zero_core.comm.topology import Topology
+    from zero_core.config import ZeroConfig
+    from zero_core.fragments import Fragment
+    from zero_core.layout import FlatLayout
+    from zero_core.optim.loss_scaler import LossScaler
+    from zero_core.optim.master_shards import MasterShards
+
+
+@runtime_checkable
+class Part(Protocol):
+    """One flat group of parameters of one optimizer group and dtype, with this rank's shards."""
+
+    params: list[nn.Parameter]
+    names: list[str]
+    group_index: Optional[int]  # the optimizer group (counted across optimizers); stage 3: None when frozen
+    layout: "FlatLayout"
+    rank: int
+    dtype: torch.dtype
+    device: torch.device
+    master_shards: Optional["MasterShards"]
+    on_grad_reduced: Optional[Callable]  # offload: called with (part, bucket or None) after each reduction
+
+    @property
+    def masters(self) -> list[nn.Parameter]:
+        """What the optimizer steps: one fp32 piece per parameter fragment this rank owns."""
+
+    def fragments(self) -> list["Fragment"]: ...
+
+    def grad_shards(self) -> list[torch.Tensor]: ...
+
+    def param_shards(self) -> list[torch.Tensor]:
+        """This rank's model-side (training dtype) shard of each bucket: what the masters write back into."""
+
+    def shard_in_memory(self) -> ContextManager:
+        """A context in which :meth:`param_shards` hold this rank's values (NVMe parameter offload reads them)."""
+
+    def zero_grads(self) -> None: ...
+
+    def write_back_masters(self) -> None: ...
+
+
+@runtime_checkable
+class Runtime(Protocol):
+    """Where parameters and gradients live for one stage; the engine's only partner for them."""
+
+    module: nn.Module
+    config: "ZeroConfig"
+    comm: "Communicator"
+    parts: list  # the trainable Parts, in optimizer-group order
+    param_swap: Optional[Any]  # offload_param nvme: the swap file of parameter shards (stage 3), else None
+
+    def managed_params(self) -> list[nn.Parameter]: ...
+
+    def add_trainable(self, by_group: dict[int, list[nn.Parameter]]) -> list: ...
+
+    def set_sync(self, sync: bool) -> None: ...
+
+    def reduce_gradients(self, parts: list) -> None: ...
+
+    def after_step(self, parts: list) -> None: ...
+
+    def zero_grads(self, parts: list) -> None: ...
+
+    def release_all(self) -> None:
+        """Release every gathered parameter not in use (stage 3's partition cache; nothing at stages 1-2)."""
+
+    def add_external_after_setup(self, module: nn.Module, param: nn.Parameter) -> None:
+        """``register_external_parameter`` after setup (stage 3 gathers it with ``module``; whole elsewhere)."""
+
+    def quiesce(self, communicate: bool) -> None: ...
+
+    def replicated_state(self) -> dict[str, torch.Tensor]: ...
+
+    def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def gather_params(self, params) -> list: ...
+
+    def commit_params(self, params, opened: list, modified: bool) -> None: ...
+
+    def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None: ...
+
+    def param_shards(self) -> list[torch.Tensor]: ...
+
+    def scratch_nbytes(self) -> int: ...
+
+    def grad_tensors(self) -> list[torch.Tensor]: ...
+
+
+@runtime_checkable
+class ParamOwner(Protocol):
+    """Who manages a parameter (zero_core/registry.py): a ZeroEngine, or a zero_core.Init partition. Partitioned
+    parameters (stage3/partitioned_param.py) and ``GatheredParameters`` go through it."""
+
+    def describe(self, param: torch.Tensor) -> str:
+        """The parameter's name, for error messages."""
+
+    def handles_released(self, func) -> bool:
+        """Whether ``func`` on a released (partitioned) parameter is answered by :meth:`run_on_released`."""
+
+    def run_on_released(self, func, args, kwargs) -> Any: ...
+
+    def gather_params(self, params) -> list:
+        """Gather what is partitioned; returns what was opened (for :meth:`commit_params`). A collective."""
+
+    def commit_params(self, params, opened: list, modified: bool) -> None: ...
+
+
+@runtime_checkable
+class PendingPartition(ParamOwner, Protocol):
+    """A ``zero_core.Init`` partition: parameters partitioned at construction, before any engine."""
+
+    def assign_data(self, param: nn.Parameter, value: torch.Tensor) -> None:
+        """``param.data = value`` inside the context: the partition takes the new values."""
+
+    def take_whole_value(self, param: nn.Parameter) -> torch.Tensor:
+        """Hand the parameter to stage 3's setup: its whole value; the partition forgets it."""
+
+
+@runtime_checkable
+class CheckpointedEngine(Protocol):
+    """What zero_core/checkpoint reads and writes of an engine (a ZeroEngine)."""
+
+    module: nn.Module
+    config: "ZeroConfig"
+    topology: "Topology"
+    comm: "Communicator"
+    inner_optimizers: list[torch.optim.Optimizer]
+    group_optimizer: list[int]  # per optimizer group (counted across optimizers): its optimizer's index
+    group_param_names: list[list[str]]  # per optimizer group: its parameters' names, frozen ones included
+    skipped_steps: int
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def loss_scaler(self) -> Optional["LossScaler"]: ...
+
+    def restore_skipped_steps(self, count: int) -> None:
+        """A loaded checkpoint's count of fp16 steps skipped for overflow."""
+
+    def fragments(self, optimizer=None) -> list["Fragment"]: ...
+
+    def trainable_params(self, optimizer=None) -> list[nn.Parameter]: ...
+
+    def optimizer_state_of(self, master: torch.Tensor) -> dict: ...
+
+    def add_param_group(self, optimizer, param_group: dict) -> None: ...
+
+    def replicated_state(self) -> dict[str, torch.Tensor]: ...
+
+    def refresh_params_from_masters(self) -> None: ...
+
+    def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None: ...
+
+    def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]: ...
+
+    def gather_params(self, params) -> list: ...
+
+    def commit_params(self, params, opened: list, modified: bool) -> None: ...
