@@ -75,6 +75,7 @@ NON_DEFAULT = {
     "zero_quantized_gradients": (True, {"stage": 3}), "mics_shard_size": (8, {}), "mics_hierarchical_params_gather": (True, {}),
     "memory_efficient_linear": (False, {}), "pipeline_loading_checkpoint": (True, {}),
     "override_module_apply": (False, {}), "leaf_module": ({"names": ["layers.0.moe"]}, {}),
+    "shard_alignment": (64, {}),
     "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
     "gradient_clipping": (1.5, {}), "gradient_accumulation_steps": (4, {}), "aio": ({"block_size": 4096}, {}),
     "checkpoint": ({"use_node_local_storage": True}, {}),
@@ -113,9 +114,14 @@ def test_defaults_equal_deepspeed():
     assert dataclasses.asdict(cfg.checkpoint) == CHECKPOINT_DEFAULTS
 
 
+# Fields of lightning-zero's own in the zero_optimization block (DeepSpeed has none of these), with defaults.
+OWN_ZERO_DEFAULTS = {"shard_alignment": None}
+
+
 def test_fields_are_deepspeed_fields_plus_run_fields():
     names = [f.name for f in dataclasses.fields(ZeroConfig)]
-    assert names == [*DEEPSPEED_ZERO_DEFAULTS, "leaf_module", *RUN_FIELDS]
+    assert names == [*DEEPSPEED_ZERO_DEFAULTS, "leaf_module", *OWN_ZERO_DEFAULTS, *RUN_FIELDS]
+    assert {k: getattr(ZeroConfig(), k) for k in OWN_ZERO_DEFAULTS} == OWN_ZERO_DEFAULTS
     assert set(NON_DEFAULT) == set(names)
 
 
@@ -414,7 +420,8 @@ def test_field_status_classification():
                 "max_live_parameters", "max_reuse_distance", "override_module_apply",
                 "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "offload_optimizer",
                 "leaf_module", "offload_param", "zero_hpz_partition_size", "zero_quantized_weights",
-                "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather", "checkpoint"}
+                "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather", "checkpoint",
+                "shard_alignment"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
               "sub_group_size", "memory_efficient_linear", "aio", "zero_quantized_nontrainable_weights"}
     assert list(FIELD_STATUS) == [f.name for f in dataclasses.fields(ZeroConfig)]
@@ -591,6 +598,7 @@ INVALID = [
     ("stage-negative", D({ZO: {"stage": -1}}), "zero_optimization.stage must be one of 0, 1, 2, 3, got -1"),
     ("reduce-bucket", K(reduce_bucket_size=-1), "zero_optimization.reduce_bucket_size must be >= 0, got -1"),
     ("allgather-bucket", K(allgather_bucket_size=-5), "zero_optimization.allgather_bucket_size must be >= 0, got -5"),
+    ("shard-alignment", K(shard_alignment=0), "zero_optimization.shard_alignment must be >= 1, got 0"),
     ("sub-group", K(sub_group_size=-1), "zero_optimization.sub_group_size must be >= 0, got -1"),
     ("prefetch-alias", D({"stage3_prefetch_bucket_size": -1}),
      "zero_optimization.prefetch_bucket_size must be >= 0, got -1"),

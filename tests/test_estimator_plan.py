@@ -3,7 +3,7 @@
 Real engines (1 and 2 gloo processes) train two steps of several models (the issue's 6 blocks of LayerNorm +
 Linear 301->601->301, a transformer with a tied head, frozen blocks, mixed dtypes) under several optimizer group
 splits (one group, AdamW's decay / no-decay, three groups) at stages 1, 2 and 3 (and with optimizer or parameter
-offload to host memory); each rank's memory_stats()
+offload to host memory, and with aligned layouts); each rank's memory_stats()
 must equal `estimate_stage(..., param_groups=..., rank=rank)` class by class, and the plan the runtime built must
 be the plan the estimator counted.
 """
@@ -114,6 +114,12 @@ CASES = (
     # (offload.estimate.placement_bytes splits them by place; NVMe swaps masters and state out between steps).
     + [Case("frozen", "decay", stage, "bf16", (("offload_optimizer", {"device": "cpu"}),)) for stage in (2, 3)]
     + [Case("frozen", "decay", 3, "bf16", (("offload_param", {"device": "cpu"}),))]
+    # Aligned layouts (shard_alignment, CUDA's default of 64 forced on the CPU, and an odd 3): gaps between
+    # parameters and longer shards, counted from the same plan
+    + [Case("blocks", "decay", stage, "bf16", (("shard_alignment", 64),)) for stage in (1, 2, 3)]
+    + [Case("tied", "three", stage, "fp32", (("shard_alignment", 3),)) for stage in (2, 3)]
+    + [Case("frozen", "decay", 3, "bf16", (("shard_alignment", 64),)),  # a rank's bucket shard all padding
+       Case("frozen", "decay", 3, "bf16", (("offload_optimizer", {"device": "cpu"}), ("shard_alignment", 64)))]
 )
 
 

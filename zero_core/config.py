@@ -86,6 +86,7 @@ FIELD_STATUS = {
     "pipeline_loading_checkpoint": NOT_YET,
     "override_module_apply": HONOURED,
     "leaf_module": HONOURED,
+    "shard_alignment": HONOURED,
     "fp16": HONOURED,
     "bf16": HONOURED,
     "gradient_clipping": HONOURED,
@@ -399,6 +400,12 @@ class ZeroConfig(Block):
     leaf_module: LeafModuleConfig = setting(
         factory=LeafModuleConfig,
         doc="Stage 3 leaf modules: a mapping of LeafModuleConfig fields (classes, names, name_suffixes).")
+    shard_alignment: Optional[int] = setting(
+        None, minimum=1,
+        doc="lightning-zero's own (not DeepSpeed's): every parameter's start and every rank's shard boundary in the "
+            "flat buffers (stages 1-2) and units (stage 3) fall on a multiple of this many elements, padded with "
+            "zeros; null means 64 on CUDA (128 bytes for 16-bit parameters) and 1 elsewhere. Checkpoints load at "
+            "any alignment.")
     fp16: FP16Config = setting(factory=FP16Config, doc="Float16 mixed precision: the top-level fp16 block.")
     bf16: BF16Config = setting(
         factory=BF16Config,

@@ -12,6 +12,13 @@ Index spaces (all in elements):
 The buffer is cut into buckets at parameter boundaries. Each bucket is padded to a multiple of the world size
 and rank ``r`` owns the ``r``-th equal slice of every bucket, so one ``reduce_scatter_tensor`` per bucket lands
 each rank's gradients in its own slice, and one ``all_gather_into_tensor`` per bucket rebuilds the parameters.
+
+With an ``alignment`` of ``A`` elements (``shard_alignment`` in the config; 64 on CUDA, 1 elsewhere: see
+planning.py), every parameter starts at a multiple of ``A`` (zeros fill the gap after the previous one) and
+every bucket is padded to a multiple of ``A * world_size``, so every rank's shard also starts and ends on a
+multiple of ``A``: collectives and kernels read aligned memory. Padding, wherever it sits, belongs to no
+parameter: it holds zeros, has no fp32 master and no optimizer state, and is never checkpointed (checkpoints
+store each parameter's elements by parameter offset, so they load at any alignment).
 """
 
 from __future__ import annotations
@@ -92,6 +99,7 @@ class FlatLayout:
     numels: tuple[int, ...]
     slots: tuple[ParamSlot, ...]
     buckets: tuple[BucketLayout, ...]
+    alignment: int = 1  # parameter starts and shard boundaries are multiples of this many elements
 
     @property
     def total(self) -> int:
@@ -102,6 +110,11 @@ class FlatLayout:
     def numel(self) -> int:
         """Unpadded element count (the parameters alone)."""
         return sum(self.numels)
+
+    @property
+    def padding(self) -> int:
+        """Elements that hold no parameter: between parameters (alignment) and at the end of each bucket."""
+        return self.total - self.numel
 
     @property
     def shard_numel(self) -> int:
@@ -137,34 +150,40 @@ def _pad(size: int, multiple: int) -> int:
     return -(-size // multiple) * multiple
 
 
-def compute_layout(numels: Sequence[int], world_size: int, bucket_numel: int) -> FlatLayout:
-    """Pack parameters in order into buckets of at most ``bucket_numel`` elements.
+def compute_layout(numels: Sequence[int], world_size: int, bucket_numel: int, alignment: int = 1) -> FlatLayout:
+    """Pack parameters in order into buckets of at most ``bucket_numel`` elements (alignment gaps included).
 
     A parameter never straddles two buckets; one larger than ``bucket_numel`` gets a bucket of its own. Each
-    bucket is padded at its end to a multiple of ``world_size``.
+    parameter starts at a multiple of ``alignment`` and each bucket is padded at its end to a multiple of
+    ``alignment * world_size``, so each rank's shard of a bucket is a multiple of ``alignment`` long. With
+    ``alignment=1`` parameters are packed back to back and buckets padded to a multiple of ``world_size``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if int(alignment) != alignment or alignment < 1:
+        raise ValueError(f"alignment must be an integer >= 1 (elements), got {alignment!r}")
     if any(n < 0 for n in numels):
         raise ValueError("parameter sizes must be >= 0")
+    alignment = int(alignment)
     bucket_numel = max(int(bucket_numel), 1)
     groups: list[list[int]] = []
-    filled = 0
+    filled = 0  # elements used in the current bucket, up to the end of its last parameter
     for index, numel in enumerate(numels):
-        if not groups or (filled + numel > bucket_numel and filled > 0):
+        if not groups or (_pad(filled, alignment) + numel > bucket_numel and filled > 0):
             groups.append([])
             filled = 0
         groups[-1].append(index)
-        filled += numel
+        filled = _pad(filled, alignment) + numel
     slots: list[Optional[ParamSlot]] = [None] * len(numels)
     buckets = []
     cursor = 0
     for bucket_index, members in enumerate(groups):
-        start = cursor
+        start = cursor  # a multiple of alignment * world_size: every bucket before is
         for index in members:
+            cursor = start + _pad(cursor - start, alignment)
             slots[index] = ParamSlot(index, bucket_index, Range(cursor, cursor + numels[index]))
             cursor += numels[index]
-        end = start + _pad(max(cursor - start, 1), world_size)
+        end = start + _pad(max(cursor - start, 1), world_size * alignment)
         buckets.append(BucketLayout(bucket_index, Range(start, end), tuple(members), world_size))
         cursor = end
-    return FlatLayout(world_size, tuple(int(n) for n in numels), tuple(slots), tuple(buckets))
+    return FlatLayout(world_size, tuple(int(n) for n in numels), tuple(slots), tuple(buckets), alignment)

@@ -12,19 +12,42 @@ estimator (tools/estimator.py) counts the same plans, so the two cannot disagree
   ``model_persistence_threshold`` lasts; gradients are reduced in buckets of ``reduce_bucket_numel`` elements.
 - Scratch (buffer_pool.py): requests rounded up by ``pool_capacity``; ``*_IN_FLIGHT`` reductions kept in flight
   with ``overlap_comm``.
+- Alignment (``layout_alignment``): every layout puts parameter starts and shard boundaries on multiples of
+  ``shard_alignment`` elements; unset, 64 on CUDA and 1 elsewhere, so it depends on the ``device`` the runtimes
+  allocate on (the estimator is told the device it estimates for).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence, Union
 
 from zero_core.layout import FlatLayout, compute_layout
+
+if TYPE_CHECKING:
+    import torch
 
 # Reductions kept in flight while the next one starts, with overlap_comm (none without): the stage 1-2
 # reducer's (GradReducer.MAX_IN_FLIGHT) and stage 3's (PartitionedParamsRuntime.MAX_IN_FLIGHT).
 REPLICATED_IN_FLIGHT = 2
 PARTITIONED_IN_FLIGHT = 1
+
+# Elements parameter starts and shard boundaries are aligned to on CUDA when ``shard_alignment`` is unset:
+# 128 bytes for 16-bit parameters (a global-memory transaction, Megatron's parameter alignment), 256 bytes for
+# fp32. Every shard then starts on such a boundary, so NCCL's collectives and the kernels over shards read
+# aligned memory. CPU layouts stay packed (1): gloo and CPU kernels gain nothing from it.
+CUDA_ALIGNMENT = 64
+
+Device = Union["torch.device", str, None]  # where the runtime allocates ("cuda:0", ...); None: the CPU
+
+
+def layout_alignment(config, device: Device = None) -> int:
+    """The alignment, in elements, of the layouts planned for parameters allocated on ``device``:
+    ``config.shard_alignment`` when set, else ``CUDA_ALIGNMENT`` on CUDA and 1 elsewhere."""
+    if config.shard_alignment is not None:
+        return config.shard_alignment
+    kind = getattr(device, "type", None) or str(device or "cpu").split(":")[0]
+    return CUDA_ALIGNMENT if kind == "cuda" else 1
 
 
 @dataclass(frozen=True)
@@ -90,22 +113,24 @@ def flat_bucket_numel(config) -> int:
 
 
 def plan_flat_groups(group_index: int, dtypes: Sequence[str], numels: Sequence[int], world_size: int,
-                     config) -> list[FlatGroupPlan]:
+                     config, device: Device = None) -> list[FlatGroupPlan]:
     """One flat buffer per dtype (in ``str`` order) of optimizer group ``group_index``'s trainable parameters,
-    given in the group's order by their ``dtypes`` and ``numels``."""
+    given in the group's order by their ``dtypes`` and ``numels``, allocated on ``device``."""
     plans = []
     for dtype in sorted(set(dtypes)):
         members = tuple(i for i, d in enumerate(dtypes) if d == dtype)
-        layout = compute_layout([numels[i] for i in members], world_size, flat_bucket_numel(config))
+        layout = compute_layout([numels[i] for i in members], world_size, flat_bucket_numel(config),
+                                layout_alignment(config, device))
         plans.append(FlatGroupPlan(group_index, dtype, members, layout))
     return plans
 
 
-def plan_replicated(trainable_by_group: Sequence[Sequence[ParamSpec]], world_size: int, config) -> ReplicatedPlan:
+def plan_replicated(trainable_by_group: Sequence[Sequence[ParamSpec]], world_size: int, config,
+                    device: Device = None) -> ReplicatedPlan:
     """Every optimizer group's flat buffers, group by group; ``members`` index into that group's list."""
     groups = [plan for index, specs in enumerate(trainable_by_group)
               for plan in plan_flat_groups(index, [s.dtype for s in specs], [s.numel for s in specs], world_size,
-                                           config)]
+                                           config, device)]
     return ReplicatedPlan(tuple(groups), flat_bucket_numel(config))
 
 
@@ -117,7 +142,8 @@ def reduction_order(bucket_positions: Sequence[tuple[object, int, Sequence[int]]
     return [(group, bucket) for group, bucket, _ in ordered]
 
 
-def plan_units(modules: Sequence[tuple[str, Sequence[ParamSpec]]], world_size: int, config) -> PartitionedPlan:
+def plan_units(modules: Sequence[tuple[str, Sequence[ParamSpec]]], world_size: int, config,
+               device: Device = None) -> PartitionedPlan:
     """Stage 3's units in model order. ``modules``: each module's name and its own parameters not registered by
     an earlier module; ``members`` index into the concatenation of those lists."""
     units = []
@@ -130,15 +156,15 @@ def plan_units(modules: Sequence[tuple[str, Sequence[ParamSpec]]], world_size: i
             persistent = all(n < config.param_persistence_threshold for n in numels) and sum(numels) <= budget
             if persistent:
                 budget -= sum(numels)
-            layout = unit_layout(numels, world_size, config)
+            layout = unit_layout(numels, world_size, config, device)
             units.append(UnitPlan(module_name, key[0] if key[0] >= 0 else None, key[1], members, layout, persistent))
         start += len(specs)
     return PartitionedPlan(tuple(units), reduce_bucket_numel([u.layout.total for u in units if u.trainable], config))
 
 
-def unit_layout(numels: Sequence[int], world_size: int, config) -> FlatLayout:
+def unit_layout(numels: Sequence[int], world_size: int, config, device: Device = None) -> FlatLayout:
     """A stage 3 unit's layout: its own buckets of ``reduce_bucket_size`` elements, padded on their own."""
-    return compute_layout(numels, world_size, config.reduce_bucket_size)
+    return compute_layout(numels, world_size, config.reduce_bucket_size, layout_alignment(config, device))
 
 
 def reduce_bucket_numel(trainable_unit_numels: Sequence[int], config) -> int:

@@ -64,13 +64,14 @@ class ReplicatedParamsRuntime:
         """The flat groups planning.py plans (``self.plan``, the estimator counts the same plan)."""
         specs = [[ParamSpec(p.numel(), str(p.dtype), index) for p in trainable]
                  for index, trainable in enumerate(trainable_by_group)]
-        self.plan = plan_replicated(specs, self.comm.topology.world_size, self.config)
+        device = next((p.device for trainable in trainable_by_group for p in trainable), None)
+        self.plan = plan_replicated(specs, self.comm.topology.world_size, self.config, device)
         return [self._group_from(plan, trainable_by_group[plan.group_index]) for plan in self.plan.groups]
 
     def _groups_of(self, index: int, trainable: list[nn.Parameter]) -> list[FlatParamGroup]:
         """One flat group per dtype of optimizer group ``index``'s trainable parameters."""
         plans = plan_flat_groups(index, [str(p.dtype) for p in trainable], [p.numel() for p in trainable],
-                                 self.comm.topology.world_size, self.config)
+                                 self.comm.topology.world_size, self.config, trainable[0].device if trainable else None)
         return [self._group_from(plan, trainable) for plan in plans]
 
     def _group_from(self, plan: FlatGroupPlan, trainable: list[nn.Parameter]) -> FlatParamGroup:

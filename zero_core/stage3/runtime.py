@@ -118,7 +118,7 @@ class PartitionedParamsRuntime:
             seen.update(owned[module_name])
         specs = [(name, [ParamSpec(p.numel(), str(p.dtype), group_of.get(p), name) for p in params])
                  for name, params in owned.items()]
-        self.plan = plan_units(specs, self.comm.topology.world_size, self.config)
+        self.plan = plan_units(specs, self.comm.topology.world_size, self.config, device)
         flat = [p for params in owned.values() for p in params]
         planned = defaultdict(list)
         for unit in self.plan.units:
@@ -145,7 +145,8 @@ class PartitionedParamsRuntime:
     def _new_unit(self, module_name, mod, params, group_index, values, persistent: bool, broadcast: bool,
                   layout: Optional[FlatLayout] = None):
         if layout is None:  # a unit split by add_trainable: laid out as planning.py lays out every unit
-            layout = unit_layout([p.numel() for p in params], self.comm.topology.world_size, self.config)
+            layout = unit_layout([p.numel() for p in params], self.comm.topology.world_size, self.config,
+                                 params[0].device)
         dtype = self.policy.param_dtype if params[0].is_floating_point() else params[0].dtype
         unit = ParamUnit(self._unit_count, module_name, params, [self.names[p] for p in params], group_index, layout,
                          self.comm, dtype)

@@ -50,6 +50,10 @@ def build_parser() -> ArgumentParser:
                         help="Optimizer-state bytes per element besides the fp32 master (Adam: 8; SGD with "
                         "momentum: 4).")
     parser.add_argument("--unit", type=str, default="GB", help=f"One of {', '.join(UNITS)} (GB = 1e9 bytes).")
+    parser.add_argument("--device", type=str, default="cuda", choices=["cuda", "cpu"],
+                        help="Where the engine holds the parameters: on cuda, flat layouts put parameter starts and "
+                        "shard boundaries on multiples of 64 elements unless the config sets shard_alignment "
+                        "(cpu: packed). Default: cuda.")
     return parser
 
 
@@ -105,7 +109,7 @@ def run(argv: Optional[list] = None) -> str:
     for world_size in args.world_size:
         estimates = estimate_memory(subject, config, world_size, stages=args.stages,
                                     precision=_precision(args),
-                                    optimizer_state_bytes=args.optimizer_state_bytes)
+                                    optimizer_state_bytes=args.optimizer_state_bytes, device=args.device)
         numel = estimates[0].numel if estimates else 0
         blocks.append(f"{label}: Ψ = {numel:,} trainable elements, {world_size} ranks, "
                       f"{estimates[0].precision if estimates else ''}\n\n" + format_table(estimates, args.unit)

@@ -27,7 +27,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from zero_core.config import ZeroConfig
 from zero_core.planning import step_tile_numel
-from zero_core.tools.plan_memory import hpz_secondary_bytes, rank_bytes
+from zero_core.tools.plan_memory import for_device, hpz_secondary_bytes, rank_bytes
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 STAGES = (0, 1, 2, 3)
@@ -187,6 +187,7 @@ def estimate_memory(
     optimizer_tensor_bytes: int = ADAM_TENSOR_BYTES,
     param_groups=None,
     rank: Optional[int] = None,
+    device: str = "cpu",
 ) -> list[MemoryEstimate]:
     """Per-rank bytes for each stage (default: 0-3) of a model (``nn.Module`` or `ModelInfo`) or a count.
 
@@ -197,8 +198,10 @@ def estimate_memory(
     class). With a count, shards are ``ceil(Ψ / N)`` and no buffers are estimated.
     ``optimizer_state_bytes`` are per element, ``optimizer_tensor_bytes`` per optimizer parameter (Adam's
     ``step``: 4; the engine's optimizer parameters are one master piece per parameter fragment of a rank).
+    ``device`` is where the engine will hold the parameters: with ``shard_alignment`` unset, layouts on "cuda"
+    are aligned to 64 elements (planning.layout_alignment), on "cpu" packed.
     """
-    cfg = ZeroConfig.coerce(config)
+    cfg = for_device(ZeroConfig.coerce(config), device)
     precision = _resolve_precision(precision, cfg)
     _check_world_size(world_size)
     info = _as_model_info(model_or_numel, param_groups)

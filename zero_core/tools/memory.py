@@ -32,6 +32,16 @@ def _state_tensors(optimizers: Iterable[torch.optim.Optimizer]) -> Iterable[torc
                     yield value
 
 
+def _master_tensors(parts) -> Iterable[torch.Tensor]:
+    """Each part's fp32 master storage: its bucket tensors, allocated whole even where this rank's shard of a
+    bucket is all padding (no piece views it), and its pieces (tensors of their own with NVMe offload)."""
+    for part in parts:
+        masters = getattr(part, "master_shards", None)
+        if masters is not None:
+            yield from masters.buckets
+        yield from part.masters
+
+
 def model_state_bytes(module, inner_optimizers, runtime) -> dict[str, int]:
     """Parameters, gradients, fp32 master copies, optimizer state and buffers (module buffers and scratch).
 
@@ -41,7 +51,7 @@ def model_state_bytes(module, inner_optimizers, runtime) -> dict[str, int]:
     params = counter.nbytes(module.parameters()) + counter.nbytes(runtime.param_shards())
     grads = counter.nbytes(runtime.grad_tensors())
     grads += counter.nbytes([p.grad for p in module.parameters() if p.grad is not None])
-    master = counter.nbytes([m for part in runtime.parts for m in part.masters])
+    master = counter.nbytes(_master_tensors(runtime.parts))
     optimizer_state = counter.nbytes(_state_tensors(inner_optimizers))
     buffers = counter.nbytes(module.buffers()) + runtime.scratch_nbytes()
     return {

@@ -4,10 +4,13 @@ class by class as ``engine.memory_stats()`` counts the allocated tensors after a
 Everything here is exact for the engine as written, with one assumption: the stage 2 scratch pool is replayed
 with gradients arriving in reverse model order (what autograd does for a model that uses its parameters in
 registration order); another arrival order can hold a different number of staging buffers at once.
+The layouts' alignment depends on the device the engine allocates on: ``for_device`` fixes it in the config once,
+so every plan counted here is the plan the engine makes on that device.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections import Counter
 from dataclasses import dataclass
@@ -20,6 +23,7 @@ from zero_core.planning import (
     PARTITIONED_IN_FLIGHT,
     REPLICATED_IN_FLIGHT,
     ParamSpec,
+    layout_alignment,
     plan_replicated,
     plan_units,
     pool_capacity,
@@ -54,6 +58,12 @@ class _Part:
     element_size: int
     trainable: bool
     persistent: bool = False
+
+
+def for_device(cfg: ZeroConfig, device) -> ZeroConfig:
+    """``cfg`` with ``shard_alignment`` resolved for parameters on ``device`` (planning.layout_alignment)."""
+    alignment = layout_alignment(cfg, device)
+    return cfg if cfg.shard_alignment == alignment else dataclasses.replace(cfg, shard_alignment=alignment)
 
 
 def rank_bytes(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k_bytes: int, tensor_bytes: int,
@@ -303,8 +313,10 @@ def _replay_backward(order, positions, pool: _PoolReplay, sizes: dict, launch) -
         cursor -= 1
 
 
-def engine_plan(info, cfg: ZeroConfig, n: int, stage: int, precision: str):
-    """The plan the engine makes for this model (a ReplicatedPlan for stages 1-2, a PartitionedPlan for 3)."""
+def engine_plan(info, cfg: ZeroConfig, n: int, stage: int, precision: str, device=None):
+    """The plan the engine makes for this model on ``device`` (None: the CPU): a ReplicatedPlan for stages 1-2,
+    a PartitionedPlan for 3."""
+    cfg = for_device(cfg, device)
     if stage == 3:
         return _units(info, cfg, n, precision)[1]
     return _replicated_plan(info, cfg, n, precision)[0]
