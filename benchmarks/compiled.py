@@ -134,19 +134,26 @@ def _interleaved(args, specs: dict) -> tuple[dict, dict]:
     return times, cpu
 
 
-def _interleaved_table(args, times: dict, cpu: dict) -> list[str]:
-    lines = ["| implementation | mode | step ms | CPU ms | compiled / eager, step | compiled / eager, CPU |",
-             "| --- | --- | --- | --- | --- | --- |"]
+def _rows(args, times: dict, cpu: dict, extra, n_extra: int) -> list[str]:
+    """One row per (implementation, mode): step and CPU medians, then compiled/eager ratios and the ``n_extra``
+    columns of ``extra(key)`` (all blank for eager runs)."""
+    rows = []
     for impl in args.impls:
         for mode in args.modes:
             key, eager = (impl, mode), (impl, "eager")
             row = (f"| {impl} | {mode} | {statistics.median(times[key]) * 1e3:.1f} | "
                    f"{statistics.median(cpu[key]) * 1e3:.1f} |")
             if mode == "eager":
-                lines.append(row + " | |")
-            else:
-                lines.append(row + f" {_ratios(times[key], times[eager])} | {_ratios(cpu[key], cpu[eager])} |")
-    return lines
+                rows.append(row + " |" * (2 + n_extra))
+                continue
+            cells = [_ratios(times[key], times[eager]), _ratios(cpu[key], cpu[eager]), *extra(key)]
+            rows.append(row + "".join(f" {c} |" for c in cells))
+    return rows
+
+
+def _interleaved_table(args, times: dict, cpu: dict) -> list[str]:
+    return ["| implementation | mode | step ms | CPU ms | compiled / eager, step | compiled / eager, CPU |",
+            "| --- | --- | --- | --- | --- | --- |"] + _rows(args, times, cpu, lambda key: [], 0)
 
 
 def _ratios(mine: list[float], eager: list[float]) -> str:
@@ -155,21 +162,13 @@ def _ratios(mine: list[float], eager: list[float]) -> str:
 
 
 def _table(args, times: dict, cpu: dict, stats: dict) -> list[str]:
-    lines = ["| implementation | mode | step ms | CPU ms | compiled / eager, step | compiled / eager, CPU "
-             "| graph breaks | frames run eagerly | graphs | timed recompiles |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for impl in args.impls:
-        for mode in args.modes:
-            key, eager = (impl, mode), (impl, "eager")
-            row = (f"| {impl} | {mode} | {statistics.median(times[key]) * 1e3:.1f} | "
-                   f"{statistics.median(cpu[key]) * 1e3:.1f} |")
-            if mode == "eager":
-                lines.append(row + " | | | | | |")
-                continue
-            s = stats[key]
-            lines.append(row + f" {_ratios(times[key], times[eager])} | {_ratios(cpu[key], cpu[eager])} | "
-                         f"{s['graph_breaks']} | {s['frames_skipped']} | {s['graphs']} | {s['timed_recompiles']} |")
-    return lines
+    def counts(key):
+        s = stats[key]
+        return [s["graph_breaks"], s["frames_skipped"], s["graphs"], s["timed_recompiles"]]
+
+    return ["| implementation | mode | step ms | CPU ms | compiled / eager, step | compiled / eager, CPU "
+            "| graph breaks | frames run eagerly | graphs | timed recompiles |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"] + _rows(args, times, cpu, counts, 4)
 
 
 def _versus(args, times: dict, cpu: dict, impl: str, other: str) -> list[str]:

@@ -29,7 +29,7 @@ def _contracts(rank: int, world_size: int, tmp: str) -> dict:
     from zero_core import contracts, registry
 
     results = {}
-    with zero_core.Init(config={"stage": 3}):
+    with zero_core.Init(config={"stage": 3, "param_persistence_threshold": 0}):
         built = nn.Linear(4, 4)
     pending = registry.pending_partition_of(built.weight)
     results["init"] = (isinstance(pending, contracts.PendingPartition), zero_core.is_partitioned(built.weight),
@@ -38,7 +38,7 @@ def _contracts(rank: int, world_size: int, tmp: str) -> dict:
         torch.manual_seed(0)
         model = _Tied() if stage != 3 else built
         optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
-        engine = zero_core.setup(model, optimizer, {"stage": stage})
+        engine = zero_core.setup(model, optimizer, {"stage": stage, "param_persistence_threshold": 0})
         x = torch.randint(0, 11, (4, 5)) if stage != 3 else torch.randn(3, 4)
         engine.backward(model(x) if stage != 3 else model(x).square().mean())
         engine.step()

@@ -60,7 +60,7 @@ class _Blocks(nn.Module):
 def _phases(rank, world_size):
     torch.manual_seed(0)
     model = _Blocks()
-    engine = zero_core.setup(model, torch.optim.SGD(model.parameters(), lr=0.1),
+    engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1),
                              {"stage": 3, "param_persistence_threshold": 0})
     runtime = engine.runtime
     x = torch.randn(4, 8)

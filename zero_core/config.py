@@ -213,7 +213,8 @@ class AioConfig(Block):
     queue_depth: int = setting(8, minimum=1, doc="Requests of one transfer in flight per thread.")
     thread_count: int = setting(1, minimum=1, doc="I/O threads.")
     single_submit: bool = setting(False, doc="Submit requests one at a time instead of in batches.")
-    overlap_events: bool = setting(True, doc="Overlap NVMe transfers with the optimizer step.")
+    overlap_events: bool = setting(True, doc="Overlap NVMe transfers with the optimizer step and read parameter "
+                                   "shards ahead of their gather; with an accelerator, copy offloaded tiles on a thread.")
 
 
 @checked_init

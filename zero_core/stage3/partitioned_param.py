@@ -242,6 +242,11 @@ def _dispatch(func, args, kwargs):
     return _bind_views(result, bases)
 
 
+def _format(tensor: torch.Tensor, spec: str) -> str:
+    """``format(p, spec)``: the repr while released (or without a spec), else the values formatted."""
+    return repr(tensor) if is_released(tensor) or not spec else format(torch.Tensor.clone(tensor), spec)
+
+
 class PartitionedParameter(nn.Parameter):
     """An ``nn.Parameter`` partitioned by ZeRO stage 3 (the user's object, its class switched in place)."""
 
@@ -257,7 +262,7 @@ class PartitionedParameter(nn.Parameter):
             return torch.Tensor.__repr__(self)
 
     def __format__(self, spec: str) -> str:
-        return self.__repr__() if is_released(self) or not spec else format(torch.Tensor.clone(self), spec)
+        return _format(self, spec)
 
 
 class PartitionedView(torch.Tensor):
@@ -276,7 +281,7 @@ class PartitionedView(torch.Tensor):
             return torch.Tensor.__repr__(self)
 
     def __format__(self, spec: str) -> str:
-        return self.__repr__() if is_released(self) or not spec else format(torch.Tensor.clone(self), spec)
+        return _format(self, spec)
 
     def __reduce_ex__(self, proto):
         """Pickle (torch.save) as a plain tensor: values only, never this class."""
