@@ -146,6 +146,8 @@ def bench_step(args) -> dict:
     config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"}, sub_group_size=args.sub_group_size)
     offload = OptimizerOffload([group], config, rank=0)
     offload.copy_thread = args.copy_thread  # on a CPU-only run the engine copies inline (no accelerator transfers)
+    if args.chunk:
+        offload.chunk_numel = args.chunk
     optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
     offload.bind([optimizer])
     used = [[True] * len(sizes)]
@@ -156,7 +158,7 @@ def bench_step(args) -> dict:
 
     def copies_only():  # the write-back alone, unoverlapped (fp32 CPU gradients are used in place; from a GPU
         # they would be copied in too)
-        for shard, master in zip(group._param_shards(), group.master_shards.buckets):
+        for shard, master in zip(group.param_shards(), group.master_shards.buckets):
             shard.copy_(master)
 
     # The bare step again, over tensors the size of the offloaded pieces: torch's fused kernel runs one parallel
@@ -168,18 +170,30 @@ def bench_step(args) -> dict:
     bare_pieces = torch.optim.AdamW(pieces, lr=1e-3, fused=True)
 
     bare_times, off_times, copy_times, plain_times, pieces_times = [], [], [], [], []
+    # CPU seconds of the whole process (every thread, the copy thread included): on a machine shared with other
+    # jobs this is what the step costs, where wall time also counts the time the scheduler gave to others.
+    cpu: dict = {"bare": [], "offloaded": [], "backward_copies": []}
     bare.step(), offloaded(), not_offloaded(), bare_pieces.step()  # state allocation outside the timing
     for _ in range(args.repeats):
         for fn, times in ((bare.step, bare_times), (offloaded, off_times), (copies_only, copy_times),
                           (not_offloaded, plain_times), (bare_pieces.step, pieces_times)):
             if fn is offloaded and args.copied_in_backward:
+                start = time.process_time()
                 offload.grad_reduced(group, None)  # 16-bit: the copies to the host happen during backward
-            start = time.perf_counter()
+                cpu["backward_copies"].append(time.process_time() - start)
+            start, start_cpu = time.perf_counter(), time.process_time()
             fn()
             times.append(time.perf_counter() - start)
+            if times is bare_times or times is off_times:
+                cpu["bare" if times is bare_times else "offloaded"].append(time.process_time() - start_cpu)
     b, o = min(bare_times), min(off_times)
-    return {"numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward,
-            "copy_thread": args.copy_thread, "threads": torch.get_num_threads(), "bucket": args.bucket,
+    cpu_b, cpu_o = min(cpu["bare"]), min(cpu["offloaded"])
+    cpu_out = {"bare_fused_adamw_cpu_s": cpu_b, "offloaded_step_cpu_s": cpu_o, "offloaded_vs_bare_cpu": cpu_b / cpu_o}
+    if cpu["backward_copies"]:  # the gradient copies were done during backward: counted here with the step
+        copies = min(cpu["backward_copies"])
+        cpu_out.update(backward_copies_cpu_s=copies, offloaded_with_backward_copies_vs_bare_cpu=cpu_b / (cpu_o + copies))
+    return {**cpu_out, "numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward,
+            "copy_thread": args.copy_thread, "chunk": offload.chunk_numel, "threads": torch.get_num_threads(), "bucket": args.bucket,
             "param": args.param, "engine_step_without_offload_s": min(plain_times),
             "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
             "bare_Gparams_per_s": n / b / 1e9, "offloaded_Gparams_per_s": n / o / 1e9, "offloaded_vs_bare": b / o,
@@ -338,6 +352,8 @@ def main(argv=None) -> None:
     parser.add_argument("--copy-thread", action="store_true",
                         help="step: the copies around the step on a thread, overlapping the next tile's step (the "
                              "engine does this when the shards are on an accelerator)")
+    parser.add_argument("--chunk", type=int, default=0,
+                        help="step: elements per chunk of the Adam step (0: the engine's, chunked_step.CHUNK)")
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")

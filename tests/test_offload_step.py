@@ -1,15 +1,19 @@
 """The offloaded step's copy pipeline (device 'cpu'): with the copies on a thread or inline, with gradients copied
 during backward or at the step, over several tiles, with unscaling, clipping and a parameter that got no gradient,
 it gives bit for bit what the engine's step without offload gives (both run torch's fused AdamW), and the part's
-write-back after the step finds nothing left to do. One process: a flat group needs no process group."""
+write-back after the step finds nothing left to do. With Adam or AdamW the steps after the first run in chunks
+smaller than a piece (chunked_step.py): cut at 64-element boundaries, covering every stepped element once, and
+still bit for bit the step without offload, moments included, with an LR scheduler that sees the step. One
+process: a flat group needs no process group."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from zero_core.config import ZeroConfig
 from zero_core.layout import compute_layout
-from zero_core.offload import OptimizerOffload
+from zero_core.offload import OptimizerOffload, chunked_step
 from zero_core.optim.master_shards import step_in_tiles
 from zero_core.replicated.flat_param_group import FlatParamGroup
 
@@ -71,3 +75,80 @@ def test_offloaded_step_equals_the_step_without_offload_with_or_without_the_copy
         offload.close()
     assert torch.equal(reference.params[2].detach(), before)
     assert not torch.equal(reference.params[0].detach(), flat_group().params[0].detach())
+
+
+CHUNK_SIZES = [200, 130, 7, 64, 300, 45]  # pieces above the chunk: cut inside, on 64-element boundaries
+CHUNK_USED = [True, True, True, False, True, True]
+
+
+def chunk_group(sizes: list[int]) -> FlatParamGroup:
+    generator = torch.Generator().manual_seed(1)
+    params = [torch.nn.Parameter(torch.randn(size, generator=generator).to(torch.bfloat16)) for size in sizes]
+    group = FlatParamGroup(params, [f"p{i}" for i in range(len(params))], 0, compute_layout(sizes, 1, 256),
+                           rank=0, full_grads=False)
+    group.build_masters(torch.float32)
+    return group
+
+
+def chunked_vs_reference(make_optimizer, copy_thread: bool, monkeypatch) -> None:
+    """Five steps with a scheduler, clipping and unscaling: the offloaded step in 96-element chunks (pieces of
+    130-300 elements are cut) gives bit for bit the engine's step without offload, and the scheduler sees the
+    optimizer step (no 'lr_scheduler.step() before optimizer.step()' warning)."""
+    import warnings
+
+    reference = chunk_group(CHUNK_SIZES)
+    reference_optimizer = make_optimizer(reference.masters)
+    reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=2, gamma=0.5)
+    group = chunk_group(CHUNK_SIZES)
+    config = ZeroConfig(stage=2, offload_optimizer={"device": "cpu"}, sub_group_size=250)
+    offload = OptimizerOffload([group], config, rank=0)
+    offload.copy_thread, offload.chunk_numel = copy_thread, 96
+    optimizer = make_optimizer(group.masters)
+    offload.bind([optimizer])
+    chunks: list[tuple[int, int]] = []  # (lo, hi) of each chunk stepped, in the step's sequence of pieces
+    step_chunk = chunked_step._step_chunk
+    monkeypatch.setattr(chunked_step, "_step_chunk",
+                        lambda *args: (chunks.append(args[-2:]), step_chunk(*args))[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the scheduler's warning when it thinks the optimizer never stepped
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        for step in range(5):
+            for target in (reference, group):
+                set_grads(target, step)
+            step_in_tiles(reference_optimizer, [reference], [CHUNK_USED], 0.25, torch.tensor(0.6), 250)
+            reference.write_back_masters()
+            reference_scheduler.step()
+            offload.step(optimizer, [group], [CHUNK_USED], 0.25, torch.tensor(0.6))
+            group.write_back_masters()
+            offload.forget_grads()
+            scheduler.step()
+    label = f"{type(optimizer).__name__}, copy_thread={copy_thread}"
+    # The first step creates the state through optimizer.step(); the four others go in chunks of <= 96 elements
+    # covering every stepped element once, some cut inside a piece, 64-element aligned from the piece's start.
+    used = [size for size, on in zip(CHUNK_SIZES, CHUNK_USED) if on]
+    starts = [sum(used[:i]) for i in range(len(used))]
+    assert len(chunks) == offload.chunks_stepped and len(chunks) % 4 == 0, f"{label}: {len(chunks)} chunks"
+    per_step = chunks[: len(chunks) // 4]
+    assert per_step[0][0] == 0 and per_step[-1][1] == sum(used), f"{label}: chunks {per_step}"
+    assert all(a[1] == b[0] for a, b in zip(per_step, per_step[1:])), f"{label}: chunks {per_step} leave gaps"
+    assert max(hi - lo for lo, hi in per_step) <= 96, f"{label}: a chunk above 96 elements: {per_step}"
+    inside = [(lo, start) for lo, _ in per_step for start, size in zip(starts, used) if start < lo < start + size]
+    assert inside and all((lo - start) % 64 == 0 for lo, start in inside), f"{label}: cuts {per_step}"
+    assert torch.equal(group.flat, reference.flat), f"{label}: parameters differ from the step without offload"
+    for mine, theirs in zip(group.masters, reference.masters):
+        assert torch.equal(mine.detach(), theirs.detach()), f"{label}: masters differ"
+        if optimizer.state.get(mine):
+            for key, value in optimizer.state[mine].items():
+                assert torch.equal(value, reference_optimizer.state[theirs][key]), f"{label}: state {key} differs"
+    assert not optimizer.state.get(group.masters[3]), f"{label}: the parameter without gradient got state"
+    offload.close()
+
+
+@pytest.mark.parametrize("copy_thread", [False, True])
+@pytest.mark.parametrize("make_optimizer", [
+    lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+    lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
+    lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.9), maximize=True),
+], ids=["adamw", "adam-l2-amsgrad", "adam-maximize"])
+def test_chunked_step_cuts_pieces_and_equals_the_step_without_offload(make_optimizer, copy_thread, monkeypatch):
+    chunked_vs_reference(make_optimizer, copy_thread, monkeypatch)

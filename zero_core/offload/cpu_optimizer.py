@@ -24,6 +24,7 @@ from torch import nn
 from zero_core.optim.kernels import FUSED_CPU, only_params
 from zero_core.optim.master_shards import _scale, master_tiles, tile_runs
 from zero_core.offload.aio import AioPool, Transfer
+from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
 from zero_core.offload.host_masters import HostMasterShards
 from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
 from zero_core.offload.params import offload_param_shards
@@ -105,6 +106,8 @@ class OptimizerOffload:
         block = config.offload_optimizer
         self.device = block.device
         self.sub_group_size = config.sub_group_size
+        self.chunk_numel = CHUNK  # elements per chunk of the Adam/AdamW step on device 'cpu' (chunked_step.py)
+        self.chunks_stepped = 0  # chunks stepped by the chunked Adam path so far (a counter)
         nvme = self.device == "nvme"
         numel = sum(m.numel() for part in parts for m in part.masters)
         if nvme:
@@ -238,6 +241,8 @@ class OptimizerOffload:
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
         tiles = master_tiles(parts, used, self.sub_group_size)
         swap = self.swapper
+        if swap is None and steps_fused_adam(optimizer) and self._step_chunked(optimizer, tiles, inv_scale, clip):
+            return
         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
         pipe = _Pipeline(self._writer() if self._copy_thread(parts) else None) if swap is None else None
@@ -285,6 +290,40 @@ class OptimizerOffload:
         if writing is not None:
             writing.wait()
         self._fresh.clear()  # the step consumed them (the engine zeroes the shards next)
+
+    def _step_chunked(self, optimizer: torch.optim.Optimizer, tiles: list[list[tuple]], inv_scale: float,
+                      clip: Optional[torch.Tensor]) -> bool:
+        """Device 'cpu' with Adam/AdamW: every stepped piece in chunks smaller than a piece, the gradient copies
+        and the write-back beside them (chunked_step.py). False where a piece has no state yet (first step)."""
+        entries = [entry for tile in tiles for entry in tile]
+        grads, copies, writes, parts, offset = [], [], [], {}, 0
+        for piece, grad, part, index in entries:
+            if _in_host_fp32(grad):
+                grads.append(grad)  # already fp32 in host memory: used in place, as without offload
+                continue
+            fragment = part.master_shards.pieces[index]
+            whole = part.grad_shards()[fragment.bucket]
+            grads.append(self._host_bucket(part, fragment.bucket, whole.numel())[fragment.shard_range.as_slice()])
+        for part, bucket, start, end, _ in tile_runs(entries):
+            whole = part.grad_shards()[bucket]
+            if not _in_host_fp32(whole) and (id(part), bucket) not in self._fresh:
+                copies.append(Span(offset, self._grads[(id(part), bucket)][start:end], whole[start:end]))
+            if part.swap is None:  # else the parameter shards are on NVMe: the part writes back after the step
+                parts[id(part)] = part
+                master, shard = part.master_shards.buckets[bucket][start:end], part.param_shards()[bucket][start:end]
+                if shard.data_ptr() != master.data_ptr():
+                    writes.append(Span(offset, shard, master.detach()))
+            offset += end - start
+        pool = self._writer() if self._copy_thread([entry.part for entry in entries]) else None
+        chunks = chunked_adam_step(optimizer, [entry.piece for entry in entries], grads, copies, writes,
+                                   lambda chunk: _scale(chunk, inv_scale, clip), pool, self.chunk_numel)
+        if not chunks:
+            return False
+        self.chunks_stepped += chunks
+        for part in parts.values():
+            part.master_shards.written_back = True  # the parts' own write-back after the step is skipped once
+        self._fresh.clear()
+        return True
 
     def _copy_thread(self, parts: list) -> bool:
         """Host <-> accelerator copies are DMA transfers: on a thread they overlap the CPU step. When the model's
