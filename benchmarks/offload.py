@@ -299,7 +299,9 @@ def bench_param(args) -> dict:
         engines[name] = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
     x = torch.randn(args.tokens, args.width)
     # read_wait: what the training thread spent waiting for parameter reads during forward and backward
-    times: dict = {name: {"forward_backward": [], "step": [], "read_wait_in_forward_backward": []} for name in engines}
+    # write_wait: what it spent waiting for the parameter write-back after the step (on the aio threads)
+    times: dict = {name: {"forward_backward": [], "step": [], "read_wait_in_forward_backward": [],
+                          "write_wait_in_step": [], "write_wait_in_forward_backward": []} for name in engines}
     for repeat in range(args.repeats + 1):  # the first round records the trace (no read-ahead yet): untimed
         names = list(engines) if repeat % 2 else list(reversed(engines))
         for name in names:
@@ -307,17 +309,20 @@ def bench_param(args) -> dict:
             swap = engine.runtime.param_swap
             if swap is not None:
                 _drop_cache(swap.fd)
-            waited = swap.read_wait_s if swap is not None else 0.0
+            waits = lambda: (swap.read_wait_s, swap.write_wait_s) if swap is not None else (0.0, 0.0)  # noqa: E731
+            before = waits()
             start = time.perf_counter()
             engine.backward(engine.module(x).square().mean())
             middle = time.perf_counter()
-            waited = (swap.read_wait_s if swap is not None else 0.0) - waited
+            after_backward = waits()
             engine.step()
             end = time.perf_counter()
             if repeat:
                 times[name]["forward_backward"].append(middle - start)
                 times[name]["step"].append(end - middle)
-                times[name]["read_wait_in_forward_backward"].append(waited)
+                times[name]["read_wait_in_forward_backward"].append(after_backward[0] - before[0])
+                times[name]["write_wait_in_forward_backward"].append(after_backward[1] - before[1])
+                times[name]["write_wait_in_step"].append(waits()[1] - after_backward[1])
     out = {"params": args.layers * layer_numel, "shard_bytes_per_layer": layer_numel * 4,
            "load_average_after": os.getloadavg(), "runs": {}}
     for name, engine in engines.items():
@@ -325,7 +330,8 @@ def bench_param(args) -> dict:
         run = {k: {"median_s": statistics.median(v), "min_s": min(v), "all_s": v} for k, v in times[name].items()}
         if swap is not None:
             run["reads"] = {k: getattr(swap, k) for k in ("reads_ahead", "reads_with_gather", "reads_waited",
-                                                          "reads_dropped", "reads_stale")}
+                                                          "reads_dropped", "reads_stale", "reads_from_write")}
+            run["writes"] = {k: getattr(swap, k) for k in ("writes_async", "writes_in_flight", "writes_waited")}
             run["bytes_read"] = swap.bytes_read
         out["runs"][name] = run
         engine.remove_offload_files()

@@ -96,7 +96,8 @@ def worker(rank, world_size):
             "ddp_diff": max_abs_diff(result.params, ddp.params),
             "counters": counters,
             "ahead": ahead_of_use(engine),
-            "buffers_back": len(swap._free) + len(swap._ahead) == param["buffer_count"] and not swap._held,
+            "buffers_back": (len(swap._free) + len(swap._ahead) + len(swap._writing) == param["buffer_count"]
+                             and not swap._held),
         }
         engine.remove_offload_files()
     report["plain_ddp_diff"] = max_abs_diff(plain.params, ddp.params)

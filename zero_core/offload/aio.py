@@ -55,6 +55,10 @@ class Transfer:
         self.futures: list[Future] = []
         self._then = then
 
+    def done(self) -> bool:
+        """Whether every request has finished (without waiting; :meth:`wait` still re-raises errors)."""
+        return all(future.done() for future in self.futures)
+
     def wait(self) -> None:
         for future in self.futures:
             future.result()

@@ -9,7 +9,10 @@ stage 3's prefetch calls :meth:`ParamSwap.look_ahead` with the units it gathers 
 swap reads those units' shards, then the next ones along the trace, into free buffers, and again whenever a
 buffer comes back; the gather waits only for its own read. Writes to a shard (the optimizer's write-back,
 GatheredParameters with a modifier, loading a checkpoint) read it into a buffer, change it there and write it
-out again (:meth:`ParamSwap.resident`); a read submitted before such a write is not used. docs/offload.md.
+out again (:meth:`ParamSwap.resident`); a read submitted before such a write is not used. The write runs on the
+aio threads while training goes on (the next unit's write-back, the next forward): its buffer stays with it
+until it is done, and the next read of that shard waits for it and takes the buffer, values and all, without
+reading the file. docs/offload.md.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ class ParamSwap:
         self._free = [self._new_buffer() for _ in range(block.buffer_count)]
         self._held: OrderedDict = OrderedDict()  # unit -> buffer, oldest first
         self._ahead: OrderedDict = OrderedDict()  # unit -> (buffer, read, _version and _looks at submit), need order
+        self._writing: OrderedDict = OrderedDict()  # unit -> (buffer, write) after a change, in flight, oldest first
         self._version: defaultdict[int, int] = defaultdict(int)  # id(unit) -> writes so far
         self._now: list = []  # look_ahead's window: the units needed now, then the trace from a scan index
         self._window: Optional[tuple] = None  # (trace order, next index to scan, direction, units_for)
@@ -73,6 +77,10 @@ class ParamSwap:
         self.reads_issued_ahead = self.reads_dropped = self.reads_stale = 0
         self._looks = 0  # look_ahead calls so far
         self.read_wait_s = 0.0  # seconds the training thread waited for reads (benchmarks)
+        # Writes after a change (resident): submitted and left running, still running when the training thread
+        # went on, waited because a buffer or the shard was needed, and reads served from a write's buffer.
+        self.writes_async = self.writes_in_flight = self.writes_waited = self.reads_from_write = 0
+        self.write_wait_s = 0.0  # seconds the training thread waited for such writes
 
     def _new_buffer(self) -> torch.Tensor:
         return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
@@ -104,13 +112,18 @@ class ParamSwap:
 
     # -- buffers and reads ---------------------------------------------------------------------------------
     # A buffer is free, or holds a read ahead (``_ahead``: submitted, not yet used by a gather), or is held by a
-    # unit whose gather or write has it (``_held``, oldest first). The three never exceed ``buffer_count``.
+    # unit whose gather or change has it (``_held``, oldest first), or is being written out after a change
+    # (``_writing``). The four never exceed ``buffer_count``.
     def _acquire(self) -> torch.Tensor:
-        """A free buffer: else the read furthest ahead gives its buffer up (it is read again later), else the
-        oldest gather still holding one is finished."""
+        """A free buffer: else the oldest write after a change is waited, else the read furthest ahead gives its
+        buffer up (it is read again later), else the oldest gather still holding one is finished."""
         self._refilling = True  # buffers freed here serve this read, not the window
         try:
+            self._reap()
             while not self._free:
+                if self._writing:
+                    self._finish_write(next(iter(self._writing)))
+                    continue
                 if self._ahead:
                     unit, (buffer, transfer, *_) = self._ahead.popitem()  # the newest: needed last
                     transfer.wait()
@@ -138,8 +151,16 @@ class ParamSwap:
         return shard, transfer
 
     def read(self, unit) -> torch.Tensor:
-        """``unit``'s shard in a pool buffer that the unit holds until :meth:`release`: the read submitted ahead
-        (waited now), or a new one. A read ahead of a shard written since is not used (``_version``)."""
+        """``unit``'s shard in a pool buffer that the unit holds until :meth:`release`: the buffer of its write
+        still in flight (waited now), or the read submitted ahead (waited now), or a new one. A read ahead of a
+        shard written since is not used (``_version``)."""
+        if unit in self._writing:
+            buffer = self._finish_write(unit, keep=True)
+            self.reads_from_write += 1
+            self._held[unit] = buffer
+            self._served.add(unit)
+            numel, dtype = unit.swapped_shard
+            return buffer[: numel * dtype.itemsize].view(dtype)
         ahead = self._ahead.pop(unit, None)
         if ahead is not None:
             buffer, transfer, version, look = ahead
@@ -167,6 +188,30 @@ class ParamSwap:
         start = time.perf_counter()
         transfer.wait()
         self.read_wait_s += time.perf_counter() - start
+
+    # -- writes after a change -----------------------------------------------------------------------------
+    def _finish_write(self, unit, keep: bool = False) -> Optional[torch.Tensor]:
+        """Wait for ``unit``'s write (re-raising its error); its buffer is returned (``keep``) or freed."""
+        buffer, transfer = self._writing.pop(unit)
+        if not transfer.done():
+            self.writes_waited += 1
+        start = time.perf_counter()
+        transfer.wait()
+        self.write_wait_s += time.perf_counter() - start
+        if keep:
+            return buffer
+        self._free.append(buffer)
+        return None
+
+    def _reap(self) -> None:
+        """Free the buffers of writes that have finished (never waits)."""
+        for unit in [u for u, (_, transfer) in self._writing.items() if transfer.done()]:
+            self._finish_write(unit)
+
+    def flush(self) -> None:
+        """Wait for every write after a change (tests; the file then holds every shard's latest values)."""
+        while self._writing:
+            self._finish_write(next(iter(self._writing)))
 
     def release(self, unit) -> None:
         buffer = self._held.pop(unit, None)
@@ -200,7 +245,7 @@ class ParamSwap:
 
     def _wanted(self, unit) -> bool:
         return (unit.swap is self and unit.state.value == "sharded" and unit not in self._ahead
-                and unit not in self._held and unit not in self._served)
+                and unit not in self._held and unit not in self._served and unit not in self._writing)
 
     def _next_wanted(self):
         """The next unit along the window whose shard is to be read, or None (the scan index only moves past
@@ -221,6 +266,7 @@ class ParamSwap:
         return None
 
     def _refill(self) -> None:
+        self._reap()
         while self._free:
             unit = self._next_wanted()
             if unit is None:
@@ -236,12 +282,21 @@ class ParamSwap:
 
     @contextlib.contextmanager
     def resident(self, unit) -> Iterator[None]:
-        """``unit.shard`` is in memory for the duration; what is written to it goes back to the file."""
+        """``unit.shard`` is in memory for the duration; what is written to it then goes back to the file on
+        the aio threads, its buffer held until the write is done (with ``aio.overlap_events`` false: waited
+        here). Double-buffered: the next unit's read and change overlap this write."""
         empty = unit.shard
         unit.shard = self.read(unit)
         try:
             yield
-            self._write(unit, unit.shard).wait()
-        finally:
+        except BaseException:
             unit.shard = empty
             self.release(unit)
+            raise
+        shard, unit.shard = unit.shard, empty
+        self._writing[unit] = (self._held.pop(unit), self._write(unit, shard))
+        self.writes_async += 1
+        if not self.pool.overlap:
+            self._finish_write(unit)
+        elif not self._writing[unit][1].done():
+            self.writes_in_flight += 1
