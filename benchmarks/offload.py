@@ -301,7 +301,8 @@ def bench_param(args) -> dict:
     # read_wait: what the training thread spent waiting for parameter reads during forward and backward
     # write_wait: what it spent waiting for the parameter write-back after the step (on the aio threads)
     times: dict = {name: {"forward_backward": [], "step": [], "read_wait_in_forward_backward": [],
-                          "write_wait_in_step": [], "write_wait_in_forward_backward": []} for name in engines}
+                          "write_wait_in_step": [], "write_wait_in_forward_backward": [], "read_wait_in_step": []}
+             for name in engines}
     for repeat in range(args.repeats + 1):  # the first round records the trace (no read-ahead yet): untimed
         names = list(engines) if repeat % 2 else list(reversed(engines))
         for name in names:
@@ -323,6 +324,7 @@ def bench_param(args) -> dict:
                 times[name]["read_wait_in_forward_backward"].append(after_backward[0] - before[0])
                 times[name]["write_wait_in_forward_backward"].append(after_backward[1] - before[1])
                 times[name]["write_wait_in_step"].append(waits()[1] - after_backward[1])
+                times[name]["read_wait_in_step"].append(waits()[0] - after_backward[0])
     out = {"params": args.layers * layer_numel, "shard_bytes_per_layer": layer_numel * 4,
            "load_average_after": os.getloadavg(), "runs": {}}
     for name, engine in engines.items():
