@@ -3,6 +3,7 @@ written into the ZeRO config as DeepSpeed's ``offload_optimizer`` / ``offload_pa
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional, Union
 
 from zero_core import ZeroConfig
@@ -31,13 +32,17 @@ def _device(argument: str, value: OffloadArg, nvme_path: Optional[str]) -> Optio
 
 def apply_offload_args(config: ZeroConfig, offload_optimizer: OffloadArg, offload_parameters: OffloadArg,
                        nvme_path: Optional[str]) -> ZeroConfig:
-    """Set the offload blocks the arguments ask for (the config's own blocks stay when an argument is None)."""
+    """Set the offload blocks the arguments ask for: an argument sets the block's device (and ``nvme_path``), and
+    the config's other fields of that block (``max_in_cpu``, ``buffer_count``, ``pin_memory``, ...) stay; the
+    config's own blocks stay whole when an argument is None."""
     for argument, field, value in (("offload_optimizer", "offload_optimizer", offload_optimizer),
                                    ("offload_parameters", "offload_param", offload_parameters)):
         device = _device(argument, value, nvme_path)
         if device is None:
             continue
-        block = {"device": device, **({"nvme_path": nvme_path} if device == "nvme" and nvme_path else {})}
+        existing = getattr(config, field)
+        block = {**(dataclasses.asdict(existing) if existing is not None else {}), "device": device,
+                 **({"nvme_path": nvme_path} if device == "nvme" and nvme_path else {})}
         setattr(config, field, block)
         config._explicit = config._explicit | {field}  # given, as if written in the config (warnings see it)
     config.validate()

@@ -34,6 +34,11 @@ def test_offload_arguments(tmp_path):
                                                                                          "pin_memory": True}}}
                           ).zero_config
     assert config.offload_optimizer.pin_memory  # no argument: the config's own block stays
+    config = ZeroStrategy(stage=3, config={"zero_optimization": {"stage": 3, "offload_param": {"max_in_cpu": 0,
+                                                                                             "buffer_count": 2}}},
+                          offload_parameters="nvme", nvme_path=str(tmp_path)).zero_config
+    param = config.offload_param  # an argument sets the device and path; the block's other fields stay
+    assert (param.device, param.nvme_path, param.max_in_cpu, param.buffer_count) == ("nvme", str(tmp_path), 0, 2)
     assert "offload_optimizer" not in ZeroStrategy(stage=2, offload_optimizer=True).zero_config.unimplemented_fields()
     with pytest.raises(ValueError, match=r"ZeroStrategy\(offload_optimizer='gpu'\)"):
         ZeroStrategy(stage=2, offload_optimizer="gpu")

@@ -1,0 +1,59 @@
+"""Fit DDP and the offload strategies on the same data through Lightning's launcher; write what the test compares.
+
+    python tests/lightning_scripts/fit_offload.py OUT_DIR NVME_DIR   (Lightning's launcher starts rank 1)
+
+"zero2_offload" and "zero3_offload" are the registered names; ZeroStrategy(offload_optimizer="nvme",
+offload_parameters="nvme", nvme_path=...) is ZeRO-Infinity on a directory that exists. "zero3_offload_nvme"
+points at Lightning's DeepSpeed default, /local_nvme, which does not exist here: its fit must fail in setup,
+before the first step, naming the field. Warnings that mention offload are recorded (there should be none), and
+so are the swap files while the trainer lives (the test checks that they are gone once the processes exit).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+from pathlib import Path
+
+from common import STAGE3, LitGPT, full_weights, loader, message_of, save_rank, trainer, write_json
+
+import lightning_zero  # noqa: F401  (registers zero2_offload, zero3_offload, zero3_offload_nvme)
+from lightning_zero import ZeroStrategy
+
+OUT, NVME = Path(sys.argv[1]), sys.argv[2]
+FIT = dict(accumulate_grad_batches=2, gradient_clip_val=0.05, max_epochs=1)
+
+
+def strategy_for(name: str):
+    if name == "zero3_infinity":
+        # max_in_cpu 0: every parameter shard in the file (the default keeps 1e9 elements in host memory)
+        config = {**STAGE3, "offload_param": {"max_in_cpu": 0, "buffer_count": 2}}
+        return ZeroStrategy(stage=3, config=config, offload_optimizer="nvme", offload_parameters="nvme",
+                            nvme_path=NVME)
+    return name  # "ddp", "zero2_offload", "zero3_offload", "zero3_offload_nvme"
+
+
+def fit(name: str) -> dict:
+    model = LitGPT()
+    run = trainer(strategy_for(name), OUT, **FIT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(model, loader())
+    save_rank(OUT, f"offload_{name}", full_weights(model))
+    config = getattr(run.strategy, "zero_config", None)
+    result = {"global_step": run.global_step,
+            "offload_warnings": [str(w.message) for w in caught if "offload" in str(w.message).lower()],
+            "devices": None if config is None else [
+                block.device if block is not None else "none" for block in (config.offload_optimizer,
+                                                                            config.offload_param)]}
+    result["nvme_files_during"] = sorted(os.listdir(NVME))  # the engine stays attached after fit (test, predict)
+    return result
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    results = {name: fit(name) for name in ("ddp", "zero2_offload", "zero3_offload", "zero3_infinity")}
+    results["zero3_offload_nvme"] = {"error": message_of(lambda: trainer("zero3_offload_nvme", OUT, **FIT).fit(
+        LitGPT(), loader()))}
+    write_json(OUT, "offload", results)
