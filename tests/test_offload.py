@@ -93,6 +93,9 @@ def run_case(case: Case, nvme_dir: str) -> dict:
     report = {
         "result": result,
         "notes": [str(w.message) for w in caught if "fused CPU kernel" in str(w.message)],
+        # a config asking for offload gets no other warning about it (it once said "not implemented")
+        "offload_warnings": [str(w.message) for w in caught
+                             if "offload" in str(w.message).lower() and "fused CPU kernel" not in str(w.message)],
         "fused": [g.get("fused") for g in inner.param_groups],
         "masters_on_cpu": all(m.device.type == "cpu" for m in offload.all_masters()),
         "masters_apart": all(m.untyped_storage().data_ptr() != s.untyped_storage().data_ptr()
@@ -122,6 +125,12 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         # place, and the master is the parameter shard itself, as without offload)
         in_place = (HOST_GRAD_BYTES + MASTER_BYTES) * estimate.shard_numel
         report["host_estimate"] = (host, placement_bytes(estimate, case.config(nvme_dir)).host - in_place)
+    if case.device == "nvme" and case.optimizer == "adamw" and "offload_param" not in case.options:
+        # zero-estimate's NVMe bytes against what the swap file holds: each master and its two moments
+        swapper = offload.swapper
+        in_file = sum(shape.numel() * dtype.itemsize for shape, dtype in swapper._shapes.values())
+        estimate = estimate_stage(model_info(build_model(case.model)), case.config(nvme_dir), engine.topology.world_size)
+        report["nvme_estimate"] = (in_file, placement_bytes(estimate, case.config(nvme_dir)).nvme)
     if getattr(engine.runtime, "param_swap", None) is not None:
         swap = engine.runtime.param_swap  # buffers not held by a gather: free, or holding a read ahead
         report["param_swap_buffers_free"] = -1 if swap._held else len(swap._free) + len(swap._ahead)
@@ -237,6 +246,12 @@ def check(case: Case, r: dict) -> list[str]:
         in_file, estimated = r["param_nvme_estimate"]
         if in_file != estimated:
             problems.append(f"zero-estimate says {estimated} NVMe bytes of parameters, the file holds {in_file}")
+    if r["offload_warnings"]:
+        problems.append(f"warnings about offload: {r['offload_warnings']}")
+    if "nvme_estimate" in r:
+        in_file, estimated = r["nvme_estimate"]  # within the shards' padding and uneven split
+        if abs(in_file / estimated - 1) > 0.02:
+            problems.append(f"zero-estimate says {estimated} NVMe bytes of optimizer state, the file holds {in_file}")
     if "host_estimate" in r:
         measured, estimated = r["host_estimate"]
         if abs(measured / estimated - 1) > 0.02:

@@ -1,6 +1,6 @@
 """Checkpoints of offloaded engines: saved with the masters and state on the CPU or in NVMe files, they load
-into an engine without offload (and the other way round, into CPU and NVMe placements, at another stage), and
-training continues exactly as the engine that saved them would have.
+into an engine without offload (and the other way round, into CPU and NVMe placements, at another stage, and
+from 2 ranks into 1 and from 1 into 2), and training continues exactly as the engine that saved them would have.
 """
 
 from __future__ import annotations
@@ -81,6 +81,17 @@ def checkpoint_worker(rank, world_size, pairs):
     return diffs, os.listdir(nvme_dir), holder[0]
 
 
+def save_alone_worker(rank, world_size, root, placement):
+    """One rank trains and saves (``ckptalone``) with ``placement``; its full weights go to ``weightsalone.pt``."""
+    nvme_dir = tempfile.mkdtemp(prefix="zero-offload-alone-")
+    engine = _engine(*placement, nvme_dir)
+    _train(engine, 0, BEFORE)
+    engine.save_checkpoint(os.path.join(root, "ckptalone"))
+    torch.save(full_params(engine.module), os.path.join(root, "weightsalone.pt"))
+    engine.remove_offload_files()
+    os.rmdir(nvme_dir)
+
+
 def other_world_size_worker(rank, world_size, root, index, placement):
     """A checkpoint saved by 2 ranks loads into 1 (or the other way round) with the optimizer offloaded."""
     nvme_dir = tempfile.mkdtemp(prefix=f"zero-offload-ws-{rank}-")
@@ -103,6 +114,7 @@ PAIRS = [
     ((2, "nvme"), (1, "cpu")),  # NVMe -> CPU
     ((3, "nvme+params"), (2, "none")),  # parameters in a file too
     ((1, "none"), (3, "nvme+params")),
+    ((2, "cpu"), (3, "nvme+params")),  # CPU -> NVMe, parameters included
 ]
 
 
@@ -128,3 +140,11 @@ def test_load_at_another_world_size(saved):
     index = PAIRS.index(((3, "nvme+params"), (2, "none")))  # saved by 2 ranks with everything on NVMe
     (diff, state, leftovers), = run_distributed(other_world_size_worker, 1, root, index, (2, "nvme"), timeout=120)
     assert diff == 0.0 and state > 0 and leftovers == [], (diff, state, leftovers)
+
+
+@pytest.mark.timeout(300)
+def test_load_from_one_rank_into_two_with_everything_on_nvme(tmp_path):
+    run_distributed(save_alone_worker, 1, str(tmp_path), (2, "cpu"), timeout=120)
+    for rank, (diff, state, leftovers) in enumerate(
+            run_distributed(other_world_size_worker, 2, str(tmp_path), "alone", (3, "nvme+params"), timeout=120)):
+        assert diff == 0.0 and state > 0 and leftovers == [], (rank, diff, state, leftovers)
