@@ -314,9 +314,12 @@ class OptimizerOffload:
                 if shard.data_ptr() != master.data_ptr():
                     writes.append(Span(offset, shard, master.detach()))
             offset += end - start
-        pool = self._writer() if self._copy_thread([entry.part for entry in entries]) else None
+        # Nothing to copy (fp32 host shards, their own masters): one chunk, no thread; chunks only add calls.
+        moving = bool(copies or writes)
+        pool = self._writer() if moving and self._copy_thread([entry.part for entry in entries]) else None
         chunks = chunked_adam_step(optimizer, [entry.piece for entry in entries], grads, copies, writes,
-                                   lambda chunk: _scale(chunk, inv_scale, clip), pool, self.chunk_numel)
+                                   lambda chunk: _scale(chunk, inv_scale, clip), pool,
+                                   self.chunk_numel if moving else offset)
         if not chunks:
             return False
         self.chunks_stepped += chunks
