@@ -100,6 +100,8 @@ def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tenso
     ``pool`` (one thread) chunk k+1's copies and chunk k-1's write-back run while chunk k steps. Returns the
     number of chunks, or 0, having done nothing, when a piece has no state yet (its first step goes through
     ``optimizer.step()``)."""
+    if not pieces:
+        return 0  # nothing stepped: the caller's tile loop has nothing to do either
     groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
     kernels: dict[int, _Kernel] = {}
     states = []
