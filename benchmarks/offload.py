@@ -191,9 +191,11 @@ def bench_step(args) -> dict:
     cpu_out = {"bare_fused_adamw_cpu_s": cpu_b, "offloaded_step_cpu_s": cpu_o, "offloaded_vs_bare_cpu": cpu_b / cpu_o}
     if cpu["backward_copies"]:  # the gradient copies were done during backward: counted here with the step
         copies = min(cpu["backward_copies"])
-        cpu_out.update(backward_copies_cpu_s=copies, offloaded_with_backward_copies_vs_bare_cpu=cpu_b / (cpu_o + copies))
+        cpu_out.update(backward_copies_cpu_s=copies,
+                       offloaded_with_backward_copies_vs_bare_cpu=cpu_b / (cpu_o + copies))
     return {**cpu_out, "numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward,
-            "copy_thread": args.copy_thread, "chunk": offload.chunk_numel, "threads": torch.get_num_threads(), "bucket": args.bucket,
+            "copy_thread": args.copy_thread, "chunk": offload.chunk_numel, "threads": torch.get_num_threads(),
+            "bucket": args.bucket,
             "param": args.param, "engine_step_without_offload_s": min(plain_times),
             "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
             "bare_Gparams_per_s": n / b / 1e9, "offloaded_Gparams_per_s": n / o / 1e9, "offloaded_vs_bare": b / o,

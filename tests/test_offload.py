@@ -129,7 +129,8 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         # zero-estimate's NVMe bytes against what the swap file holds: each master and its two moments
         swapper = offload.swapper
         in_file = sum(shape.numel() * dtype.itemsize for shape, dtype in swapper._shapes.values())
-        estimate = estimate_stage(model_info(build_model(case.model)), case.config(nvme_dir), engine.topology.world_size)
+        estimate = estimate_stage(model_info(build_model(case.model)), case.config(nvme_dir),
+                                  engine.topology.world_size)
         report["nvme_estimate"] = (in_file, placement_bytes(estimate, case.config(nvme_dir)).nvme)
     if getattr(engine.runtime, "param_swap", None) is not None:
         swap = engine.runtime.param_swap  # buffers not held by a gather: free, or holding a read ahead

@@ -136,6 +136,7 @@ def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tenso
 
     torch._foreach_add_([state["step"] for state in states], 1)  # once per piece, as Adam's step does
     pending: list[Future] = []
+    arriving = None
     try:
         arriving = run(bring, *chunks[0]) if chunks else None
         for k, (lo, hi) in enumerate(chunks):
@@ -146,8 +147,8 @@ def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tenso
             future = run(send, lo, hi)
             if future is not None:
                 pending.append(future)
-    finally:
-        for future in pending:
+    finally:  # nothing left running on the thread, even after an error
+        for future in pending + ([arriving] if arriving is not None else []):
             future.result()
     with only_params(optimizer, []):  # the step's hooks and patched counters (LR schedulers), once
         optimizer.step()
@@ -177,6 +178,6 @@ def _step_chunk(kernels: dict, groups: dict, pieces, states, grads, starts, size
         avgs = [view(states[i]["exp_avg"], a, b) for _, i, a, b in segments]
         sqs = [view(states[i]["exp_avg_sq"], a, b) for _, i, a, b in segments]
         maxes = [view(states[i]["max_exp_avg_sq"], a, b) for _, i, a, b in segments] if kernel.amsgrad else []
+        steps = [states[i]["step"] for _, i, _, _ in segments]
         with torch.no_grad():
-            kernel.fn(params, [g for g, *_ in segments], avgs, sqs, maxes, [states[i]["step"] for _, i, _, _ in segments],
-                      **kernel.kwargs)
+            kernel.fn(params, [g for g, *_ in segments], avgs, sqs, maxes, steps, **kernel.kwargs)
