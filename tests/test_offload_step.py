@@ -2,8 +2,9 @@
 during backward or at the step, over several tiles, with unscaling, clipping and a parameter that got no gradient,
 it gives bit for bit what the engine's step without offload gives (both run torch's fused AdamW), and the part's
 write-back after the step finds nothing left to do. With Adam or AdamW the steps after the first run in chunks
-smaller than a piece (chunked_step.py): cut at 64-element boundaries, covering every stepped element once, and
-still bit for bit the step without offload, moments included, with an LR scheduler that sees the step. One
+smaller than a piece when the copies run on the thread (chunked_step.py): cut at 64-element boundaries, covering
+every stepped element once, and still bit for bit the step without offload, moments included, with an LR
+scheduler that sees the step; with inline copies the tiles step whole, with the same result. One
 process: a flat group needs no process group."""
 
 from __future__ import annotations
@@ -123,6 +124,11 @@ def chunked_vs_reference(make_optimizer, copy_thread: bool, monkeypatch) -> None
             offload.forget_grads()
             scheduler.step()
     label = f"{type(optimizer).__name__}, copy_thread={copy_thread}"
+    compare(label, group, reference, optimizer, reference_optimizer)
+    offload.close()
+    if not copy_thread:  # inline copies (a CPU-only run): tiles step whole, as measured faster there
+        assert chunks == [] and offload.chunks_stepped == 0, f"{label}: chunks {chunks}"
+        return
     # The first step creates the state through optimizer.step(); the four others go in chunks of <= 96 elements
     # covering every stepped element once, some cut inside a piece, 64-element aligned from the piece's start.
     used = [size for size, on in zip(CHUNK_SIZES, CHUNK_USED) if on]
@@ -134,6 +140,10 @@ def chunked_vs_reference(make_optimizer, copy_thread: bool, monkeypatch) -> None
     assert max(hi - lo for lo, hi in per_step) <= 96, f"{label}: a chunk above 96 elements: {per_step}"
     inside = [(lo, start) for lo, _ in per_step for start, size in zip(starts, used) if start < lo < start + size]
     assert inside and all((lo - start) % 64 == 0 for lo, start in inside), f"{label}: cuts {per_step}"
+
+
+def compare(label: str, group, reference, optimizer, reference_optimizer) -> None:
+    """Parameters, masters and every state tensor bit for bit; the parameter without gradient has no state."""
     assert torch.equal(group.flat, reference.flat), f"{label}: parameters differ from the step without offload"
     for mine, theirs in zip(group.masters, reference.masters):
         assert torch.equal(mine.detach(), theirs.detach()), f"{label}: masters differ"
@@ -141,7 +151,6 @@ def chunked_vs_reference(make_optimizer, copy_thread: bool, monkeypatch) -> None
             for key, value in optimizer.state[mine].items():
                 assert torch.equal(value, reference_optimizer.state[theirs][key]), f"{label}: state {key} differs"
     assert not optimizer.state.get(group.masters[3]), f"{label}: the parameter without gradient got state"
-    offload.close()
 
 
 @pytest.mark.parametrize("copy_thread", [False, True])

@@ -241,7 +241,10 @@ class OptimizerOffload:
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
         tiles = master_tiles(parts, used, self.sub_group_size)
         swap = self.swapper
-        if swap is None and steps_fused_adam(optimizer) and self._step_chunked(optimizer, tiles, inv_scale, clip):
+        # Chunks serve the copy thread (the copies overlap the neighbouring chunks' step); inline, on a CPU-only run,
+        # they were measured no faster at one thread and slower at two (docs/benchmarks.md), so tiles step whole.
+        if (swap is None and self._copy_thread(parts) and steps_fused_adam(optimizer)
+                and self._step_chunked(optimizer, tiles, inv_scale, clip)):
             return
         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
@@ -293,8 +296,9 @@ class OptimizerOffload:
 
     def _step_chunked(self, optimizer: torch.optim.Optimizer, tiles: list[list[tuple]], inv_scale: float,
                       clip: Optional[torch.Tensor]) -> bool:
-        """Device 'cpu' with Adam/AdamW: every stepped piece in chunks smaller than a piece, the gradient copies
-        and the write-back beside them (chunked_step.py). False where a piece has no state yet (first step)."""
+        """Device 'cpu' with Adam/AdamW and the copy thread: every stepped piece in chunks smaller than a piece, the
+        gradient copies and the write-back on the thread beside them (chunked_step.py). False where a piece has no
+        state yet (first step)."""
         entries = [entry for tile in tiles for entry in tile]
         grads, copies, writes, parts, offset = [], [], [], {}, 0
         for piece, grad, part, index in entries:
@@ -316,7 +320,7 @@ class OptimizerOffload:
             offset += end - start
         # Nothing to copy (fp32 host shards, their own masters): one chunk, no thread; chunks only add calls.
         moving = bool(copies or writes)
-        pool = self._writer() if moving and self._copy_thread([entry.part for entry in entries]) else None
+        pool = self._writer() if moving else None
         chunks = chunked_adam_step(optimizer, [entry.piece for entry in entries], grads, copies, writes,
                                    lambda chunk: _scale(chunk, inv_scale, clip), pool,
                                    self.chunk_numel if moving else offset)
