@@ -148,6 +148,7 @@ def bench_step(args) -> dict:
     offload.copy_thread = args.copy_thread  # on a CPU-only run the engine copies inline (no accelerator transfers)
     if args.chunk:
         offload.chunk_numel = args.chunk
+    offload.chunked = {"auto": None, "on": True, "off": False}[args.chunks]
     optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
     offload.bind([optimizer])
     used = [[True] * len(sizes)]
@@ -194,9 +195,9 @@ def bench_step(args) -> dict:
         cpu_out.update(backward_copies_cpu_s=copies,
                        offloaded_with_backward_copies_vs_bare_cpu=cpu_b / (cpu_o + copies))
     return {**cpu_out, "numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward,
-            "copy_thread": args.copy_thread, "chunk": offload.chunk_numel, "threads": torch.get_num_threads(),
-            "bucket": args.bucket,
-            "param": args.param, "engine_step_without_offload_s": min(plain_times),
+            "copy_thread": args.copy_thread, "chunks": args.chunks, "chunk": offload.chunk_numel,
+            "threads": torch.get_num_threads(), "bucket": args.bucket, "param": args.param,
+            "engine_step_without_offload_s": min(plain_times),
             "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
             "bare_Gparams_per_s": n / b / 1e9, "offloaded_Gparams_per_s": n / o / 1e9, "offloaded_vs_bare": b / o,
             "bare_median_s": statistics.median(bare_times), "offloaded_median_s": statistics.median(off_times),
@@ -364,6 +365,9 @@ def main(argv=None) -> None:
                              "engine does this when the shards are on an accelerator)")
     parser.add_argument("--chunk", type=int, default=0,
                         help="step: elements per chunk of the Adam step (0: the engine's, chunked_step.CHUNK)")
+    parser.add_argument("--chunks", choices=("auto", "on", "off"), default="auto",
+                        help="step: the Adam step in chunks smaller than a piece: the engine's choice (with the copy "
+                             "thread only), always, or never (whole tiles, the step before chunks)")
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")

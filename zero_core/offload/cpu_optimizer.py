@@ -108,6 +108,8 @@ class OptimizerOffload:
         self.sub_group_size = config.sub_group_size
         self.chunk_numel = CHUNK  # elements per chunk of the Adam/AdamW step on device 'cpu' (chunked_step.py)
         self.chunks_stepped = 0  # chunks stepped by the chunked Adam path so far (a counter)
+        # The chunked Adam path: None, with the copy thread only; True / False: always / never (benchmarks)
+        self.chunked: Optional[bool] = None
         nvme = self.device == "nvme"
         numel = sum(m.numel() for part in parts for m in part.masters)
         if nvme:
@@ -243,8 +245,9 @@ class OptimizerOffload:
         swap = self.swapper
         # Chunks serve the copy thread (the copies overlap the neighbouring chunks' step); inline, on a CPU-only run,
         # they were measured no faster at one thread and slower at two (docs/benchmarks.md), so tiles step whole.
-        if (swap is None and self._copy_thread(parts) and steps_fused_adam(optimizer)
-                and self._step_chunked(optimizer, tiles, inv_scale, clip)):
+        chunked = self._copy_thread(parts) if self.chunked is None else self.chunked
+        if swap is None and chunked and steps_fused_adam(optimizer) and self._step_chunked(optimizer, tiles,
+                                                                                          inv_scale, clip):
             return
         reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
         writing: Optional[Transfer] = None
@@ -320,7 +323,7 @@ class OptimizerOffload:
             offset += end - start
         # Nothing to copy (fp32 host shards, their own masters): one chunk, no thread; chunks only add calls.
         moving = bool(copies or writes)
-        pool = self._writer() if moving else None
+        pool = self._writer() if moving and self._copy_thread([entry.part for entry in entries]) else None
         chunks = chunked_adam_step(optimizer, [entry.piece for entry in entries], grads, copies, writes,
                                    lambda chunk: _scale(chunk, inv_scale, clip), pool,
                                    self.chunk_numel if moving else offset)
