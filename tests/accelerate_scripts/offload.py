@@ -1,0 +1,35 @@
+"""examples/accelerate_train.py under plain Accelerate DDP and under ZeroAccelerator() configured by zero.yaml's
+Accelerate-named offload keys (optimizer and parameters on NVMe).
+
+    accelerate-zero launch --config zero.yaml offload.py OUT.json
+
+Rank 0 writes both runs' final weights and norms, and where the engine put the optimizer and the parameters.
+"""
+
+import os
+import sys
+
+import torch
+
+from common import make_accelerator, rank, write_json, load_example
+from parity import parity_run
+
+
+def main() -> None:
+    example = load_example()
+    results = {"ddp": parity_run(example, "ddp"), "offload": parity_run(example, "env")}
+    accelerator = make_accelerator("env")  # the same settings again, to look at the engine's placement
+    model, _ = example.train(accelerator, 1)
+    engine = accelerator.zero_engine(model)
+    swap = engine.runtime.param_swap
+    results["placement"] = {
+        "optimizer": engine._offload.device if engine._offload is not None else "none",
+        "param_units_in_file": sum(unit.swap is swap for unit in engine.runtime.units) if swap is not None else 0,
+        "files": sorted(os.listdir(os.environ["OFFLOAD_TEST_NVME"])) if rank() == 0 else [],
+    }
+    write_json(sys.argv[1], results)
+    torch.distributed.barrier()
+
+
+if __name__ == "__main__":
+    main()
