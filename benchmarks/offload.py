@@ -4,14 +4,17 @@
   elements, the next one in flight, and write it back) against a plain dd-style sequential write + fsync + read
   of the same bytes in the same directory; the pages are dropped (posix_fadvise DONTNEED) before reading.
 - ``step``: the offloaded CPU step (gradient copy + unscale/clip + tiled fused AdamW, OptimizerOffload.step)
-  over N parameters, against a bare ``AdamW(fused=True).step()`` over one N-element parameter.
+  over N parameters, against a bare ``AdamW(fused=True).step()`` over one N-element parameter; wall time and
+  the process's CPU time (every thread), whole tiles or chunks smaller than a piece (``--chunks``).
 - ``rss``: peak RSS during training (the kernel's high-water mark, reset after setup) of one rank training a
   ~100M-parameter MLP at stage 3 (world size 1), without offload, with ``offload_optimizer: nvme``, and with
   ``offload_param: nvme`` as well, each in a fresh process.
 - ``param``: stage 3 forward+backward and step of an MLP (world size 1) with ``offload_param: nvme``, the shards
   read ahead along the trace (``aio.overlap_events: true``) against read only at each gather (``false``), and
   without offload (the compute and gather floor); three engines in one process, timed in turn, the parameter
-  file's pages dropped (fsync + POSIX_FADV_DONTNEED) before each forward so the reads come from the disk.
+  file's pages dropped (fsync + POSIX_FADV_DONTNEED) before each forward so the reads come from the disk; the
+  time the training thread waited for parameter reads and for the write-back's writes, in the step and in
+  forward+backward.
 
     python -m benchmarks.offload nvme --numel 67108864 --dir /tmp
     python -m benchmarks.offload step --numel 20000000
