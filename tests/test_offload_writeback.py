@@ -105,7 +105,8 @@ def test_param_nvme_write_back_overlaps_and_matches():
                 assert r["write_wait_s"] < report[False]["write_wait_s"], (where, r, report[False])
             else:  # each waited on the spot: at least the injected delay per write
                 assert counters["writes_in_flight"] == 0, f"{where}: {counters}"
-                assert r["write_wait_s"] >= WRITE_DELAY_S * counters["writes_async"], f"{where}: {r}"
+                # (0.9: the wait starts a moment after the write's first request began its delay)
+                assert r["write_wait_s"] >= 0.9 * WRITE_DELAY_S * counters["writes_async"], f"{where}: {r}"
 
 
 def test_read_of_a_shard_being_written_takes_the_written_buffer(tmp_path):
