@@ -10,8 +10,10 @@ still in cache, and on a copy thread they run while the neighbouring chunks step
 the result is bit for bit the whole-piece step, provided a cut inside a piece falls on a multiple of ``_ALIGN``
 elements from the piece's start (the kernel computes a tensor's last ``numel % vector width`` elements on a
 scalar path whose rounding differs). Used only where that kernel is what ``optimizer.step()`` would run (see
-:func:`steps_fused_adam`); the step's hooks and the step counters LR schedulers patch in run once per step, by a
-step over no parameters after the chunks. docs/offload.md, "The CPU step".
+:func:`steps_fused_adam`), and by the engine only where the copies run on the copy thread (shards on an
+accelerator): inline, on a CPU-only run, chunks measured no faster than whole tiles (docs/benchmarks.md). The
+step's hooks and the step counters LR schedulers patch in run once per step, by a step over no parameters after
+the chunks. docs/offload.md, "The CPU step".
 """
 
 from __future__ import annotations
