@@ -383,7 +383,7 @@ class PartitionedParamsRuntime:
         wrapped = 0
         if grad_enabled:
             output, wrapped = attach(PreBackward, functools.partial(self._pre_backward, mod), output)
-        keep_group = mod is self.module and grad_enabled and self.live_elements <= self.policy.max_live_parameters
+        keep_group = mod is self.module and self._root_keeps(grad_enabled)
         for unit in units:
             if unit in returned or (grad_enabled and wrapped == 0 and unit.active_count()):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
@@ -392,6 +392,11 @@ class PartitionedParamsRuntime:
             elif not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
         return output
+
+    def _root_keeps(self, backward_follows: bool) -> bool:
+        """After the root's forward: keep its units (the root group's included) for the backward that comes next,
+        budget permitting (nothing is gathered in between, as FSDP2's root keeps its parameters)."""
+        return backward_follows and self.live_elements <= self.policy.max_live_parameters
 
     def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None) -> bool:
         """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting
