@@ -166,7 +166,7 @@ class PartitionedParamsRuntime:
             self.unit_of[param] = unit
         self.units.append(unit)
         self._own[mod].append(unit)
-        self._unit_cache.clear()
+        self._units_changed()
         self._module_of[unit] = mod
         if z3_leaf_module(mod):
             self._deferred.add(unit)  # its children may run on some ranks only: no early, rank-dependent reduce
@@ -212,7 +212,7 @@ class PartitionedParamsRuntime:
         self._note_live(-unit.numel)
         self.units.remove(unit)
         self._own[mod].remove(unit)
-        self._unit_cache.clear()
+        self._units_changed()
         keys = sorted({group_of.get(p, -1) for p in unit.params})
         pieces = []
         for key in keys:
@@ -223,7 +223,7 @@ class PartitionedParamsRuntime:
             if unit in externals:
                 externals.remove(unit)
                 externals.extend(pieces)
-        self._unit_cache.clear()
+        self._units_changed()
         return pieces
 
     def _hooked(self, mod: nn.Module) -> nn.Module:
@@ -234,7 +234,7 @@ class PartitionedParamsRuntime:
     def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
         if unit not in self._externals[mod] and unit not in self._own[mod]:
             self._externals[mod].append(unit)
-            self._unit_cache.clear()
+            self._units_changed()
 
     def add_external_after_setup(self, mod: nn.Module, param: nn.Parameter) -> None:
         """register_external_parameter called after setup: gather ``param`` with ``mod`` from now on."""
@@ -283,6 +283,10 @@ class PartitionedParamsRuntime:
         mod.register_forward_pre_hook(pre, with_kwargs=True)
         mod.register_forward_hook(post)
 
+    def _units_changed(self) -> None:
+        self._unit_cache.clear()
+        self.root_group.gathered = False  # new or split units start sharded: the root's next hook gathers them
+
     def _units_for(self, mod: nn.Module) -> list[ParamUnit]:
         units = self._unit_cache.get(mod)
         if units is None:
@@ -291,7 +295,6 @@ class PartitionedParamsRuntime:
                 group = [u for m in self.root_group.members for u in self._units_for(m)]
                 units = list(dict.fromkeys(units + group))
                 self.root_group.units = set(group)
-                self.root_group.gathered = False  # the units changed: gathered again by the root's next hook
             self._unit_cache[mod] = units
         return units
 
