@@ -398,8 +398,11 @@ class PartitionedParamsRuntime:
 
     def _root_keeps(self, backward_follows: bool) -> bool:
         """After the root's forward: keep its units (the root group's included) for the backward that comes next,
-        budget permitting (nothing is gathered in between, as FSDP2's root keeps its parameters)."""
-        return backward_follows and self.live_elements <= self.policy.max_live_parameters
+        budget permitting (nothing is gathered in between, as FSDP2's root keeps its parameters). Not under qwZ,
+        whose forward gathered int8 codes: there the reuse rule decides, as for any module, and a released unit
+        is gathered exact for the backward."""
+        return (backward_follows and self.live_elements <= self.policy.max_live_parameters
+                and not self.comm.options.quantize_weights)
 
     def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None) -> bool:
         """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting
