@@ -284,3 +284,15 @@ def module_gather_numel(model: nn.Module, module: nn.Module, world_size: int) ->
     its whole subtree when it is a block."""
     held = {id(p) for p in module.parameters(recurse=is_block(model, module))}
     return sum(u["padded"] for u in expected_units(model, world_size) if any(id(p) in held for p in u["params"]))
+
+
+def root_group_gather_numel(model: nn.Module, world_size: int) -> int:
+    """Padded elements of the documented root group (docs/stage3.md, torch.compile): the units of the modules
+    below no ModuleList element, when the model has a block; gathered once by the root's hooks, kept into the
+    backward. 0 when there is no group."""
+    listed = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for c in lst.children()
+              for m in c.modules()}
+    if not any(is_block(model, m) for m in model.modules()):
+        return 0
+    held = {id(p) for m in model.modules() if id(m) not in listed for p in m.parameters(recurse=False)}
+    return sum(u["padded"] for u in expected_units(model, world_size) if any(id(p) in held for p in u["params"]))

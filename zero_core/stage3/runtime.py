@@ -33,6 +33,7 @@ from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
 from zero_core.stage3.partitioned_param import mark_partitioned, unguarded
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
+from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 
 
@@ -79,6 +80,7 @@ class PartitionedParamsRuntime:
         self._blocks = set(self._inside_block.values())
         self._open_blocks: dict[nn.Module, int] = defaultdict(int)  # forwards of a block whose backward is to come
         self._deferred: set[ParamUnit] = set()  # units inside leaves: reduced at the end of backward, in order
+        self.root_group = RootGroup([])  # planned once the units exist (below)
         self.live_elements = 0  # gathered elements now, and the most ever (max_live_parameters is checked on it)
         self.peak_live_elements = 0
         self._build_units(trainable_by_group)
@@ -86,6 +88,11 @@ class PartitionedParamsRuntime:
         device = self.units[0].device if self.units else torch.device("cpu")
         self.pool = BufferPool(device, self._bucket_numel())
         module_names = {m: n for n, m in module.named_modules() if m in self._own or m in self._externals}
+        # Modules outside the blocks: gathered by the root's hooks (root_group.py); the root then joins the trace.
+        self.root_group = plan_root_group(module, list(module_names), self._blocks, self._units_for,
+                                          self.policy.max_live_parameters)
+        if self.root_group:
+            module_names = {module: "<root>", **module_names}
         self.trace = ExecutionTrace(module_names, comm)
         self.comm.check = True  # verify collectives while the first trace is recorded
         # no_sync, waiting gradients and the end-of-backward flush (zero_core/reduction.py, shared with stage 2)
@@ -159,7 +166,7 @@ class PartitionedParamsRuntime:
             self.unit_of[param] = unit
         self.units.append(unit)
         self._own[mod].append(unit)
-        self._unit_cache.clear()
+        self._units_changed()
         self._module_of[unit] = mod
         if z3_leaf_module(mod):
             self._deferred.add(unit)  # its children may run on some ranks only: no early, rank-dependent reduce
@@ -205,7 +212,7 @@ class PartitionedParamsRuntime:
         self._note_live(-unit.numel)
         self.units.remove(unit)
         self._own[mod].remove(unit)
-        self._unit_cache.clear()
+        self._units_changed()
         keys = sorted({group_of.get(p, -1) for p in unit.params})
         pieces = []
         for key in keys:
@@ -216,7 +223,7 @@ class PartitionedParamsRuntime:
             if unit in externals:
                 externals.remove(unit)
                 externals.extend(pieces)
-        self._unit_cache.clear()
+        self._units_changed()
         return pieces
 
     def _hooked(self, mod: nn.Module) -> nn.Module:
@@ -227,7 +234,7 @@ class PartitionedParamsRuntime:
     def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
         if unit not in self._externals[mod] and unit not in self._own[mod]:
             self._externals[mod].append(unit)
-            self._unit_cache.clear()
+            self._units_changed()
 
     def add_external_after_setup(self, mod: nn.Module, param: nn.Parameter) -> None:
         """register_external_parameter called after setup: gather ``param`` with ``mod`` from now on."""
@@ -253,7 +260,7 @@ class PartitionedParamsRuntime:
         root.register_forward_pre_hook(eager(self._root_pre_forward))
         root.register_forward_hook(eager(self._root_post_forward))
         for mod in module_names:
-            self._hook_module(mod)
+            self._hook_module(mod, gated=mod in self.root_group.members)
         self._hook_grads(self.parts)
 
     def _hook_grads(self, units: list[ParamUnit]) -> None:
@@ -267,14 +274,28 @@ class PartitionedParamsRuntime:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
 
-    def _hook_module(self, mod: nn.Module) -> None:
-        mod.register_forward_pre_hook(eager(functools.partial(self._pre_forward, mod)), with_kwargs=True)
-        mod.register_forward_hook(eager(functools.partial(self._post_forward, mod)))
+    def _hook_module(self, mod: nn.Module, gated: bool = False) -> None:
+        """``gated``: a root group member, whose hooks do nothing while the group is gathered (root_group.py)."""
+        pre = eager(functools.partial(self._pre_forward, mod))
+        post = eager(functools.partial(self._post_forward, mod))
+        if gated:
+            pre, post = Gate(self.root_group, pre), Gate(self.root_group, post)
+        mod.register_forward_pre_hook(pre, with_kwargs=True)
+        mod.register_forward_hook(post)
+
+    def _units_changed(self) -> None:
+        self._unit_cache.clear()
+        self.root_group.gathered = False  # new or split units start sharded: the root's next hook gathers them
 
     def _units_for(self, mod: nn.Module) -> list[ParamUnit]:
         units = self._unit_cache.get(mod)
         if units is None:
-            units = self._unit_cache[mod] = self._own.get(mod, []) + self._externals.get(mod, [])
+            units = self._own.get(mod, []) + self._externals.get(mod, [])
+            if mod is self.module and self.root_group:
+                group = [u for m in self.root_group.members for u in self._units_for(m)]
+                units = list(dict.fromkeys(units + group))
+                self.root_group.units = set(group)
+            self._unit_cache[mod] = units
         return units
 
     # -- phases (phase.py) ---------------------------------------------------------------------------------
@@ -313,6 +334,7 @@ class PartitionedParamsRuntime:
             # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
             # hook never runs; nothing is counted here and backward releases what it gathered.
             self._fetch(units, None, backward=False, phase="backward")
+            self._note_group_gathered(mod)
             return args, kwargs
         position = self.trace.visit(mod)
         try:
@@ -323,6 +345,7 @@ class PartitionedParamsRuntime:
             if "collective mismatch" not in str(error):
                 raise
             raise type(error)(f"{error} {self._leaf_hint(mod)}") from error
+        self._note_group_gathered(mod)
         self._touched.update(units)
         self._positions[mod].append(position)
         for unit in units:
@@ -354,7 +377,8 @@ class PartitionedParamsRuntime:
         units = self._units_for(mod)
         active = self._active
         for unit in units:
-            active[unit] -= 1
+            if active[unit] > 0:  # an optimizer step inside this forward (manual optimization) reset the counts
+                active[unit] -= 1
         positions = self._positions[mod]
         position = positions.pop() if positions else None
         returned = () if type(output) is torch.Tensor else self._returned_units(output)  # a plain tensor: none
@@ -362,12 +386,23 @@ class PartitionedParamsRuntime:
         wrapped = 0
         if grad_enabled:
             output, wrapped = attach(PreBackward, functools.partial(self._pre_backward, mod), output)
+        keep_group = mod is self.module and self._root_keeps(grad_enabled)
         for unit in units:
             if unit in returned or (grad_enabled and wrapped == 0 and unit.active_count()):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
+            elif active[unit] > 0 or keep_group:
+                continue  # used by an enclosing forward still open; or the root's, whose backward comes next
             elif not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
         return output
+
+    def _root_keeps(self, backward_follows: bool) -> bool:
+        """After the root's forward: keep its units (the root group's included) for the backward that comes next,
+        budget permitting (nothing is gathered in between, as FSDP2's root keeps its parameters). Not under qwZ,
+        whose forward gathered int8 codes: there the reuse rule decides, as for any module, and a released unit
+        is gathered exact for the backward."""
+        return (backward_follows and self.live_elements <= self.policy.max_live_parameters
+                and not self.comm.options.quantize_weights)
 
     def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None) -> bool:
         """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting
@@ -386,11 +421,20 @@ class PartitionedParamsRuntime:
     def _pre_backward(self, mod) -> None:
         self._enter_backward()
         self._fetch(self._units_for(mod), self._backward_position(mod), backward=True)
+        self._note_group_gathered(mod)
+
+    def _note_group_gathered(self, mod) -> None:
+        if mod is self.module and self.root_group:
+            self.root_group.gathered = True  # the root's units include the group's: the gates stand down
 
     def _backward_position(self, mod) -> Optional[int]:
         if not self.trace.following:
             return None
         order = self.trace.order
+        if mod is self.module:
+            # The root's backward comes first (its output is the loss), not last as its trace position says:
+            # prefetch from the end of the trace, and leave the cursor for the modules that follow.
+            return len(order)
         while self._bwd_cursor >= 0 and order[self._bwd_cursor] is not mod:
             if self._bwd_cursor in self._skipped_positions:
                 skipped_backward(self, self._bwd_cursor)
@@ -446,6 +490,8 @@ class PartitionedParamsRuntime:
         if unit.state is not UnitState.SHARDED and not unit.persistent:
             unit.release()
             self._note_live(-unit.numel)
+            if unit in self.root_group.units:
+                self.root_group.gathered = False  # its members' own hooks gather again (root_group.py)
 
     def release_all(self) -> None:
         """Release every gathered, non-persistent unit (``engine.empty_partition_cache()``)."""
