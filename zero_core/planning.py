@@ -6,7 +6,8 @@ estimator (tools/estimator.py) counts the same plans, so the two cannot disagree
 - Stages 1-2 (``plan_flat_groups``): one flat buffer per (optimizer group, dtype), laid out by `compute_layout`
   in buckets of ``min(reduce_bucket_size, allgather_bucket_size)`` elements, each padded to a multiple of the
   shard group; the reducer reduces buckets in ``reduction_order`` (model order, reversed).
-- Stage 3 (``plan_units``): one unit per (module, optimizer group, dtype) of each module's own parameters (a
+- Stage 3 (``plan_units``): one unit per (owner, optimizer group, dtype) of each owner's own parameters, where
+  an owner is a block (stage3/block_units.py: all the modules of its subtree) or a module outside blocks (a
   tied parameter belongs to the first module that registers it), laid out in buckets of ``reduce_bucket_size``;
   a unit of parameters all under ``param_persistence_threshold`` stays gathered while
   ``model_persistence_threshold`` lasts; gradients are reduced in buckets of ``reduce_bucket_numel`` elements.
@@ -57,7 +58,7 @@ class ParamSpec:
     numel: int
     dtype: str  # str(torch.dtype) before any cast: parameters of different dtypes never share a buffer
     group: Optional[int] = None  # optimizer group index (across all optimizers); None: frozen or in no group
-    module: str = ""  # qualified name of the first module that registers it (stage 3's unit owner)
+    module: str = ""  # stage 3's unit owner: the first module that registers it, or that module's block
 
     @property
     def group_key(self) -> int:
@@ -76,7 +77,7 @@ class FlatGroupPlan:
 
 @dataclass(frozen=True)
 class UnitPlan:
-    """Stage 3: one module's own parameters of one optimizer group (None: frozen) and dtype."""
+    """Stage 3: one owner's (a block's or a module's) parameters of one optimizer group (None: frozen) and dtype."""
 
     module: str
     group_index: Optional[int]
@@ -144,8 +145,8 @@ def reduction_order(bucket_positions: Sequence[tuple[object, int, Sequence[int]]
 
 def plan_units(modules: Sequence[tuple[str, Sequence[ParamSpec]]], world_size: int, config,
                device: Device = None) -> PartitionedPlan:
-    """Stage 3's units in model order. ``modules``: each module's name and its own parameters not registered by
-    an earlier module; ``members`` index into the concatenation of those lists."""
+    """Stage 3's units in model order. ``modules``: each owner's name (block_units.unit_owners) and its
+    parameters not registered by an earlier owner; ``members`` index into the concatenation of those lists."""
     units = []
     budget = config.model_persistence_threshold
     start = 0
