@@ -34,6 +34,7 @@ from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
 from zero_core.stage3.partitioned_param import mark_partitioned, unguarded
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
+from zero_core.stage3.streams import SideStreams
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 
 
@@ -113,6 +114,7 @@ class PartitionedParamsRuntime:
         materialised just before its units take them."""
         group_of = {p: i for i, params in enumerate(trainable_by_group) for p in params}
         device = next((p.device for p in self.module.parameters() if not p.is_meta), torch.device("cpu"))
+        self.streams = SideStreams(device)  # CUDA: the gather and reduce streams (streams.py); none on the CPU
         owner_of = unit_owners(self.module)
         members: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)  # owner -> its modules, model order
         owned: dict[str, list[nn.Parameter]] = defaultdict(list)  # owner -> the parameters first registered there
@@ -160,6 +162,7 @@ class PartitionedParamsRuntime:
                          self.comm, dtype)
         self._unit_count += 1
         unit.persistent = persistent
+        unit.streams = self.streams
         unit.store_quantized = self._stores_quantized(unit)
         unit.adopt(values, broadcast=broadcast)
         for param in params:
@@ -582,7 +585,8 @@ class PartitionedParamsRuntime:
     def _flush_bucket(self) -> None:
         if self._bucket is None:
             return
-        batch = CoalescedReduce(self._bucket, self.comm, async_op=self.policy.overlap_comm)
+        batch = CoalescedReduce(self._bucket, self.comm, async_op=self.policy.overlap_comm,
+                                stream=self.streams.reduce)
         self._inflight.push((batch, self._bucket.buffer))
         self._bucket = None
 
