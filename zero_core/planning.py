@@ -8,9 +8,9 @@ estimator (tools/estimator.py) counts the same plans, so the two cannot disagree
   shard group; the reducer reduces buckets in ``reduction_order`` (model order, reversed).
 - Stage 3 (``plan_units``): one unit per (owner, optimizer group, dtype) of each owner's own parameters, where
   an owner is a block (stage3/block_units.py: all the modules of its subtree) or a module outside blocks (a
-  tied parameter belongs to the first module that registers it), laid out in buckets of ``reduce_bucket_size``;
-  a unit of parameters all under ``param_persistence_threshold`` stays gathered while
-  ``model_persistence_threshold`` lasts; gradients are reduced in buckets of ``reduce_bucket_numel`` elements.
+  tied parameter belongs to the first module that registers it), parameters under
+  ``param_persistence_threshold`` in a unit apart, laid out in buckets of ``reduce_bucket_size``; such a unit of
+  small parameters stays gathered while ``model_persistence_threshold`` lasts; gradients are reduced in buckets of ``reduce_bucket_numel`` elements.
 - Scratch (buffer_pool.py): requests rounded up by ``pool_capacity``; ``*_IN_FLIGHT`` reductions kept in flight
   with ``overlap_comm``.
 - Alignment (``layout_alignment``): every layout puts parameter starts and shard boundaries on multiples of
@@ -150,11 +150,15 @@ def plan_units(modules: Sequence[tuple[str, Sequence[ParamSpec]]], world_size: i
     units = []
     budget = config.model_persistence_threshold
     start = 0
+    small = config.param_persistence_threshold
     for module_name, specs in modules:
-        for key in sorted({(s.group_key, s.dtype) for s in specs}):
-            members = tuple(start + i for i, s in enumerate(specs) if (s.group_key, s.dtype) == key)
+        # Parameters under the persistence threshold form a unit of their own (DeepSpeed's rule is per
+        # parameter): a block's norms and biases stay gathered while its large matrices are partitioned.
+        keys = [(s.group_key, s.dtype, s.numel < small) for s in specs]
+        for key in sorted(set(keys)):
+            members = tuple(start + i for i, k in enumerate(keys) if k == key)
             numels = [specs[i - start].numel for i in members]
-            persistent = all(n < config.param_persistence_threshold for n in numels) and sum(numels) <= budget
+            persistent = key[2] and sum(numels) <= budget
             if persistent:
                 budget -= sum(numels)
             layout = unit_layout(numels, world_size, config, device)
