@@ -339,7 +339,7 @@ class PartitionedParamsRuntime:
         for unit in units:
             self._active[unit] += 1
         if torch.is_grad_enabled():
-            if after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs)) and mod in self._blocks:
+            if after_input_grads(functools.partial(self._post_backward, mod, position), (args, kwargs)) and mod in self._blocks:
                 self._open_blocks[mod] += 1
         return args, kwargs
 
@@ -380,11 +380,17 @@ class PartitionedParamsRuntime:
                 self._release(unit)
         return output
 
-    def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None) -> bool:
+    def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None,
+                     in_backward: bool = False) -> bool:
         """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting
-        (``backward_follows``: grad mode, when the caller has not read it already)."""
+        (``backward_follows``: grad mode, when the caller has not read it already; ``in_backward``: after the
+        backward of the module at ``position``, looking at the rest of the backward: a tied embedding's unit,
+        used by the head's backward, is kept for the embedding's)."""
         if position is None or not self.trace.following or self.live_elements > self.policy.max_live_parameters:
             return False
+        if in_backward:
+            distance = self.trace.backward_reuse_distance(position, unit, self._units_for)
+            return distance <= self.policy.max_reuse_distance
         if backward_follows is None:
             backward_follows = torch.is_grad_enabled()
         distance = self.trace.reuse_distance(position, unit, self._units_for, backward_follows)
@@ -411,9 +417,10 @@ class PartitionedParamsRuntime:
         self._bwd_cursor -= 1
         return self._bwd_cursor + 1
 
-    def _post_backward(self, mod) -> None:
+    def _post_backward(self, mod, position: Optional[int] = None) -> None:
         for unit in self._units_for(mod):
-            if self._active[unit] == 0 and unit not in self._held:
+            if self._active[unit] == 0 and unit not in self._held and not self._reused_soon(position, unit,
+                                                                                             in_backward=True):
                 self._release(unit)
         if mod in self._blocks and self._open_blocks[mod] > 0:
             self._open_blocks[mod] -= 1
