@@ -1,6 +1,7 @@
 """Stage 3: parameters partitioned across ranks, gathered just before a module runs and released after.
 
-Units (param_unit.py) are a module's own parameters per optimizer group and dtype. Hooks on the user's modules
+Units (param_unit.py) are a block's (block_units.py) or else a module's own parameters per optimizer group and
+dtype. Hooks on the user's modules
 (in place, no wrapper) gather a module's units before its forward and, through backward_hooks.py, before its
 backward; they release them after each. Gradients are reduce-scattered unit by unit as soon as a unit's last
 gradient is accumulated. Prefetch follows the execution trace that every rank agreed on (execution_trace.py).
@@ -18,7 +19,7 @@ from torch import nn
 
 from zero_core.stage3 import param_sources
 from zero_core.stage3.backward_hooks import PreBackward, after_input_grads, attach
-from zero_core.stage3.block_units import block_of
+from zero_core.stage3.block_units import block_of, unit_owners
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
@@ -34,6 +35,7 @@ from zero_core.stage3.partitioned_param import mark_partitioned, unguarded
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
 from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
+from zero_core.stage3.streams import SideStreams
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 
 
@@ -114,15 +116,22 @@ class PartitionedParamsRuntime:
 
     # -- partitioning at setup -----------------------------------------------------------------------------
     def _build_units(self, trainable_by_group) -> None:
-        """Partition the units planning.py plans (``self.plan``, the estimator counts the same plan), one module
-        at a time: a module's meta parameters are materialised just before its units take them."""
+        """Partition the units planning.py plans (``self.plan``, the estimator counts the same plan), one owner
+        at a time (a block, or a module outside blocks: block_units.unit_owners): an owner's meta parameters are
+        materialised just before its units take them."""
         group_of = {p: i for i, params in enumerate(trainable_by_group) for p in params}
         device = next((p.device for p in self.module.parameters() if not p.is_meta), torch.device("cpu"))
-        owned: dict[str, list[nn.Parameter]] = {}
+        self.streams = SideStreams(device)  # CUDA: the gather and reduce streams (streams.py); none on the CPU
+        owner_of = unit_owners(self.module)
+        members: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)  # owner -> its modules, model order
+        owned: dict[str, list[nn.Parameter]] = defaultdict(list)  # owner -> the parameters first registered there
         seen: set[nn.Parameter] = set()
         for module_name, mod in self.module.named_modules():
-            owned[module_name] = [p for p in mod.parameters(recurse=False) if p not in seen]
-            seen.update(owned[module_name])
+            owner = owner_of[module_name]
+            members[owner].append((module_name, mod))
+            params = [p for p in mod.parameters(recurse=False) if p not in seen]
+            owned[owner] += params
+            seen.update(params)
         specs = [(name, [ParamSpec(p.numel(), str(p.dtype), group_of.get(p), name) for p in params])
                  for name, params in owned.items()]
         self.plan = plan_units(specs, self.comm.topology.world_size, self.config, device)
@@ -130,14 +139,15 @@ class PartitionedParamsRuntime:
         planned = defaultdict(list)
         for unit in self.plan.units:
             planned[unit.module].append(unit)
-        for module_name, mod in self.module.named_modules():
-            param_sources.materialize_meta(mod, module_name, device)
-            owner = self._hooked(mod)  # a module inside a leaf: its units are gathered with the leaf
-            for param in mod.parameters(recurse=False):
-                if param in self.unit_of:  # registered by an earlier module (tied)
-                    self._add_external(owner, self.unit_of[param])
-            for unit in planned[module_name]:
-                self._add_unit(module_name, owner, [flat[i] for i in unit.members], unit)
+        for owner_name, modules in members.items():
+            hooked = self._hooked(modules[0][1])  # inside a leaf: its units are gathered with the leaf
+            for module_name, mod in modules:
+                param_sources.materialize_meta(mod, module_name, device)
+                for param in mod.parameters(recurse=False):
+                    if param in self.unit_of:  # registered by an earlier owner (tied)
+                        self._add_external(hooked, self.unit_of[param])
+            for unit in planned[owner_name]:
+                self._add_unit(owner_name, hooked, [flat[i] for i in unit.members], unit)
         for mod, params in registered_externals(self.module):
             for param in params:
                 self._add_external(self._hooked(mod), self.unit_of[param])
@@ -159,6 +169,7 @@ class PartitionedParamsRuntime:
                          self.comm, dtype)
         self._unit_count += 1
         unit.persistent = persistent
+        unit.streams = self.streams
         unit.store_quantized = self._stores_quantized(unit)
         unit.adopt(values, broadcast=broadcast)
         for param in params:
@@ -351,7 +362,7 @@ class PartitionedParamsRuntime:
         for unit in units:
             self._active[unit] += 1
         if torch.is_grad_enabled():
-            if after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs)) and mod in self._blocks:
+            if after_input_grads(functools.partial(self._post_backward, mod, position), (args, kwargs)) and mod in self._blocks:
                 self._open_blocks[mod] += 1
         return args, kwargs
 
@@ -404,11 +415,17 @@ class PartitionedParamsRuntime:
         return (backward_follows and self.live_elements <= self.policy.max_live_parameters
                 and not self.comm.options.quantize_weights)
 
-    def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None) -> bool:
+    def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None,
+                     in_backward: bool = False) -> bool:
         """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting
-        (``backward_follows``: grad mode, when the caller has not read it already)."""
+        (``backward_follows``: grad mode, when the caller has not read it already; ``in_backward``: after the
+        backward of the module at ``position``, looking at the rest of the backward: a tied embedding's unit,
+        used by the head's backward, is kept for the embedding's)."""
         if position is None or not self.trace.following or self.live_elements > self.policy.max_live_parameters:
             return False
+        if in_backward:
+            distance = self.trace.backward_reuse_distance(position, unit, self._units_for)
+            return distance <= self.policy.max_reuse_distance
         if backward_follows is None:
             backward_follows = torch.is_grad_enabled()
         distance = self.trace.reuse_distance(position, unit, self._units_for, backward_follows)
@@ -444,9 +461,10 @@ class PartitionedParamsRuntime:
         self._bwd_cursor -= 1
         return self._bwd_cursor + 1
 
-    def _post_backward(self, mod) -> None:
+    def _post_backward(self, mod, position: Optional[int] = None) -> None:
         for unit in self._units_for(mod):
-            if self._active[unit] == 0 and unit not in self._held:
+            if self._active[unit] == 0 and unit not in self._held and not self._reused_soon(position, unit,
+                                                                                             in_backward=True):
                 self._release(unit)
         if mod in self._blocks and self._open_blocks[mod] > 0:
             self._open_blocks[mod] -= 1
@@ -620,7 +638,8 @@ class PartitionedParamsRuntime:
     def _flush_bucket(self) -> None:
         if self._bucket is None:
             return
-        batch = CoalescedReduce(self._bucket, self.comm, async_op=self.policy.overlap_comm)
+        batch = CoalescedReduce(self._bucket, self.comm, async_op=self.policy.overlap_comm,
+                                stream=self.streams.reduce)
         self._inflight.push((batch, self._bucket.buffer))
         self._bucket = None
 
