@@ -101,7 +101,7 @@ def _shadow_stage3_pass(runtime) -> None:
     runtime.trace.position = len(order)
     for unit in root:
         runtime._active[unit] -= 1
-        if not runtime._root_keeps(True) and not runtime._reused_soon(0, unit, True):
+        if not runtime._root_keeps(True, unit) and not runtime._reused_soon(0, unit, True):
             runtime._release(unit)
     runtime._in_backward = True
     if root:

@@ -397,23 +397,30 @@ class PartitionedParamsRuntime:
         wrapped = 0
         if grad_enabled:
             output, wrapped = attach(PreBackward, functools.partial(self._pre_backward, mod), output)
-        keep_group = mod is self.module and self._root_keeps(grad_enabled)
+        is_root = mod is self.module
         for unit in units:
             if unit in returned or (grad_enabled and wrapped == 0 and unit.active_count()):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
-            elif active[unit] > 0 or keep_group:
+            elif active[unit] > 0 or (is_root and self._root_keeps(grad_enabled, unit)):
                 continue  # used by an enclosing forward still open; or the root's, whose backward comes next
             elif not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
         return output
 
-    def _root_keeps(self, backward_follows: bool) -> bool:
-        """After the root's forward: keep its units (the root group's included) for the backward that comes next,
-        budget permitting (nothing is gathered in between, as FSDP2's root keeps its parameters). Not under qwZ,
-        whose forward gathered int8 codes: there the reuse rule decides, as for any module, and a released unit
-        is gathered exact for the backward."""
-        return (backward_follows and self.live_elements <= self.policy.max_live_parameters
-                and not self.comm.options.quantize_weights)
+    def _root_keeps(self, backward_follows: bool, unit: ParamUnit) -> bool:
+        """After the root's forward: keep its ``unit`` (the root group's included) for the backward that comes next,
+        budget permitting (nothing is gathered in between, as FSDP2's root keeps its parameters), and within
+        ``max_reuse_distance`` of the backward's start, so a run tuned for the least memory (0) still gathers the
+        root's units again where the backward uses them. Not under qwZ, whose forward gathered int8 codes: there
+        the reuse rule decides, as for any module, and a released unit is gathered exact for the backward."""
+        if not backward_follows or self.live_elements > self.policy.max_live_parameters:
+            return False
+        if self.comm.options.quantize_weights:
+            return False
+        if not self.trace.following:  # the first step: no order to measure the distance on yet
+            return self.policy.max_reuse_distance > 0
+        end = len(self.trace.order) - 1  # from the end of the forward: the backward in reverse order
+        return self.trace.reuse_distance(end, unit, self._units_for, True) <= self.policy.max_reuse_distance
 
     def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None,
                      in_backward: bool = False) -> bool:
