@@ -81,6 +81,7 @@ class GradReducer:
         self.session = BackwardSession(self.finish_backward, on_open=self._count_expected)
         self._inflight: ReductionQueue[_InFlight] = ReductionQueue(self._complete, self.MAX_IN_FLIGHT, overlap)
         self._views: dict = {}  # (position, staging buffer) -> each parameter's view of it, see _open_staging
+        self._gap_cache: dict = {}  # position -> the bucket's padding slices, see _gaps
         self._reset_backward_state()
         if partition_grads:
             self._register_hooks()
@@ -134,10 +135,11 @@ class GradReducer:
 
     def _open_staging(self, position: int, state: _BucketState) -> dict:
         """Acquire the bucket's staging buffer; returns each parameter's slot in it, shaped like the parameter.
-        The views are made once per (bucket, pool buffer), not per parameter per step."""
+        The views are made once per (bucket, pool buffer), not per parameter per step. The buffer is not zeroed
+        here: every slot a gradient arrives in is written whole, and _zero_unwritten clears the rest at launch."""
         group, bucket = self.order[position]
         if state.staging is None:
-            state.staging = self.pool.acquire(group.layout.buckets[bucket].range.size, group.dtype)
+            state.staging = self.pool.acquire(group.layout.buckets[bucket].range.size, group.dtype, zeroed=False)
         key = (position, state.staging.data_ptr())
         views = self._views.get(key)
         if views is None:
@@ -147,6 +149,33 @@ class GradReducer:
                 for i in group.layout.buckets[bucket].param_indices}
         state.views = views
         return views
+
+    def _zero_unwritten(self, position: int, state: _BucketState) -> None:
+        """Before a bucket is reduced: zero what no gradient was written to (padding, alignment gaps, the slots of
+        parameters without a gradient), so the pool buffer's previous contents never reach the sum."""
+        group, bucket = self.order[position]
+        for gap in self._gaps(position):
+            state.staging[gap].zero_()
+        for index in group.layout.buckets[bucket].param_indices:
+            if index not in state.seen:
+                state.views[index].zero_()
+
+    def _gaps(self, position: int) -> list[slice]:
+        """The bucket's elements outside every parameter slot (bucket offsets), computed once per bucket."""
+        gaps = self._gap_cache.get(position)
+        if gaps is None:
+            group, bucket = self.order[position]
+            layout = group.layout.buckets[bucket]
+            gaps, cursor = [], 0
+            for index in sorted(layout.param_indices, key=lambda i: group.layout.slots[i].range.start):
+                slot = group.layout.slots[index].range.shift(-layout.range.start)
+                if slot.start > cursor:
+                    gaps.append(slice(cursor, slot.start))
+                cursor = max(cursor, slot.end)
+            if cursor < layout.range.size:
+                gaps.append(slice(cursor, layout.range.size))
+            self._gap_cache[position] = gaps
+        return gaps
 
     def _active_indices(self, position: int) -> list[int]:
         """The bucket's parameters that take part in backward now (requires_grad is the same on every rank)."""
@@ -168,6 +197,8 @@ class GradReducer:
         size = group.layout.buckets[bucket].range.size
         if state.staging is None:
             state.staging = self.pool.acquire(size, group.dtype)  # nothing arrived here on this rank
+        else:
+            self._zero_unwritten(position, state)
         job = self._reduce(group, bucket, state.staging[:size], accumulate=True)
         job.scratch.append(state.staging)
         state.staging = state.views = None
