@@ -3,6 +3,7 @@
     accelerate-zero launch --config examples/zero.yaml examples/accelerate_train.py
     accelerate-zero launch --config examples/zero.yaml examples/accelerate_train.py --save-state ckpt --save-at 10
     accelerate-zero launch --config examples/zero.yaml examples/accelerate_train.py --resume-from ckpt
+    accelerate-zero launch --config examples/zero.yaml examples/accelerate_train.py --compile inductor
 
 Everything below the import is plain Accelerate: ``prepare``, ``accumulate``, ``backward``, ``clip_grad_norm_``,
 a learning-rate scheduler, ``save_state``/``load_state`` (sharded under ZeRO), ``get_state_dict`` and
@@ -106,9 +107,12 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, help="optimizer step after which to save the state")
     parser.add_argument("--resume-from", help="a save_state directory to resume from")
     parser.add_argument("--output", help="directory for accelerator.save_model (safetensors) at the end")
+    parser.add_argument("--compile", metavar="BACKEND", help="Accelerate's dynamo_backend (inductor, aot_eager); "
+                        "zero.yaml's dynamo_config does the same")
     args = parser.parse_args()
+    compile_kwargs = {"dynamo_backend": args.compile} if args.compile else {}  # else Accelerate's own setting
     accelerator = Accelerator(gradient_accumulation_steps=args.grad_accum,
-                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+                              dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True), **compile_kwargs)
     model, _ = train(accelerator, args.steps, save_state=args.save_state, save_at=args.save_at,
                      resume_from=args.resume_from,
                      on_step=lambda step, loss: accelerator.print(f"step {step:3d}  loss {loss:.4f}"))

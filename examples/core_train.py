@@ -3,6 +3,7 @@
     torchrun --nproc-per-node 2 examples/core_train.py
     torchrun --nproc-per-node 2 examples/core_train.py --stage 1 --precision bf16 --steps 200
     torchrun --nproc-per-node 2 examples/core_train.py --config my_deepspeed_config.json
+    torchrun --nproc-per-node 2 examples/core_train.py --stage 3 --compile inductor
 
 The corpus is generated at run time ("12+34=046;" repeated), so nothing is downloaded. Each rank reads
 its own problems; rank 0 prints the loss averaged over ranks, then the share of answer digits predicted.
@@ -39,6 +40,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--clip", type=float, default=1.0, help="max gradient norm; 0 turns clipping off")
     parser.add_argument("--log-every", type=int, default=25)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", metavar="BACKEND",
+                        help="torch.compile the model after setup with this backend (inductor, aot_eager)")
     args = parser.parse_args()
     if args.config and (args.stage or args.precision):
         parser.error("give either --config or --stage/--precision: the config file sets both")
@@ -150,6 +153,7 @@ def train(args: argparse.Namespace) -> None:
     optimizer = make_optimizer(model, args.lr)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(args.steps))
     engine = zero_core.setup(model, optimizer, zero_config(args))  # the one line a plain PyTorch loop adds
+    run = torch.compile(model, backend=args.compile) if args.compile else model  # any stage (docs/stage3.md)
     fp16 = engine.loss_scaler is not None
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
@@ -158,7 +162,7 @@ def train(args: argparse.Namespace) -> None:
     started = time.perf_counter()
     for step in range(1, args.steps + 1):
         inputs, targets = make_batch(rank, step, args.batch_size, context)
-        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(run(inputs).flatten(0, 1), targets.flatten())
         if fp16:
             engine.backward(loss)  # applies the fp16 loss scale; loss.backward() would skip it
         else:

@@ -254,17 +254,28 @@ def group_of(param: nn.Parameter) -> int | None:
 
 
 def expected_units(model: nn.Module, world_size: int, threshold: int = 0, model_threshold: int = sys.maxsize):
-    """The documented partitioning, recomputed: one unit per module's own (first-held) parameters of one optimizer
-    group, padded to a multiple of the world size (one bucket); persistent if every parameter is smaller than
-    ``threshold``, while the total kept stays within ``model_threshold``. Dicts: module, numel, padded, persistent."""
-    seen, units, budget = set(), [], model_threshold
-    for name, module in model.named_modules():
+    """The documented partitioning, recomputed: one unit per owner's (first-held) parameters of one optimizer
+    group, where the owner is a block (is_block: all of its subtree) or else the module itself, and parameters
+    smaller than ``threshold`` apart from the others, padded to a multiple of the world size (one bucket); such a
+    unit of small parameters is persistent while the total kept stays within ``model_threshold``. Dicts: module (the owner), numel, padded, persistent."""
+    owner_of, names = {}, {m: n for n, m in model.named_modules()}
+    for module in model.modules():
+        if module not in owner_of and is_block(model, module):
+            for member in module.modules():
+                owner_of.setdefault(member, module)
+    owned: dict = {}
+    seen = set()
+    for module in model.modules():
         own = [p for p in module.parameters(recurse=False) if id(p) not in seen]
         seen.update(id(p) for p in own)
-        for group in sorted({-1 if group_of(p) is None else group_of(p) for p in own}):
-            params = [p for p in own if (-1 if group_of(p) is None else group_of(p)) == group]
+        owned.setdefault(names[owner_of.get(module, module)], []).extend(own)
+    units, budget = [], model_threshold
+    for name, own in owned.items():
+        keys = [(-1 if group_of(p) is None else group_of(p), p.numel() < threshold) for p in own]
+        for group, small in sorted(set(keys)):
+            params = [p for p, key in zip(own, keys) if key == (group, small)]
             numel = sum(p.numel() for p in params)
-            persistent = all(p.numel() < threshold for p in params) and numel <= budget
+            persistent = small and numel <= budget
             budget -= numel if persistent else 0
             units.append({"module": name, "numel": numel, "padded": -(-numel // world_size) * world_size,
                           "persistent": persistent, "trainable": group >= 0, "params": params})
@@ -283,4 +294,16 @@ def module_gather_numel(model: nn.Module, module: nn.Module, world_size: int) ->
     """Padded elements gathered to run ``module``: the units of every parameter it holds (tied ones too), and of
     its whole subtree when it is a block."""
     held = {id(p) for p in module.parameters(recurse=is_block(model, module))}
+    return sum(u["padded"] for u in expected_units(model, world_size) if any(id(p) in held for p in u["params"]))
+
+
+def root_group_gather_numel(model: nn.Module, world_size: int) -> int:
+    """Padded elements of the documented root group (docs/stage3.md, torch.compile): the units of the modules
+    below no ModuleList element, when the model has a block; gathered once by the root's hooks, kept into the
+    backward. 0 when there is no group."""
+    listed = {id(m) for lst in model.modules() if isinstance(lst, nn.ModuleList) for c in lst.children()
+              for m in c.modules()}
+    if not any(is_block(model, m) for m in model.modules()):
+        return 0
+    held = {id(p) for m in model.modules() if id(m) not in listed for p in m.parameters(recurse=False)}
     return sum(u["padded"] for u in expected_units(model, world_size) if any(id(p) in held for p in u["params"]))

@@ -84,7 +84,7 @@ def test_example_ends_with_ddps_weights_and_global_norms(parity, run_name):
     assert zero["norms_agree_across_ranks"]
 
 
-@pytest.mark.parametrize("run_name", ["zero2_compiled", "zero3_compiled"])
+@pytest.mark.parametrize("run_name", ["zero1_compiled", "zero2_compiled", "zero3_compiled"])
 def test_dynamo_backend_compiles_the_model_and_matches_compiled_ddp(parity, run_name):
     ddp, zero = parity["ddp_compiled"], parity[run_name]
     assert ddp["wrapped"] == zero["wrapped"] == "OptimizedModule" and zero["unwrapped_is_model"]
@@ -216,6 +216,28 @@ def test_dynamo_backend_from_the_launcher_environment_compiles(tmp_path):
     result = json.loads(out.strip().splitlines()[-1])
     assert result["model"] == "OptimizedModule" and result["stage"] == 3
     assert result["keys"] == ["0.bias", "0.weight", "2.bias", "2.weight"] and result["losses"][-1] < result["losses"][0]
+
+
+@pytest.fixture(scope="module")
+def compiled_from_yaml(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("compiled_yaml")
+    (tmp / "zero.yaml").write_text(ZERO_YAML + "dynamo_config:\n  dynamo_backend: AOT_EAGER\n")
+    run([sys.executable, "-m", "accelerate_zero", "launch", "--config", tmp / "zero.yaml",
+         SCRIPTS / "compiled_yaml.py", tmp / "out.json"], cwd=tmp, env=clean_env(), timeout=400)
+    return json.loads((tmp / "out.json").read_text())
+
+
+@pytest.mark.timeout(450)
+@pytest.mark.parametrize("run_name", ["zero1", "zero2", "zero3"])
+def test_yaml_dynamo_config_compiles_every_stage_to_compiled_ddps_weights(compiled_from_yaml, run_name):
+    """zero.yaml's ``dynamo_config`` compiles plain Accelerate's DDP model and ZeroAccelerator's alike (the script
+    passes no dynamo_backend); each stage ends with compiled DDP's weights and gradient norms."""
+    ddp, zero = compiled_from_yaml["ddp"], compiled_from_yaml[run_name]
+    assert ddp["wrapped"] == zero["wrapped"] == "OptimizedModule" and zero["unwrapped_is_model"]
+    assert ddp["compiled_frames"] > 0 and zero["compiled_frames"] > 0  # both really ran compiled
+    ddp_weights = {k.removeprefix("_orig_mod."): v for k, v in ddp["weights"].items()}
+    assert max_diff(zero["weights"], ddp_weights) <= TOLERANCE
+    assert max(abs(a - b) for a, b in zip(zero["norms"], ddp["norms"])) <= TOLERANCE
 
 
 # -- one model, two optimizers (a GAN), against DDP; save_state, resume, export -------------------------------

@@ -9,6 +9,9 @@ puts biases in their own group), every parameter partitioned:
 - a child inside a block that one rank skips in one step (buckets smaller than a block and blocks gathered again
   in backward, so reductions interleave with gathers): its gradient counts as zero there, once the block's backward is over, as with
   DistributedDataParallel(find_unused_parameters=True).
+- a transformer whose LM head is tied to the token embedding: by default (max_reuse_distance) the embedding's
+  unit, used by the head's backward, is kept for the embedding's backward, so every unit is all-gathered once
+  per step; with max_reuse_distance 0 the embedding is gathered again in backward.
 Every run trains to DDP's weights.
 """
 
@@ -62,10 +65,19 @@ def data(rank, step):
     return torch.randn(4, WIDTH, generator=generator), torch.randn(4, WIDTH, generator=generator)
 
 
-def train(rank, config, gated=False):
+def tied_transformer_batch(rank, step, skip_gate_of=-1):
+    from models import transformer_batch
+
+    return transformer_batch(rank, step, 0)
+
+
+def train(rank, config, gated=False, tied=False):
     """Weights after STEPS steps, and the collectives of the last step (the trace is agreed by then). With
-    ``gated``, rank 1 skips block 2's gate at step SKIP_AT."""
-    model = Blocks(gated)
+    ``gated``, rank 1 skips block 2's gate at step SKIP_AT; ``tied``: the transformer with a tied head."""
+    from models import TinyTransformer
+
+    model = TinyTransformer() if tied else Blocks(gated)
+    batch = tied_transformer_batch if tied else data
     optimizer = make_optimizer(model)
     if config is None:
         ddp = DistributedDataParallel(model, find_unused_parameters=True)
@@ -78,7 +90,8 @@ def train(rank, config, gated=False):
         if config is not None and index == STEPS - 1:
             engine.reset_comm_stats()
         skip = 2 if gated and rank == 1 and index == SKIP_AT else -1
-        backward(forward(*data(rank, index), skip_gate_of=skip))
+        inputs = batch(rank, index, skip_gate_of=skip) if tied else (*batch(rank, index), skip)
+        backward(forward(*inputs))
         step()
     stats = engine.comm_stats() if config is not None else {}
     return full_params(model), {k: (v["calls"], v["elements"]) for k, v in stats.items() if k != "all_reduce"}
@@ -95,6 +108,10 @@ def runs(rank, world_size):
     # with those gathers, so the skipping rank's must too.
     regather = {**ONE_BLOCK, "max_reuse_distance": 0}
     found["skipped child"] = {"diff": max_abs_diff(train(rank, regather, gated=True)[0], gated_reference)}
+    tied_reference = train(rank, None, tied=True)[0]
+    for name, config in (("tied", PARTITIONED), ("tied, no reuse", {**PARTITIONED, "max_reuse_distance": 0})):
+        weights, collectives = train(rank, config, tied=True)
+        found[name] = {"diff": max_abs_diff(weights, tied_reference), "collectives": collectives}
     return found
 
 
@@ -121,3 +138,18 @@ def test_collectives_follow_the_bucket_sizes(results):
     for found in results:
         assert found["one block"]["collectives"] == {"all_gather": (BLOCKS - 1, PSI),
                                                      "reduce_scatter": (BLOCKS, PSI)}, found
+
+
+@pytest.mark.timeout(300)
+def test_a_tied_embedding_is_gathered_once_per_step(results):
+    """Each unit of the tied transformer is all-gathered once per step (its padded elements summed), the
+    embedding's included: the head's backward keeps it for the embedding's. Without reuse it is gathered again."""
+    from models import TinyTransformer
+    from stage3_support import expected_units
+
+    model = TinyTransformer()
+    once = sum(u["padded"] for u in expected_units(model, 2))
+    embedding = sum(u["padded"] for u in expected_units(model, 2) if u["module"] == "tok")
+    for found in results:
+        assert found["tied"]["collectives"]["all_gather"][1] == once, found["tied"]
+        assert found["tied, no reuse"]["collectives"]["all_gather"][1] >= once + embedding, found["tied, no reuse"]

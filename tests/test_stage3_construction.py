@@ -151,8 +151,12 @@ def meta_matches_reset_parameters(rank: int) -> dict:
         zero_core.setup(model, make_optimizer(model), {"stage": 3, "param_persistence_threshold": 0})
         plain = build(name)
         torch.manual_seed(11)
-        for unit_module in dict.fromkeys(plain.get_submodule(u["module"]) for u in expected_units(plain, 1)):
-            unit_module.reset_parameters()
+        seen = set()  # the modules that register parameters first (a tied one is materialised once)
+        for module in plain.modules():
+            own = [p for p in module.parameters(recurse=False) if p not in seen]
+            seen.update(own)
+            if own:
+                module.reset_parameters()
         found[name] = differing(full_params(model), {n: p.detach() for n, p in plain.named_parameters()})
     return found
 

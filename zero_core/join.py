@@ -89,12 +89,25 @@ def _shadow_stage3_pass(runtime) -> None:
             "step); every rank needs at least one full step before it can shadow the others"
         )
     runtime._root_pre_forward(runtime.module, ())
-    positions = range(len(runtime.trace.order))
-    for position in positions:
+    order = runtime.trace.order
+    # A hooked root (its own units, or the root group: root_group.py) is at position 0 and open through the
+    # forward; after it, its units stay for the backward or go as its post-forward decides; its backward comes
+    # first (a prefetch from the end of the trace), before the modules' in reverse order.
+    root = runtime._units_for(runtime.module) if order and order[0] is runtime.module else []
+    for unit in root:
+        runtime._active[unit] += 1
+    for position in range(len(order)):
         skipped_forward(runtime, position)
-    runtime.trace.position = len(runtime.trace.order)
+    runtime.trace.position = len(order)
+    for unit in root:
+        runtime._active[unit] -= 1
+        if not runtime._root_keeps(True) and not runtime._reused_soon(0, unit, True):
+            runtime._release(unit)
     runtime._in_backward = True
-    for position in reversed(positions):
+    if root:
+        runtime._fetch(root, len(order), backward=True)
+        runtime._skipped_units.update(root)
+    for position in reversed(range(1 if root else 0, len(order))):
         skipped_backward(runtime, position)
     launch_in_order(runtime)
     for unit in runtime._reduce_order[runtime._reduce_cursor:]:

@@ -6,10 +6,11 @@ estimator (tools/estimator.py) counts the same plans, so the two cannot disagree
 - Stages 1-2 (``plan_flat_groups``): one flat buffer per (optimizer group, dtype), laid out by `compute_layout`
   in buckets of ``min(reduce_bucket_size, allgather_bucket_size)`` elements, each padded to a multiple of the
   shard group; the reducer reduces buckets in ``reduction_order`` (model order, reversed).
-- Stage 3 (``plan_units``): one unit per (module, optimizer group, dtype) of each module's own parameters (a
-  tied parameter belongs to the first module that registers it), laid out in buckets of ``reduce_bucket_size``;
-  a unit of parameters all under ``param_persistence_threshold`` stays gathered while
-  ``model_persistence_threshold`` lasts; gradients are reduced in buckets of ``reduce_bucket_numel`` elements.
+- Stage 3 (``plan_units``): one unit per (owner, optimizer group, dtype) of each owner's own parameters, where
+  an owner is a block (stage3/block_units.py: all the modules of its subtree) or a module outside blocks (a
+  tied parameter belongs to the first module that registers it), parameters under
+  ``param_persistence_threshold`` in a unit apart, laid out in buckets of ``reduce_bucket_size``; such a unit of
+  small parameters stays gathered while ``model_persistence_threshold`` lasts; gradients are reduced in buckets of ``reduce_bucket_numel`` elements.
 - Scratch (buffer_pool.py): requests rounded up by ``pool_capacity``; ``*_IN_FLIGHT`` reductions kept in flight
   with ``overlap_comm``.
 - Alignment (``layout_alignment``): every layout puts parameter starts and shard boundaries on multiples of
@@ -57,7 +58,7 @@ class ParamSpec:
     numel: int
     dtype: str  # str(torch.dtype) before any cast: parameters of different dtypes never share a buffer
     group: Optional[int] = None  # optimizer group index (across all optimizers); None: frozen or in no group
-    module: str = ""  # qualified name of the first module that registers it (stage 3's unit owner)
+    module: str = ""  # stage 3's unit owner: the first module that registers it, or that module's block
 
     @property
     def group_key(self) -> int:
@@ -76,7 +77,7 @@ class FlatGroupPlan:
 
 @dataclass(frozen=True)
 class UnitPlan:
-    """Stage 3: one module's own parameters of one optimizer group (None: frozen) and dtype."""
+    """Stage 3: one owner's (a block's or a module's) parameters of one optimizer group (None: frozen) and dtype."""
 
     module: str
     group_index: Optional[int]
@@ -144,16 +145,20 @@ def reduction_order(bucket_positions: Sequence[tuple[object, int, Sequence[int]]
 
 def plan_units(modules: Sequence[tuple[str, Sequence[ParamSpec]]], world_size: int, config,
                device: Device = None) -> PartitionedPlan:
-    """Stage 3's units in model order. ``modules``: each module's name and its own parameters not registered by
-    an earlier module; ``members`` index into the concatenation of those lists."""
+    """Stage 3's units in model order. ``modules``: each owner's name (block_units.unit_owners) and its
+    parameters not registered by an earlier owner; ``members`` index into the concatenation of those lists."""
     units = []
     budget = config.model_persistence_threshold
     start = 0
+    small = config.param_persistence_threshold
     for module_name, specs in modules:
-        for key in sorted({(s.group_key, s.dtype) for s in specs}):
-            members = tuple(start + i for i, s in enumerate(specs) if (s.group_key, s.dtype) == key)
+        # Parameters under the persistence threshold form a unit of their own (DeepSpeed's rule is per
+        # parameter): a block's norms and biases stay gathered while its large matrices are partitioned.
+        keys = [(s.group_key, s.dtype, s.numel < small) for s in specs]
+        for key in sorted(set(keys)):
+            members = tuple(start + i for i, k in enumerate(keys) if k == key)
             numels = [specs[i - start].numel for i in members]
-            persistent = all(n < config.param_persistence_threshold for n in numels) and sum(numels) <= budget
+            persistent = key[2] and sum(numels) <= budget
             if persistent:
                 budget -= sum(numels)
             layout = unit_layout(numels, world_size, config, device)

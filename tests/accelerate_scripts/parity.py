@@ -27,7 +27,8 @@ RUNS = {
     "env": "env",
 }
 # dynamo_backend compiles the prepared model as plain Accelerate does (aot_eager: fast on CPU).
-COMPILED_RUNS = {"ddp_compiled": "ddp", "zero2_compiled": {"stage": 2}, "zero3_compiled": RUNS["zero3"]}
+COMPILED_RUNS = {"ddp_compiled": "ddp", "zero1_compiled": {"stage": 1}, "zero2_compiled": {"stage": 2},
+                 "zero3_compiled": RUNS["zero3"]}
 
 
 def parity_run(example, kind, **accelerator_kwargs) -> dict:

@@ -1,5 +1,6 @@
 """What the GPU tests run in their own process: one rank on one GPU (NCCL), plain bf16 training against the
-engine's stages on the same model and data, with peak memory."""
+engine's stages on the same model and data, with peak memory; stage 3 also in program order (no side streams)
+and with its collectives' streams recorded."""
 
 from __future__ import annotations
 
@@ -63,7 +64,30 @@ def plain(device) -> dict:
             "weights": {n: p.detach().float().cpu() for n, p in model.named_parameters()}}
 
 
-def engine_run(device, stage: int) -> dict:
+def spy_on_streams(engine) -> dict:
+    """Record, for every all-gather and reduce-scatter stage 3 issues, whether it was issued on its side stream
+    (zero_core/stage3/streams.py) rather than the compute stream."""
+    streams = engine.runtime.streams
+    issued = {"all_gather": [], "reduce_scatter": []}
+    for name, side in (("all_gather", streams.gather), ("reduce_scatter", streams.reduce)):
+        def spy(*args, _original=getattr(engine.comm, name), _side=side, _name=name, **kwargs):
+            issued[_name].append(torch.cuda.current_stream() == _side)
+            return _original(*args, **kwargs)
+
+        setattr(engine.comm, name, spy)  # an instance attribute: this engine's communicator only
+    return issued
+
+
+def without_side_streams(engine) -> None:
+    """Stage 3 in program order on the compute stream, as on the CPU (the reference for the streamed run)."""
+    from zero_core.stage3 import streams
+
+    engine.runtime.streams = streams.NONE
+    for unit in engine.runtime.units:
+        unit.streams = streams.NONE
+
+
+def engine_run(device, stage: int, side_streams: bool = True) -> dict:
     import zero_core
 
     torch.manual_seed(0)
@@ -72,6 +96,11 @@ def engine_run(device, stage: int) -> dict:
     torch.cuda.reset_peak_memory_stats()
     engine = zero_core.setup(model, optimizer, {"stage": stage, "bf16": {"enabled": True},
                                                 "stage3_param_persistence_threshold": 0})
+    issued = None
+    if stage == 3 and side_streams:
+        issued = spy_on_streams(engine)
+    elif stage == 3:
+        without_side_streams(engine)
     losses = []
     for tokens in batches(device):
         loss = engine.module(tokens)
@@ -80,7 +109,8 @@ def engine_run(device, stage: int) -> dict:
         losses.append(loss.item())
     weights = engine.full_state_dict(rank0_only=False)
     return {"losses": losses, "peak": torch.cuda.max_memory_allocated(), "memory": engine.memory_stats(),
-            "weights": {n: weights[n] for n, _ in model.named_parameters()}}
+            "weights": {n: weights[n] for n, _ in model.named_parameters()},
+            "issued_on_side_stream": issued}
 
 
 def main(out: str) -> None:
@@ -92,6 +122,7 @@ def main(out: str) -> None:
     results = {"plain": plain(device)}
     for stage in (1, 2, 3):
         results[f"zero{stage}"] = engine_run(device, stage)
+    results["zero3_in_order"] = engine_run(device, 3, side_streams=False)
     dist.destroy_process_group()
     torch.save(results, out)
 

@@ -41,6 +41,19 @@ def test_stage_trains_like_plain_bf16_autocast(gpu_runs, stage):
         assert (zero["weights"][name] - value).abs().max().item() <= 2e-2, name
 
 
+def test_stage3_gathers_and_reduces_on_side_streams(gpu_runs):
+    """Every all-gather stage 3 issued in training ran on its gather stream and every reduce-scatter on its reduce
+    stream (zero_core/stage3/streams.py), and the events ordering them lose nothing: the same weights, bit for
+    bit, as stage 3 run in program order on the compute stream."""
+    streamed, in_order = gpu_runs["zero3"], gpu_runs["zero3_in_order"]
+    issued = streamed["issued_on_side_stream"]
+    assert issued["all_gather"] and all(issued["all_gather"]), issued["all_gather"]
+    assert issued["reduce_scatter"] and all(issued["reduce_scatter"]), issued["reduce_scatter"]
+    assert streamed["losses"] == in_order["losses"]
+    for name, value in in_order["weights"].items():
+        assert torch.equal(streamed["weights"][name], value), name
+
+
 def test_peak_memory_stays_within_the_engine_state_plus_one_model_of_activations(gpu_runs):
     plain_peak = gpu_runs["plain"]["peak"]
     for stage in (1, 2, 3):

@@ -50,10 +50,12 @@ def trainer_runs() -> None:
 
 
 def fabric_runs() -> None:
-    for name, strategy in (("ddp", "ddp"), ("zero3", ZeroFabricStrategy(stage=3, config=STAGE3))):
+    for name, strategy in (("ddp", lambda: "ddp"), ("zero1", lambda: ZeroFabricStrategy(stage=1)),
+                           ("zero2", lambda: ZeroFabricStrategy(stage=2)),
+                           ("zero3", lambda: ZeroFabricStrategy(stage=3, config=STAGE3))):
         torch._dynamo.reset()
         counters.clear()
-        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+        fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy())
         fabric.launch()
         torch.manual_seed(0)
         model = TinyGPT()

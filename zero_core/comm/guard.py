@@ -76,6 +76,10 @@ class CollectiveGuard:
         self.stall_s = float(os.environ.get("ZERO_CORE_GUARD_STALL_S", "5"))
         self.poll = timedelta(seconds=min(1.0, self.stall_s))
         self.stall = timedelta(seconds=self.stall_s)
+        # NCCL: wait() makes the current stream wait for the collective, but wait(timeout) blocks the host until
+        # it is done, which would stall every overlapped gather and reduction; there waits are plain and a
+        # stall is left to NCCL's own watchdog (TORCH_NCCL timeouts). The step barrier still compares ranks.
+        self.stream_ordered = self.enabled and dist.get_backend(topology.group) == "nccl"
         self.seq = 0
         self.step = 0
         self.fingerprint = 0
@@ -113,7 +117,7 @@ class CollectiveGuard:
         """Wait for ``work``; a stall of ``stall_s`` seconds is checked against the other ranks."""
         if work is None:
             return
-        if call is None:
+        if call is None or self.stream_ordered:
             work.wait()
             return
         if call[1] in _WAIT_IGNORES_TIMEOUT:

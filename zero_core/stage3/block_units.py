@@ -4,8 +4,9 @@ Hooks per ``Linear`` and ``LayerNorm`` cost host time on every module of every s
 hook, a backward hook pair, trace bookkeeping), and under ``block.compile()`` each would be a graph break inside
 the compiled block. So stage 3 puts its hooks on the block, as FSDP2 does with ``fully_shard`` per block: the
 block's forward gathers the units of its whole subtree (one coalesced all-gather), and they are released after
-it; backward likewise. The units themselves stay one per module, optimizer group and dtype (layout and
-checkpoints do not change). A child that some rank does not run inside a block (an ``if`` on the data) is
+it; backward likewise. A block's parameters are also one unit per optimizer group and dtype (``unit_owners``):
+every gather, release and reduction then does its per-unit Python once per block, not once per module.
+Checkpoints hold parameters by name (fragments), not units, so they load across this grouping. A child that some rank does not run inside a block (an ``if`` on the data) is
 covered: its gradients count as complete once the block's backward is over (zeros on that rank, as DDP's
 ``find_unused_parameters``).
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from zero_core.stage3.leaf_modules import z3_leaf_module
+from zero_core.stage3.leaf_modules import leaf_of, z3_leaf_module
 
 
 def _holds_params(module: nn.Module) -> bool:
@@ -47,3 +48,12 @@ def block_of(model: nn.Module, inside_leaf: dict) -> dict[nn.Module, nn.Module]:
             for member in child.modules():
                 inside.setdefault(member, child)
     return inside
+
+
+def unit_owners(model: nn.Module) -> dict[str, str]:
+    """Each module's name -> the name its parameters' stage 3 units are planned under: its block's for a module
+    inside a block, else its own. The runtime and the estimator (tools/estimator.py) both read it, so the plan
+    they make is one plan. Leaves must be declared before (they are not blocks)."""
+    inside = block_of(model, leaf_of(model))
+    names = {module: name for name, module in model.named_modules()}
+    return {name: names[inside.get(module, module)] for name, module in model.named_modules()}

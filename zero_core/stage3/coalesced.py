@@ -7,7 +7,8 @@ once into one receive buffer, and copies each rank's slice of each bucket into t
 when waited on); a reduction copies the units' staged gradients rank-major into one buffer, reduce-scatters it
 once, and adds each unit's slice of the result to its gradient shard. That is what FSDP2 does per group of
 parameters; the copies are memory bandwidth, the saving is one collective (and its host-side cost) per unit.
-A single unit with a single bucket needs no copy: it goes straight into place, as before.
+A single unit with a single bucket needs no copy: it goes straight into place, as before. On CUDA both run on
+their side stream (streams.py): ``issue`` where they start, ``complete`` where they are waited for.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
+
+from zero_core.stage3.streams import complete, issue
 
 if TYPE_CHECKING:
     from zero_core.comm.communicator import Communicator
@@ -30,8 +33,14 @@ class CoalescedGather:
     """One all-gather in flight for several units; ``wait`` completes it and fills every unit's ``full`` (their
     storage must be allocated before)."""
 
-    def __init__(self, units: Sequence["ParamUnit"], comm: "Communicator") -> None:
+    def __init__(self, units: Sequence["ParamUnit"], comm: "Communicator",
+                 stream: Optional[torch.cuda.Stream] = None) -> None:
         self.units = list(units)
+        self._stream = stream  # CUDA: the gather stream (streams.py); None: in program order
+        with issue(stream):
+            self._start(comm)
+
+    def _start(self, comm: "Communicator") -> None:
         world = comm.topology.world_size
         shard_total = sum(u.layout.shard_numel for u in self.units)
         first = self.units[0]
@@ -55,6 +64,10 @@ class CoalescedGather:
     def wait(self) -> None:
         if self._recv is None:
             return
+        with complete(self._stream):  # the parameters are used (and the scratch reused) after the copy-out
+            self._finish()
+
+    def _finish(self) -> None:
         if self._work is not None:
             self._work.wait()
         if not self._in_place:  # one copy-out op into every bucket of every unit
@@ -110,8 +123,14 @@ class CoalescedReduce:
     """A full (or final) ``ReduceBucket`` averaged over ranks with one reduce-scatter; ``finish`` waits and adds
     each unit's part to its gradient shard."""
 
-    def __init__(self, bucket: ReduceBucket, comm: "Communicator", async_op: bool) -> None:
+    def __init__(self, bucket: ReduceBucket, comm: "Communicator", async_op: bool,
+                 stream: Optional[torch.cuda.Stream] = None) -> None:
         self.units = bucket.units
+        self._stream = stream  # CUDA: the reduce stream (streams.py); None: in program order
+        with issue(stream):  # after the compute stream staged the gradients
+            self._start(bucket, comm, async_op)
+
+    def _start(self, bucket: ReduceBucket, comm: "Communicator", async_op: bool) -> None:
         send = bucket.send()
         send.div_(bucket.world)
         first = self.units[0]
@@ -120,8 +139,11 @@ class CoalescedReduce:
                                          segments=[unit.layout.shard_numel for unit in self.units])
 
     def finish(self) -> None:
-        if self._work is not None:
-            self._work.wait()
-        parts = self.result.split([unit.layout.shard_numel for unit in self.units])
-        torch._foreach_add_([unit.grad_shard for unit in self.units], parts)
+        """Add the reduced parts into the gradient shards; on CUDA the current stream then waits for that (the
+        shards are read and the staging buffer is reused after)."""
+        with complete(self._stream):
+            if self._work is not None:
+                self._work.wait()
+            parts = self.result.split([unit.layout.shard_numel for unit in self.units])
+            torch._foreach_add_([unit.grad_shard for unit in self.units], parts)
         self._work = None

@@ -124,6 +124,21 @@ class ExecutionTrace:
                 distance += sum(u.numel for u in units)
         return self._distances[key]
 
+    def backward_reuse_distance(self, position: int, unit, units_for: Callable) -> float:
+        """Elements gathered between the backward of the module at ``position`` and the next use of ``unit`` in
+        the same backward (the modules before ``position``, in reverse); infinity if none."""
+        key = (position, id(unit), "backward")
+        if key not in self._distances:
+            distance = 0
+            self._distances[key] = float("inf")
+            for module in self.order[:position][::-1]:
+                units = units_for(module)
+                if unit in units:
+                    self._distances[key] = distance
+                    break
+                distance += sum(u.numel for u in units)
+        return self._distances[key]
+
     def upcoming(self, position: int, backward: bool) -> list[nn.Module]:
         """Modules after ``position`` in execution order (before it, reversed, for backward)."""
         if backward:

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from zero_core.stage3 import streams as side_streams
 from zero_core.stage3.coalesced import CoalescedGather
 from zero_core.comm.communicator import Communicator
 from zero_core.fragments import Fragment
@@ -81,6 +82,7 @@ class ParamUnit:
         self.grad_shard = torch.zeros_like(self.shard) if self.trainable else None
         self.master_shards: Optional[MasterShards] = None
         self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, None) after each reduction
+        self.streams = side_streams.NONE  # the runtime's CUDA side streams (streams.py), none on the CPU
 
     @property
     def trainable(self) -> bool:
@@ -295,7 +297,7 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
         else:
             unit._gather_alone(phase)
     if plain:
-        batch = CoalescedGather(plain, comm)
+        batch = CoalescedGather(plain, comm, plain[0].streams.gather)
         for unit in plain:
             unit._works = [batch]
             unit.state = UnitState.GATHERING

@@ -1,6 +1,7 @@
 """Stage 3: parameters partitioned across ranks, gathered just before a module runs and released after.
 
-Units (param_unit.py) are a module's own parameters per optimizer group and dtype. Hooks on the user's modules
+Units (param_unit.py) are a block's (block_units.py) or else a module's own parameters per optimizer group and
+dtype. Hooks on the user's modules
 (in place, no wrapper) gather a module's units before its forward and, through backward_hooks.py, before its
 backward; they release them after each. Gradients are reduce-scattered unit by unit as soon as a unit's last
 gradient is accumulated. Prefetch follows the execution trace that every rank agreed on (execution_trace.py).
@@ -18,7 +19,7 @@ from torch import nn
 
 from zero_core.stage3 import param_sources
 from zero_core.stage3.backward_hooks import PreBackward, after_input_grads, attach
-from zero_core.stage3.block_units import block_of
+from zero_core.stage3.block_units import block_of, unit_owners
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
@@ -33,6 +34,8 @@ from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
 from zero_core.stage3.partitioned_param import mark_partitioned, unguarded
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
+from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
+from zero_core.stage3.streams import SideStreams
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 
 
@@ -79,6 +82,7 @@ class PartitionedParamsRuntime:
         self._blocks = set(self._inside_block.values())
         self._open_blocks: dict[nn.Module, int] = defaultdict(int)  # forwards of a block whose backward is to come
         self._deferred: set[ParamUnit] = set()  # units inside leaves: reduced at the end of backward, in order
+        self.root_group = RootGroup([])  # planned once the units exist (below)
         self.live_elements = 0  # gathered elements now, and the most ever (max_live_parameters is checked on it)
         self.peak_live_elements = 0
         self._build_units(trainable_by_group)
@@ -86,6 +90,11 @@ class PartitionedParamsRuntime:
         device = self.units[0].device if self.units else torch.device("cpu")
         self.pool = BufferPool(device, self._bucket_numel())
         module_names = {m: n for n, m in module.named_modules() if m in self._own or m in self._externals}
+        # Modules outside the blocks: gathered by the root's hooks (root_group.py); the root then joins the trace.
+        self.root_group = plan_root_group(module, list(module_names), self._blocks, self._units_for,
+                                          self.policy.max_live_parameters)
+        if self.root_group:
+            module_names = {module: "<root>", **module_names}
         self.trace = ExecutionTrace(module_names, comm)
         self.comm.check = True  # verify collectives while the first trace is recorded
         # no_sync, waiting gradients and the end-of-backward flush (zero_core/reduction.py, shared with stage 2)
@@ -107,15 +116,22 @@ class PartitionedParamsRuntime:
 
     # -- partitioning at setup -----------------------------------------------------------------------------
     def _build_units(self, trainable_by_group) -> None:
-        """Partition the units planning.py plans (``self.plan``, the estimator counts the same plan), one module
-        at a time: a module's meta parameters are materialised just before its units take them."""
+        """Partition the units planning.py plans (``self.plan``, the estimator counts the same plan), one owner
+        at a time (a block, or a module outside blocks: block_units.unit_owners): an owner's meta parameters are
+        materialised just before its units take them."""
         group_of = {p: i for i, params in enumerate(trainable_by_group) for p in params}
         device = next((p.device for p in self.module.parameters() if not p.is_meta), torch.device("cpu"))
-        owned: dict[str, list[nn.Parameter]] = {}
+        self.streams = SideStreams(device)  # CUDA: the gather and reduce streams (streams.py); none on the CPU
+        owner_of = unit_owners(self.module)
+        members: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)  # owner -> its modules, model order
+        owned: dict[str, list[nn.Parameter]] = defaultdict(list)  # owner -> the parameters first registered there
         seen: set[nn.Parameter] = set()
         for module_name, mod in self.module.named_modules():
-            owned[module_name] = [p for p in mod.parameters(recurse=False) if p not in seen]
-            seen.update(owned[module_name])
+            owner = owner_of[module_name]
+            members[owner].append((module_name, mod))
+            params = [p for p in mod.parameters(recurse=False) if p not in seen]
+            owned[owner] += params
+            seen.update(params)
         specs = [(name, [ParamSpec(p.numel(), str(p.dtype), group_of.get(p), name) for p in params])
                  for name, params in owned.items()]
         self.plan = plan_units(specs, self.comm.topology.world_size, self.config, device)
@@ -123,14 +139,15 @@ class PartitionedParamsRuntime:
         planned = defaultdict(list)
         for unit in self.plan.units:
             planned[unit.module].append(unit)
-        for module_name, mod in self.module.named_modules():
-            param_sources.materialize_meta(mod, module_name, device)
-            owner = self._hooked(mod)  # a module inside a leaf: its units are gathered with the leaf
-            for param in mod.parameters(recurse=False):
-                if param in self.unit_of:  # registered by an earlier module (tied)
-                    self._add_external(owner, self.unit_of[param])
-            for unit in planned[module_name]:
-                self._add_unit(module_name, owner, [flat[i] for i in unit.members], unit)
+        for owner_name, modules in members.items():
+            hooked = self._hooked(modules[0][1])  # inside a leaf: its units are gathered with the leaf
+            for module_name, mod in modules:
+                param_sources.materialize_meta(mod, module_name, device)
+                for param in mod.parameters(recurse=False):
+                    if param in self.unit_of:  # registered by an earlier owner (tied)
+                        self._add_external(hooked, self.unit_of[param])
+            for unit in planned[owner_name]:
+                self._add_unit(owner_name, hooked, [flat[i] for i in unit.members], unit)
         for mod, params in registered_externals(self.module):
             for param in params:
                 self._add_external(self._hooked(mod), self.unit_of[param])
@@ -152,6 +169,7 @@ class PartitionedParamsRuntime:
                          self.comm, dtype)
         self._unit_count += 1
         unit.persistent = persistent
+        unit.streams = self.streams
         unit.store_quantized = self._stores_quantized(unit)
         unit.adopt(values, broadcast=broadcast)
         for param in params:
@@ -159,7 +177,7 @@ class PartitionedParamsRuntime:
             self.unit_of[param] = unit
         self.units.append(unit)
         self._own[mod].append(unit)
-        self._unit_cache.clear()
+        self._units_changed()
         self._module_of[unit] = mod
         if z3_leaf_module(mod):
             self._deferred.add(unit)  # its children may run on some ranks only: no early, rank-dependent reduce
@@ -205,7 +223,7 @@ class PartitionedParamsRuntime:
         self._note_live(-unit.numel)
         self.units.remove(unit)
         self._own[mod].remove(unit)
-        self._unit_cache.clear()
+        self._units_changed()
         keys = sorted({group_of.get(p, -1) for p in unit.params})
         pieces = []
         for key in keys:
@@ -216,7 +234,7 @@ class PartitionedParamsRuntime:
             if unit in externals:
                 externals.remove(unit)
                 externals.extend(pieces)
-        self._unit_cache.clear()
+        self._units_changed()
         return pieces
 
     def _hooked(self, mod: nn.Module) -> nn.Module:
@@ -227,7 +245,7 @@ class PartitionedParamsRuntime:
     def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
         if unit not in self._externals[mod] and unit not in self._own[mod]:
             self._externals[mod].append(unit)
-            self._unit_cache.clear()
+            self._units_changed()
 
     def add_external_after_setup(self, mod: nn.Module, param: nn.Parameter) -> None:
         """register_external_parameter called after setup: gather ``param`` with ``mod`` from now on."""
@@ -253,7 +271,7 @@ class PartitionedParamsRuntime:
         root.register_forward_pre_hook(eager(self._root_pre_forward))
         root.register_forward_hook(eager(self._root_post_forward))
         for mod in module_names:
-            self._hook_module(mod)
+            self._hook_module(mod, gated=mod in self.root_group.members)
         self._hook_grads(self.parts)
 
     def _hook_grads(self, units: list[ParamUnit]) -> None:
@@ -267,14 +285,28 @@ class PartitionedParamsRuntime:
             for param in unit.params:
                 param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
 
-    def _hook_module(self, mod: nn.Module) -> None:
-        mod.register_forward_pre_hook(eager(functools.partial(self._pre_forward, mod)), with_kwargs=True)
-        mod.register_forward_hook(eager(functools.partial(self._post_forward, mod)))
+    def _hook_module(self, mod: nn.Module, gated: bool = False) -> None:
+        """``gated``: a root group member, whose hooks do nothing while the group is gathered (root_group.py)."""
+        pre = eager(functools.partial(self._pre_forward, mod))
+        post = eager(functools.partial(self._post_forward, mod))
+        if gated:
+            pre, post = Gate(self.root_group, pre), Gate(self.root_group, post)
+        mod.register_forward_pre_hook(pre, with_kwargs=True)
+        mod.register_forward_hook(post)
+
+    def _units_changed(self) -> None:
+        self._unit_cache.clear()
+        self.root_group.gathered = False  # new or split units start sharded: the root's next hook gathers them
 
     def _units_for(self, mod: nn.Module) -> list[ParamUnit]:
         units = self._unit_cache.get(mod)
         if units is None:
-            units = self._unit_cache[mod] = self._own.get(mod, []) + self._externals.get(mod, [])
+            units = self._own.get(mod, []) + self._externals.get(mod, [])
+            if mod is self.module and self.root_group:
+                group = [u for m in self.root_group.members for u in self._units_for(m)]
+                units = list(dict.fromkeys(units + group))
+                self.root_group.units = set(group)
+            self._unit_cache[mod] = units
         return units
 
     # -- phases (phase.py) ---------------------------------------------------------------------------------
@@ -313,6 +345,7 @@ class PartitionedParamsRuntime:
             # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
             # hook never runs; nothing is counted here and backward releases what it gathered.
             self._fetch(units, None, backward=False, phase="backward")
+            self._note_group_gathered(mod)
             return args, kwargs
         position = self.trace.visit(mod)
         try:
@@ -323,12 +356,13 @@ class PartitionedParamsRuntime:
             if "collective mismatch" not in str(error):
                 raise
             raise type(error)(f"{error} {self._leaf_hint(mod)}") from error
+        self._note_group_gathered(mod)
         self._touched.update(units)
         self._positions[mod].append(position)
         for unit in units:
             self._active[unit] += 1
         if torch.is_grad_enabled():
-            if after_input_grads(functools.partial(self._post_backward, mod), (args, kwargs)) and mod in self._blocks:
+            if after_input_grads(functools.partial(self._post_backward, mod, position), (args, kwargs)) and mod in self._blocks:
                 self._open_blocks[mod] += 1
         return args, kwargs
 
@@ -354,7 +388,8 @@ class PartitionedParamsRuntime:
         units = self._units_for(mod)
         active = self._active
         for unit in units:
-            active[unit] -= 1
+            if active[unit] > 0:  # an optimizer step inside this forward (manual optimization) reset the counts
+                active[unit] -= 1
         positions = self._positions[mod]
         position = positions.pop() if positions else None
         returned = () if type(output) is torch.Tensor else self._returned_units(output)  # a plain tensor: none
@@ -362,18 +397,35 @@ class PartitionedParamsRuntime:
         wrapped = 0
         if grad_enabled:
             output, wrapped = attach(PreBackward, functools.partial(self._pre_backward, mod), output)
+        keep_group = mod is self.module and self._root_keeps(grad_enabled)
         for unit in units:
             if unit in returned or (grad_enabled and wrapped == 0 and unit.active_count()):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
+            elif active[unit] > 0 or keep_group:
+                continue  # used by an enclosing forward still open; or the root's, whose backward comes next
             elif not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
         return output
 
-    def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None) -> bool:
+    def _root_keeps(self, backward_follows: bool) -> bool:
+        """After the root's forward: keep its units (the root group's included) for the backward that comes next,
+        budget permitting (nothing is gathered in between, as FSDP2's root keeps its parameters). Not under qwZ,
+        whose forward gathered int8 codes: there the reuse rule decides, as for any module, and a released unit
+        is gathered exact for the backward."""
+        return (backward_follows and self.live_elements <= self.policy.max_live_parameters
+                and not self.comm.options.quantize_weights)
+
+    def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None,
+                     in_backward: bool = False) -> bool:
         """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting
-        (``backward_follows``: grad mode, when the caller has not read it already)."""
+        (``backward_follows``: grad mode, when the caller has not read it already; ``in_backward``: after the
+        backward of the module at ``position``, looking at the rest of the backward: a tied embedding's unit,
+        used by the head's backward, is kept for the embedding's)."""
         if position is None or not self.trace.following or self.live_elements > self.policy.max_live_parameters:
             return False
+        if in_backward:
+            distance = self.trace.backward_reuse_distance(position, unit, self._units_for)
+            return distance <= self.policy.max_reuse_distance
         if backward_follows is None:
             backward_follows = torch.is_grad_enabled()
         distance = self.trace.reuse_distance(position, unit, self._units_for, backward_follows)
@@ -386,11 +438,20 @@ class PartitionedParamsRuntime:
     def _pre_backward(self, mod) -> None:
         self._enter_backward()
         self._fetch(self._units_for(mod), self._backward_position(mod), backward=True)
+        self._note_group_gathered(mod)
+
+    def _note_group_gathered(self, mod) -> None:
+        if mod is self.module and self.root_group:
+            self.root_group.gathered = True  # the root's units include the group's: the gates stand down
 
     def _backward_position(self, mod) -> Optional[int]:
         if not self.trace.following:
             return None
         order = self.trace.order
+        if mod is self.module:
+            # The root's backward comes first (its output is the loss), not last as its trace position says:
+            # prefetch from the end of the trace, and leave the cursor for the modules that follow.
+            return len(order)
         while self._bwd_cursor >= 0 and order[self._bwd_cursor] is not mod:
             if self._bwd_cursor in self._skipped_positions:
                 skipped_backward(self, self._bwd_cursor)
@@ -400,9 +461,10 @@ class PartitionedParamsRuntime:
         self._bwd_cursor -= 1
         return self._bwd_cursor + 1
 
-    def _post_backward(self, mod) -> None:
+    def _post_backward(self, mod, position: Optional[int] = None) -> None:
         for unit in self._units_for(mod):
-            if self._active[unit] == 0 and unit not in self._held:
+            if self._active[unit] == 0 and unit not in self._held and not self._reused_soon(position, unit,
+                                                                                             in_backward=True):
                 self._release(unit)
         if mod in self._blocks and self._open_blocks[mod] > 0:
             self._open_blocks[mod] -= 1
@@ -446,6 +508,8 @@ class PartitionedParamsRuntime:
         if unit.state is not UnitState.SHARDED and not unit.persistent:
             unit.release()
             self._note_live(-unit.numel)
+            if unit in self.root_group.units:
+                self.root_group.gathered = False  # its members' own hooks gather again (root_group.py)
 
     def release_all(self) -> None:
         """Release every gathered, non-persistent unit (``engine.empty_partition_cache()``)."""
@@ -574,7 +638,8 @@ class PartitionedParamsRuntime:
     def _flush_bucket(self) -> None:
         if self._bucket is None:
             return
-        batch = CoalescedReduce(self._bucket, self.comm, async_op=self.policy.overlap_comm)
+        batch = CoalescedReduce(self._bucket, self.comm, async_op=self.policy.overlap_comm,
+                                stream=self.streams.reduce)
         self._inflight.push((batch, self._bucket.buffer))
         self._bucket = None
 

@@ -40,7 +40,8 @@ _DTYPE_OF_SIZE = {8: "torch.float64", 4: "torch.float32", 2: "torch.float16", 1:
 
 @dataclass(frozen=True)
 class ParamInfo:
-    """What the estimator reads of one parameter: its size, element size and owning module, and its optimizer
+    """What the estimator reads of one parameter: its size, element size and owner (the module that registers it
+    first, or that module's block: stage 3 plans units per owner, block_units.unit_owners), and its optimizer
     group (``None``: in no group, left whole and untouched by the engine). ``dtype`` is ``str(torch.dtype)``;
     by default the float type of ``element_size``."""
 
@@ -139,10 +140,13 @@ def model_info(model, trainable_only: bool = False, param_groups=None) -> ModelI
 
     ``param_groups``: the optimizer (or its ``param_groups``: dicts with ``params``, or lists of parameters)
     the engine will be set up with; by default one group of every parameter."""
+    from zero_core.stage3.block_units import unit_owners
+
+    unit_owner = unit_owners(model)  # stage 3 plans a block's modules as one owner (as the runtime does)
     owner = {}
     for module_name, module in model.named_modules():
         for param in module.parameters(recurse=False):
-            owner.setdefault(id(param), module_name)
+            owner.setdefault(id(param), unit_owner[module_name])
     group_of, count = _group_of(model, param_groups)
     params = []
     for param in model.parameters():  # each tied Parameter once
