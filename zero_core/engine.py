@@ -50,7 +50,7 @@ class _PendingGrads:
     saw_grad: bool = False  # a backward produced a gradient for one of its parameters
     reduced: bool = False  # they were reduced (by clipping, reduce_gradients or the step)
     clip_coef: Optional[torch.Tensor] = None
-    used: set = field(default_factory=set)  # parameters that got a gradient here (on this rank)
+    used: set = field(default_factory=set)  # ids of the parameters that got a gradient here (on this rank)
     unscaled: bool = False  # a gradient came from a backward outside engine.backward (fp16: not loss-scaled)
 
 
@@ -137,9 +137,14 @@ class ZeroEngine:
                           for k in range(len(self.inner_optimizers))]
         self._optimizer_of = {p: k for k, parts in enumerate(self._parts_of) for part in parts for p in part.params}
         self._managed_ids = {id(p) for p in self._optimizer_of}  # per-step membership tests without Tensor.__hash__
-        # Each trainable parameter's slot in its optimizer's "got a gradient" flags (No gradient, no step).
-        self._flag_slot = {p: i for parts in self._parts_of
+        # Each trainable parameter's slot in its optimizer's "got a gradient" flags (No gradient, no step), keyed
+        # by id: the per-parameter gradient hook and the step look it up without Tensor.__hash__ (a Python call).
+        self._flag_slot = {id(p): i for parts in self._parts_of
                            for i, p in enumerate(p for part in parts for p in part.params)}
+        self._optimizer_by_id = {id(p): k for p, k in self._optimizer_of.items()}
+        # zero_grad clears these (frozen, in no group, or unfrozen but not adopted yet): listed once here, as
+        # walking module.parameters() at every step is Python per module
+        self._unmanaged = [p for p in self.module.parameters() if id(p) not in self._managed_ids]
 
     # -- the trainable set changes (docs/core-api.md, "When the trainable parameters change") --------------
     def add_param_group(self, optimizer: OptimizerRef, param_group: dict) -> None:
@@ -184,7 +189,7 @@ class ZeroEngine:
             self.inner_optimizers[k].param_groups[local]["params"].extend(part.masters)
         for param in had_grad:  # a backward ran since they were unfrozen: that gradient counts
             pending = self._pending[self._optimizer_of[param]]
-            pending.used.add(param)
+            pending.used.add(id(param))
             pending.saw_grad = True
 
     def replace_optimizers(self, optimizers: Union[torch.optim.Optimizer, Sequence[torch.optim.Optimizer]]) -> None:
@@ -327,8 +332,9 @@ class ZeroEngine:
         return attached_joinable(self)
 
     def _note_grad(self, param: torch.Tensor) -> None:
-        pending = self._pending[self._optimizer_of[param]]
-        pending.used.add(param)
+        key = id(param)
+        pending = self._pending[self._optimizer_by_id[key]]
+        pending.used.add(key)
         if pending.reduced and self._averages_whole_grads() and pending.clip_coef is None:
             pending.reduced = False  # averaged gradients plus new local ones average again to the right sum
         elif pending.reduced:
@@ -382,17 +388,17 @@ class ZeroEngine:
         flags = torch.zeros(count + 1, dtype=torch.uint8)
         used = self._pending[k].used
         if used:
-            flags[torch.tensor([self._flag_slot[p] + 1 for p in used], dtype=torch.long)] = 1
+            flags[torch.tensor([self._flag_slot[key] + 1 for key in used], dtype=torch.long)] = 1
         flags = flags.to(self.device)
         if self._scaler is not None:  # one max-norm kernel per dtype, no host sync: inf and nan propagate
             flags[0] = ~torch.isfinite(_shard_norms(self._grad_shards([k]), math.inf, self.device).max())
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, over="world")  # MiCS: a gradient on any replica counts
-        agreed = [bool(v) for v in flags.tolist()]
+        agreed = flags.tolist()  # 0 or 1 per parameter: the masks are read as truth values
         masks, start = [], 1
         for part in parts:
             masks.append(agreed[start : start + len(part.params)])
             start += len(part.params)
-        return agreed[0], masks
+        return bool(agreed[0]), masks
 
     def step(self) -> None:
         """Sharded optimizer step over the fp32 masters, then the parameters are refreshed; grads are zeroed.
@@ -493,9 +499,8 @@ class ZeroEngine:
         if self._offload is not None:
             self._offload.forget_grads()  # host copies of the zeroed gradients are stale
         if len(indices) == len(self.optimizers):
-            for param in self.module.parameters():
-                if id(param) not in self._managed_ids:  # frozen, in no group, or unfrozen but not adopted yet
-                    param.grad = None
+            for param in self._unmanaged:
+                param.grad = None
         for k in indices:
             self._pending[k] = _PendingGrads()
         self._maybe_update_scale()

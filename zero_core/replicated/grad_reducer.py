@@ -30,6 +30,7 @@ class _BucketState:
     """What one bucket has received during the current backward."""
 
     staging: Optional[torch.Tensor] = None
+    views: Optional[dict] = None  # parameter index -> its slot in ``staging`` (GradReducer._open_staging)
     seen: set = field(default_factory=set)
 
 
@@ -41,6 +42,7 @@ class _InFlight:
     result: torch.Tensor
     scratch: list
     accumulate: bool
+    scale: float  # the result times this is the average (1/N unless the source was pre-divided)
 
 
 class GradReducer:
@@ -78,6 +80,8 @@ class GradReducer:
         # no_sync, waiting gradients and the end-of-backward flush (zero_core/reduction.py, shared with stage 3)
         self.session = BackwardSession(self.finish_backward, on_open=self._count_expected)
         self._inflight: ReductionQueue[_InFlight] = ReductionQueue(self._complete, self.MAX_IN_FLIGHT, overlap)
+        self._views: dict = {}  # (position, staging buffer) -> each parameter's view of it, see _open_staging
+        self._gap_cache: dict = {}  # position -> the bucket's padding slices, see _gaps
         self._reset_backward_state()
         if partition_grads:
             self._register_hooks()
@@ -116,20 +120,62 @@ class GradReducer:
                 f"parameter '{group.names[index]}' produced a second gradient in one backward after its bucket "
                 "was reduced; with torch.utils.checkpoint pass use_reentrant=False"
             )
-        self._stage(position, index, param.grad, repeat=index in self._states[position].seen)
-        param.grad = None
-        self._states[position].seen.add(index)
-        self._launch_ready()
-
-    def _stage(self, position: int, index: int, grad: torch.Tensor, repeat: bool = False) -> None:
-        group, bucket = self.order[position]
         state = self._states[position]
-        layout = group.layout.buckets[bucket]
+        seen = state.seen
+        target = (state.views or self._open_staging(position, state))[index]
+        target.add_(param.grad) if index in seen else target.copy_(param.grad)
+        param.grad = None
+        seen.add(index)
+        if len(seen) >= self._expected[position]:  # only a completed bucket can let the launches move on
+            self._launch_ready()
+
+    def _stage(self, position: int, index: int, grad: torch.Tensor) -> None:
+        state = self._states[position]
+        (state.views or self._open_staging(position, state))[index].copy_(grad)
+
+    def _open_staging(self, position: int, state: _BucketState) -> dict:
+        """Acquire the bucket's staging buffer; returns each parameter's slot in it, shaped like the parameter.
+        The views are made once per (bucket, pool buffer), not per parameter per step. The buffer is not zeroed
+        here: every slot a gradient arrives in is written whole, and _zero_unwritten clears the rest at launch."""
+        group, bucket = self.order[position]
         if state.staging is None:
-            state.staging = self.pool.acquire(layout.range.size, group.dtype)
-        start = group.layout.slots[index].range.start - layout.range.start
-        target = state.staging[start : start + grad.numel()]
-        target.add_(grad.reshape(-1)) if repeat else target.copy_(grad.reshape(-1))
+            state.staging = self.pool.acquire(group.layout.buckets[bucket].range.size, group.dtype, zeroed=False)
+        key = (position, state.staging.data_ptr())
+        views = self._views.get(key)
+        if views is None:
+            start = group.layout.buckets[bucket].range.start
+            views = self._views[key] = {
+                i: state.staging[group.layout.slots[i].range.shift(-start).as_slice()].view_as(group.params[i])
+                for i in group.layout.buckets[bucket].param_indices}
+        state.views = views
+        return views
+
+    def _zero_unwritten(self, position: int, state: _BucketState) -> None:
+        """Before a bucket is reduced: zero what no gradient was written to (padding, alignment gaps, the slots of
+        parameters without a gradient), so the pool buffer's previous contents never reach the sum."""
+        group, bucket = self.order[position]
+        for gap in self._gaps(position):
+            state.staging[gap].zero_()
+        for index in group.layout.buckets[bucket].param_indices:
+            if index not in state.seen:
+                state.views[index].zero_()
+
+    def _gaps(self, position: int) -> list[slice]:
+        """The bucket's elements outside every parameter slot (bucket offsets), computed once per bucket."""
+        gaps = self._gap_cache.get(position)
+        if gaps is None:
+            group, bucket = self.order[position]
+            layout = group.layout.buckets[bucket]
+            gaps, cursor = [], 0
+            for index in sorted(layout.param_indices, key=lambda i: group.layout.slots[i].range.start):
+                slot = group.layout.slots[index].range.shift(-layout.range.start)
+                if slot.start > cursor:
+                    gaps.append(slice(cursor, slot.start))
+                cursor = max(cursor, slot.end)
+            if cursor < layout.range.size:
+                gaps.append(slice(cursor, layout.range.size))
+            self._gap_cache[position] = gaps
+        return gaps
 
     def _active_indices(self, position: int) -> list[int]:
         """The bucket's parameters that take part in backward now (requires_grad is the same on every rank)."""
@@ -151,9 +197,11 @@ class GradReducer:
         size = group.layout.buckets[bucket].range.size
         if state.staging is None:
             state.staging = self.pool.acquire(size, group.dtype)  # nothing arrived here on this rank
+        else:
+            self._zero_unwritten(position, state)
         job = self._reduce(group, bucket, state.staging[:size], accumulate=True)
         job.scratch.append(state.staging)
-        state.staging = None
+        state.staging = state.views = None
         self._inflight.push(job)
 
     def finish_backward(self, only: Optional[set] = None) -> None:
@@ -212,21 +260,34 @@ class GradReducer:
             if group not in only:
                 continue
             source = group.bucket_grad_input(group.layout.buckets[bucket])
-            self._inflight.push(self._reduce(group, bucket, source, accumulate=False))
+            # in place: this rank's slice of the bucket is its gradient shard (torch's in-place convention)
+            self._inflight.push(self._reduce(group, bucket, source, accumulate=False, into=group.grad_shard(bucket)))
         self._inflight.drain()
 
     # -- the collectives -----------------------------------------------------------------------------------
-    def _reduce(self, group: FlatParamGroup, bucket: int, source: torch.Tensor, accumulate: bool) -> _InFlight:
-        """Average ``source`` (one bucket) over ranks; this rank's slice goes to its gradient shard."""
-        source.div_(self.world_size)  # pre-divide as DDP does, so the sum stays in range
+    def _reduce(self, group: FlatParamGroup, bucket: int, source: torch.Tensor, accumulate: bool,
+                into: Optional[torch.Tensor] = None) -> _InFlight:
+        """Average ``source`` (one bucket) over ranks; this rank's slice goes to its gradient shard. ``into``: that
+        shard when it is this rank's slice of ``source`` itself (stage 1), reduced in place, with no scratch."""
         shard_size = group.layout.buckets[bucket].shard_size
         if not self.use_reduce_scatter:
+            source.div_(self.world_size)  # every rank keeps the whole average (stage 1 leaves DDP's param.grad)
             work = self.comm.all_reduce(source, async_op=self.overlap, over="gradients")
             own = source[self.rank * shard_size : (self.rank + 1) * shard_size]
-            return _InFlight(group, bucket, work, own, [], accumulate)
-        scratch = self.pool.acquire(shard_size, group.dtype)
+            return _InFlight(group, bucket, work, own, [], accumulate, 1.0)
+        # fp16 (and qgZ's blocks) pre-divide as DDP does, so the sum stays in range; otherwise the 1/N rides on
+        # the copy or add into the gradient shard (_complete), over 1/N of the elements and with no extra pass.
+        post = 1.0 / self.world_size
+        if source.dtype == torch.float16 or self.comm.options.quantize_gradients:
+            source.div_(self.world_size)
+            post = 1.0
+        if into is not None and not self.comm.options.quantize_gradients and (  # qgZ's all-to-all needs its own
+                into.data_ptr() == source.data_ptr() + self.rank * shard_size * source.element_size()):
+            work = self.comm.reduce_scatter(into, source, async_op=self.overlap)
+            return _InFlight(group, bucket, work, into, [], accumulate, post)
+        scratch = self.pool.acquire(shard_size, group.dtype, zeroed=False)  # the collective writes all of it
         work = self.comm.reduce_scatter(scratch[:shard_size], source, async_op=self.overlap)
-        return _InFlight(group, bucket, work, scratch[:shard_size], [scratch], accumulate)
+        return _InFlight(group, bucket, work, scratch[:shard_size], [scratch], accumulate, post)
 
     def _complete(self, job: _InFlight) -> None:
         """Wait for one collective (the reduction queue's oldest) and add its result to the gradient shard."""
@@ -234,9 +295,11 @@ class GradReducer:
             job.work.wait()
         target = job.group.grad_shard(job.bucket)
         if job.accumulate:
-            target.add_(job.result)
+            target.add_(job.result, alpha=job.scale)
         elif target.data_ptr() != job.result.data_ptr():
-            target.copy_(job.result)
+            torch.mul(job.result, job.scale, out=target)
+        elif job.scale != 1.0:
+            target.mul_(job.scale)
         if job.group.on_grad_reduced is not None:
             job.group.on_grad_reduced(job.group, job.bucket)
         for buffer in job.scratch:
