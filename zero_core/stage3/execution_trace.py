@@ -112,26 +112,20 @@ class ExecutionTrace:
     def reuse_distance(self, position: int, unit, units_for: Callable, backward_follows: bool) -> float:
         """Elements gathered between the forward at ``position`` and the next use of ``unit`` (this forward's
         remaining modules, then, when a backward follows, backward in reverse order); infinity if none."""
-        key = (position, id(unit), backward_follows)
-        if key not in self._distances:
-            distance = 0
-            self._distances[key] = float("inf")
-            for module in self.order[position + 1 :] + (self.order[::-1] if backward_follows else []):
-                units = units_for(module)
-                if unit in units:
-                    self._distances[key] = distance
-                    break
-                distance += sum(u.numel for u in units)
-        return self._distances[key]
+        modules = lambda: self.order[position + 1 :] + (self.order[::-1] if backward_follows else [])
+        return self._distance((position, id(unit), backward_follows), modules, unit, units_for)
 
     def backward_reuse_distance(self, position: int, unit, units_for: Callable) -> float:
         """Elements gathered between the backward of the module at ``position`` and the next use of ``unit`` in
         the same backward (the modules before ``position``, in reverse); infinity if none."""
-        key = (position, id(unit), "backward")
+        return self._distance((position, id(unit), "backward"), lambda: self.order[:position][::-1], unit, units_for)
+
+    def _distance(self, key: tuple, modules: Callable, unit, units_for: Callable) -> float:
+        """Elements of the units of ``modules()`` run before the first that uses ``unit``, cached under ``key``."""
         if key not in self._distances:
             distance = 0
             self._distances[key] = float("inf")
-            for module in self.order[:position][::-1]:
+            for module in modules():
                 units = units_for(module)
                 if unit in units:
                     self._distances[key] = distance
