@@ -4,8 +4,9 @@ The gather before a module's backward (``attach``) fires when the gradient of th
 just before the module's own backward, which is when its parameters must be gathered again. For the usual
 output, one tensor computed in the module, that is a pre-hook on the tensor's autograd node: no node is added
 and no Python function runs in backward but the hook (several times cheaper per module than a custom Function).
-Other outputs (several tensors, or a leaf) go through ``PreBackward``, a tiny autograd Function (as in FSDP2)
-whose backward runs once every output's gradient is in. Node pre-hooks run after tensor hooks on the same node,
+Several output tensors get a pre-hook on each of their nodes, the first to run calling back once. An output that
+is a leaf goes through ``PreBackward``, a tiny autograd Function (as in FSDP2) whose backward runs once every
+output's gradient is in. Node pre-hooks run after tensor hooks on the same node,
 so the previous module's release (below, a tensor hook on this module's output) still comes first. The release after the
 module's backward is a multi-grad hook on the module's inputs (``after_input_grads``): it fires once their
 gradients are computed. It adds no node to the graph: an identity node on the inputs would make autograd sum
@@ -79,6 +80,21 @@ def attach(function: type[torch.autograd.Function], callback: Callable[[], None]
     if len(positions) == 1 and leaves[positions[0]].grad_fn is not None:
         leaves[positions[0]].grad_fn.register_prehook(lambda grads: callback())
         return tree, 1
+    nodes = {leaves[i].grad_fn for i in positions}
+    if None not in nodes:
+        # Several outputs computed here (a model's loss and logits): a pre-hook on each node, the first that runs
+        # calls back, as FSDP2 hooks each output. Routing them through ``function`` would make them views of one
+        # call, which autograd forbids modifying in place (Hugging Face's Trainer scales the returned loss in place).
+        pending = [True]
+
+        def first(grads):
+            if pending[0]:
+                pending[0] = False
+                callback()
+
+        for node in nodes:
+            node.register_prehook(first)
+        return tree, len(positions)
     outputs = function.apply(callback, *[leaves[i] for i in positions])
     for i, out in zip(positions, outputs):
         leaves[i] = out
