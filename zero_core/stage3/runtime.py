@@ -23,30 +23,22 @@ from zero_core.stage3.block_units import block_of, unit_owners
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
-from zero_core.stage3.divergence import launch_in_order, reduce_order, skipped_backward, skipped_forward
+from zero_core.stage3.divergence import reduce_order, skipped_backward, skipped_forward
 from zero_core.stage3.execution_trace import ExecutionTrace
 from zero_core.stage3.external_params import registered_externals
 from zero_core.layout import FlatLayout
-from zero_core.planning import PARTITIONED_IN_FLIGHT, ParamSpec, UnitPlan, plan_units, reduce_bucket_numel, unit_layout
+from zero_core.planning import PARTITIONED_IN_FLIGHT, ParamSpec, UnitPlan, plan_units, unit_layout
 from zero_core.stage3.leaf_modules import leaf_of, z3_leaf_module
-from zero_core.stage3.coalesced import CoalescedReduce, ReduceBucket
+from zero_core.stage3.coalesced import CoalescedReduce
 from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
-from zero_core.stage3.partitioned_param import mark_partitioned, unguarded
+from zero_core.stage3.partitioned_param import mark_partitioned
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
 from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
 from zero_core.stage3.streams import SideStreams
-from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
-
-
-class _Cursor:
-    """Where prefetch stands in the trace for one direction: the next position to look at, the position whose
-    module takes the next batch, and the position of the last call (a smaller one starts a new pass)."""
-
-    __slots__ = ("next", "trigger", "last")
-
-    def __init__(self) -> None:
-        self.next, self.trigger, self.last = 0, 0, None
+from zero_core.stage3.gradients import GradientReduction
+from zero_core.stage3.prefetch import Prefetch, _Cursor
+from zero_core.reduction import BackwardSession, ReductionQueue
 
 
 def eager(hook):
@@ -55,8 +47,10 @@ def eager(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
-class PartitionedParamsRuntime:
-    """Owns the units, the module hooks, prefetch, and gradient reduction for stage 3."""
+class PartitionedParamsRuntime(Prefetch, GradientReduction):
+    """Owns the units, the module hooks, and gathering and releasing for stage 3. Prefetch decisions are in the
+    ``Prefetch`` mixin (prefetch.py); gradient hooks, reduce buckets and the end-of-backward flush in the
+    ``GradientReduction`` mixin (gradients.py)."""
 
     MAX_IN_FLIGHT = PARTITIONED_IN_FLIGHT  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
     param_swap = None  # offload_param nvme (zero_core/offload/params.py): the swap file of unit shards
@@ -75,7 +69,7 @@ class PartitionedParamsRuntime:
         self._module_of: dict[ParamUnit, nn.Module] = {}
         self._unit_count = 0
         self._unit_cache: dict[nn.Module, list[ParamUnit]] = {}  # _units_for, cleared when units change
-        # Prefetch cursors into the trace, forward and backward (see _next_prefetch).
+        # Prefetch cursors into the trace, forward and backward (see prefetch.py).
         self._prefetch_state = {False: _Cursor(), True: _Cursor()}
         self._inside_leaf = leaf_of(module)  # modules below a leaf module -> that leaf (leaf_modules.py)
         self._inside_block = block_of(module, self._inside_leaf)  # module -> its block (block_units.py)
@@ -274,17 +268,6 @@ class PartitionedParamsRuntime:
             self._hook_module(mod, gated=mod in self.root_group.members)
         self._hook_grads(self.parts)
 
-    def _hook_grads(self, units: list[ParamUnit]) -> None:
-        """A post-accumulate-grad hook per parameter, for the units whose gradients nothing else completes. A
-        block's units need none: the block's post-backward hook completes them all at once (block_units.py), and
-        when it cannot fire (the block's input needs no gradient, reentrant checkpointing) the end-of-backward
-        flush reduces them, in the same agreed order. That saves a Python call per parameter per backward."""
-        for unit in units:
-            if self._module_of[unit] in self._blocks:
-                continue
-            for param in unit.params:
-                param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
-
     def _hook_module(self, mod: nn.Module, gated: bool = False) -> None:
         """``gated``: a root group member, whose hooks do nothing while the group is gathered (root_group.py)."""
         pre = eager(functools.partial(self._pre_forward, mod))
@@ -407,37 +390,6 @@ class PartitionedParamsRuntime:
                 self._release(unit)
         return output
 
-    def _root_keeps(self, backward_follows: bool, unit: ParamUnit) -> bool:
-        """After the root's forward: keep its ``unit`` (the root group's included) for the backward that comes next,
-        budget permitting (nothing is gathered in between, as FSDP2's root keeps its parameters), and within
-        ``max_reuse_distance`` of the backward's start, so a run tuned for the least memory (0) still gathers the
-        root's units again where the backward uses them. Not under qwZ, whose forward gathered int8 codes: there
-        the reuse rule decides, as for any module, and a released unit is gathered exact for the backward."""
-        if not backward_follows or self.live_elements > self.policy.max_live_parameters:
-            return False
-        if self.comm.options.quantize_weights:
-            return False
-        if not self.trace.following:  # the first step: no order to measure the distance on yet
-            return self.policy.max_reuse_distance > 0
-        end = len(self.trace.order) - 1  # from the end of the forward: the backward in reverse order
-        return self.trace.reuse_distance(end, unit, self._units_for, True) <= self.policy.max_reuse_distance
-
-    def _reused_soon(self, position: Optional[int], unit: ParamUnit, backward_follows: Optional[bool] = None,
-                     in_backward: bool = False) -> bool:
-        """``max_reuse_distance``: keep a unit that the trace says is needed again soon, budget permitting
-        (``backward_follows``: grad mode, when the caller has not read it already; ``in_backward``: after the
-        backward of the module at ``position``, looking at the rest of the backward: a tied embedding's unit,
-        used by the head's backward, is kept for the embedding's)."""
-        if position is None or not self.trace.following or self.live_elements > self.policy.max_live_parameters:
-            return False
-        if in_backward:
-            distance = self.trace.backward_reuse_distance(position, unit, self._units_for)
-            return distance <= self.policy.max_reuse_distance
-        if backward_follows is None:
-            backward_follows = torch.is_grad_enabled()
-        distance = self.trace.reuse_distance(position, unit, self._units_for, backward_follows)
-        return distance <= self.policy.max_reuse_distance
-
     def _returned_units(self, output) -> set:
         leaves = output if isinstance(output, (tuple, list)) else [output]
         return {self.unit_of[leaf] for leaf in leaves if isinstance(leaf, nn.Parameter) and leaf in self.unit_of}
@@ -478,23 +430,7 @@ class PartitionedParamsRuntime:
             if self._open_blocks[mod] == 0:
                 self._block_backward_done(mod)
 
-    def _block_backward_done(self, block: nn.Module) -> None:
-        """Every gradient this backward gives the block's own units has been accumulated by now (autograd runs
-        gradient accumulation before the nodes that consume the block's input gradients): what is still missing
-        belongs to a child that did not run on this rank; it goes with zeros, where the other ranks reduce it."""
-        if not self.session.sync:
-            return
-        for unit in self._own.get(block, []):
-            if unit.trainable and self._wanted(unit) and unit not in self._deferred:
-                self._block_complete.add(unit)
-        if self._reduce_order is not None:
-            launch_in_order(self)
-            return
-        for unit in self._own.get(block, []):
-            if unit in self._block_complete and unit not in self._reduced:
-                self._block_missing += self._reduce(unit)
-
-    # -- gather / release / prefetch -----------------------------------------------------------------------
+    # -- gather / release ---------------------------------------------------------------------------------
     def _note_live(self, delta: int) -> None:
         self.live_elements += delta
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
@@ -524,166 +460,6 @@ class PartitionedParamsRuntime:
         for unit in self.units:
             if self._active[unit] == 0:
                 self._release(unit)
-
-    def _fetch(self, units: list[ParamUnit], position: Optional[int], backward: bool,
-               phase: Optional[str] = None) -> None:
-        """Gather a module's ``units`` and, following the trace from ``position``, the next prefetch batch, in one
-        collective; return once ``units`` are gathered. ``phase`` (default: from ``backward``) is what the gather
-        serves, for ZeRO++'s paths (hpZ serves backward gathers from the in-node copy)."""
-        batch = list(dict.fromkeys(u for u in units if u.state is UnitState.SHARDED))
-        if position is not None and self.trace.following:
-            batch += self._next_prefetch(position, backward, set(batch))
-        if self.param_swap is not None:  # offload_param nvme: read these shards, then the trace's next, ahead
-            following = position is not None and self.trace.following
-            self.param_swap.look_ahead(batch, self.trace.order if following else None, position, backward,
-                                       self._units_for)
-        self._start_gather(batch, phase or ("backward" if backward else "forward"))
-        for unit in units:
-            unit.wait()
-
-    def _next_prefetch(self, position: int, backward: bool, taken: set) -> list[ParamUnit]:
-        """The sharded units of the modules that run next, up to ``prefetch_bucket_size`` elements, taken in trace
-        order from a cursor (never rescanning the trace). The next batch is taken when the module that ends the
-        previous one runs, so at most ``prefetch_bucket_size`` elements are gathered ahead of use."""
-        cursor = self._prefetch_state[backward]
-        step = -1 if backward else 1
-        if cursor.last is None or (position - cursor.last) * step <= 0:  # a new pass over the trace
-            cursor.next, cursor.trigger = position + step, position
-        cursor.last = position
-        if (cursor.trigger - position) * step > 0:
-            return []  # the previous batch is still ahead
-        order, index = self.trace.order, cursor.next
-        if (position + step - index) * step > 0:
-            index = position + step
-        budget, live, batch = self.policy.prefetch_bucket_size, self.live_elements, []
-        max_live = self.policy.max_live_parameters
-        while 0 <= index < len(order):
-            fits = True
-            for unit in self._units_for(order[index]):
-                if unit.state is not UnitState.SHARDED or unit in taken:
-                    continue
-                if unit.numel > budget or live + unit.numel > max_live:
-                    fits = False
-                    break
-                budget -= unit.numel
-                live += unit.numel
-                taken.add(unit)
-                batch.append(unit)
-            if not fits:
-                break  # this module's remaining units wait for the next batch
-            index += step
-        cursor.next = index
-        cursor.trigger = index - step if batch else index
-        return batch
-
-    # -- gradients -----------------------------------------------------------------------------------------
-    def _reset_backward_state(self) -> None:
-        self._seen: dict[ParamUnit, int] = defaultdict(int)
-        self._reduced: set[ParamUnit] = set()
-        if self.phase is Phase.BACKWARD:
-            self._to(self._resume_phase)
-        self.session.close()
-        self._bwd_cursor = len(self.trace.order) - 1
-        self.session.unsynced_grads = False
-        self._touched: set[ParamUnit] = set()  # units of modules that ran forward since the last backward
-        self._skipped_positions: set[int] = set()  # trace positions this rank skipped in those forwards
-        self._skipped_units: set[ParamUnit] = set()  # their units, once backward passed their place
-        self._reduce_cursor = 0  # next unit of _reduce_order to reduce-scatter
-        self._wanted_counts: dict[ParamUnit, int] = {}  # _wanted, for this backward
-        self._block_complete: set[ParamUnit] = set()  # units of blocks whose backward is over (_block_backward_done)
-        self._block_missing: list[str] = []  # parameters those reductions found without a gradient
-        self._open_blocks.clear()
-        self._bucket: Optional[ReduceBucket] = None  # units staged for the next coalesced reduce-scatter
-        self._prefetch_state[True] = _Cursor()
-
-    def _wanted(self, unit: ParamUnit) -> int:
-        """How many of ``unit``'s parameters take part in this backward (``active_count``, read once per unit)."""
-        count = self._wanted_counts.get(unit)
-        if count is None:
-            count = self._wanted_counts[unit] = unit.active_count()
-        return count
-
-    def _enter_backward(self) -> None:
-        """A module's backward (or a gradient) arrived: the phase is BACKWARD and the flush is queued."""
-        self._in_backward = True
-        self.session.begin()
-
-    def _on_grad(self, unit: ParamUnit, param: nn.Parameter) -> None:
-        if not self.session.grad_arrived():
-            return  # no_sync: autograd keeps accumulating in param.grad
-        self._enter_backward()
-        self._seen[unit] += 1
-        if unit in self._deferred or self._seen[unit] < self._wanted(unit):
-            return  # an incomplete unit unblocks nothing
-        if self._reduce_order is not None:
-            launch_in_order(self)
-        elif unit not in self._reduced:
-            self._reduce(unit)
-
-    def _bucket_numel(self) -> int:
-        """Elements of a coalesced reduce-scatter, as planning.py sizes it."""
-        return reduce_bucket_numel([u.numel for u in self.parts], self.config)
-
-    def _reduce(self, unit: ParamUnit) -> list[str]:
-        """Stage ``unit``'s gradients into the reduction bucket (freeing ``param.grad``); a full bucket is
-        reduce-scattered in one collective. Every rank fills buckets in the same unit order (the agreed reduce
-        order), so their collectives pair up."""
-        self._reduced.add(unit)
-        if self._bucket is not None and (self._bucket.buffer.dtype != unit.dtype or not self._bucket.fits(unit)):
-            self._flush_bucket()
-        if self._bucket is None:
-            buffer = self.pool.acquire(self.pool.largest, unit.dtype, zeroed=False)
-            self._bucket = ReduceBucket(buffer, self.comm.topology.world_size)
-        missing = self._bucket.add(unit)
-        # While the collectives are checked (the first trace is recorded, when ranks' orders may still differ),
-        # each unit goes alone, so that a mismatch is caught and named by its module.
-        filled = self._bucket.filled * self._bucket.world
-        if filled >= min(self.policy.reduce_bucket_size, self.pool.largest) or self.comm.check:
-            self._flush_bucket()
-        return missing
-
-    def _flush_bucket(self) -> None:
-        if self._bucket is None:
-            return
-        batch = CoalescedReduce(self._bucket, self.comm, async_op=self.policy.overlap_comm,
-                                stream=self.streams.reduce)
-        self._inflight.push((batch, self._bucket.buffer))
-        self._bucket = None
-
-    def _complete_reduction(self, job: tuple[CoalescedReduce, torch.Tensor]) -> None:
-        """The reduction queue's oldest reduce-scatter: wait, add into the gradient shards, free its bucket."""
-        batch, staging = job
-        batch.finish()
-        for unit in batch.units:
-            if unit.on_grad_reduced is not None:  # offload: copy the reduced shard to the host now
-                unit.on_grad_reduced(unit, None)
-        self.pool.release(staging)
-
-    def _complete_inflight(self) -> None:
-        """Wait for every reduce-scatter in flight."""
-        self._inflight.drain()
-
-    def _finish_backward(self, only: Optional[set] = None) -> None:
-        """End of backward: reduce what no hook completed (fixed order), wait, release every gathered unit.
-        Under no_sync nothing is reduced: the gradients wait in ``param.grad`` for the next synced backward.
-        Units none of whose parameters requires a gradient now (frozen for this backward) wait too.
-        ``only``: flush just these units (one optimizer's step), whatever their requires_grad."""
-        unused, pending = list(self._block_missing), self.session.unsynced_grads and not self.session.sync
-        if self.session.sync:
-            for unit in self._reduce_order if self._reduce_order is not None else reversed(self.parts):
-                skip = unit not in only if only is not None else self._wanted(unit) == 0
-                if unit not in self._reduced and not skip:
-                    unused += self._reduce(unit)
-            self._flush_bucket()
-            self._complete_inflight()
-        self._active.clear()  # a recomputation that stopped early left no open forward behind
-        self.release_all()
-        self._reset_backward_state()
-        with unguarded():
-            self.session.unsynced_grads = pending or any(p.grad is not None for u in self.parts for p in u.params)
-        if unused and not self.policy.ignore_unused_parameters:
-            self.comm.guard.fail(  # raised on every rank: the others would otherwise wait for this one
-                f"rank {self.comm.topology.rank}: {unused_parameters_message(unused)}", RuntimeError)
 
     # -- the engine's calls --------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
