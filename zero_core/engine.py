@@ -38,6 +38,7 @@ from zero_core.plain_loop import OptimizerRoute
 from zero_core.optim.sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from zero_core.replicated.runtime import ReplicatedParamsRuntime
 from zero_core.comm.topology import Topology
+from zero_core.weak_hooks import weakly
 
 ConfigLike = Union[ZeroConfig, dict, str, "os.PathLike[str]", None]
 OptimizerRef = Union[int, torch.optim.Optimizer, None]
@@ -96,7 +97,7 @@ class ZeroEngine:
         registry.register(self.runtime.managed_params(), self)
         for param in self.runtime.managed_params():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._note_grad)
+                param.register_post_accumulate_grad_hook(weakly(self._note_grad))
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
         teardown.destroy_group_at_exit()  # a group left up at exit is closed while Python still runs
@@ -181,7 +182,7 @@ class ZeroEngine:
         new_params = [p for params in fresh.values() for p in params]
         registry.register(new_params, self)
         for param in new_params:
-            param.register_post_accumulate_grad_hook(self._note_grad)
+            param.register_post_accumulate_grad_hook(weakly(self._note_grad))
         self._index_parts()
         for part in new_parts:
             k = self.group_optimizer[part.group_index]
