@@ -514,8 +514,16 @@ class ZeroEngine:
         as engine:`` calls it on leaving the block. It is idempotent, and the engine stays usable: a later
         forward or step simply communicates again. ``wait=False`` (after an error, when another rank may never
         issue the matching collectives) forgets the pending handles instead of waiting, as does a call after
-        the process group is gone."""
-        teardown.quiesce(self.runtime, wait)
+        the process group is gone.
+
+        With NVMe offload it also removes the swap files' names from ``nvme_path`` and stops the ``aio`` and
+        write-back threads. The files stay open, so the engine can still evaluate, save or train (the threads
+        start again); their disk space is freed by :meth:`remove_offload_files`, when the engine is collected,
+        or at exit (docs/offload.md, "NVMe files")."""
+        try:
+            teardown.quiesce(self.runtime, wait)
+        finally:
+            teardown.release_offload(self._offload, self.runtime.param_swap)
 
     def __enter__(self) -> "ZeroEngine":
         return self
@@ -562,8 +570,9 @@ class ZeroEngine:
         return self._offload.resident() if self._offload is not None else contextlib.nullcontext()
 
     def remove_offload_files(self) -> None:
-        """Remove this rank's NVMe swap files (optimizer and parameters) now; they also go when the engine is
-        collected and at exit. The engine cannot train or save afterwards."""
+        """Close and delete this rank's NVMe swap files (optimizer and parameters) now, freeing their disk space;
+        that also happens when the engine is collected and at exit (``close()`` already took their names out of
+        ``nvme_path``). The engine cannot train or save afterwards."""
         if self._offload is not None:
             self._offload.close()
         if self.runtime.param_swap is not None:

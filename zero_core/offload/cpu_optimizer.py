@@ -156,6 +156,16 @@ class OptimizerOffload:
         """Remove the swap file (also done when the engine is collected and at exit); stop the write-back thread."""
         if self.swapper is not None:
             self.swapper.close()
+        self._stop_writer()
+
+    def teardown(self) -> None:
+        """The engine's teardown: the swap file's name leaves ``nvme_path`` and every thread stops; the engine
+        stays usable (the open file and the threads serve a later step, save or evaluation)."""
+        if self.swapper is not None:
+            self.swapper.teardown()
+        self._stop_writer()
+
+    def _stop_writer(self) -> None:
         if self._write_pool is not None:
             self._write_pool.shutdown()
             self._write_pool = None

@@ -38,14 +38,20 @@ def check_nvme_path(path: Optional[str], field: str, need_bytes: int) -> None:
                          "another directory")
 
 
-def remove_swap_file(fd: int, path: str, pool: AioPool) -> None:
-    """Stop the pool, close and delete a swap file (a finaliser: also at exit or when its owner is collected)."""
-    pool.close()
-    os.close(fd)
+def unlink_name(path: str) -> None:
+    """Remove a swap file's name from its directory (a no-op when it is gone already). The open descriptor keeps
+    the file's blocks readable and writable until it is closed, which frees them."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def remove_swap_file(fd: int, path: str, pool: AioPool) -> None:
+    """Stop the pool, close and delete a swap file (a finaliser: also at exit or when its owner is collected)."""
+    pool.close()
+    os.close(fd)
+    unlink_name(path)
 
 
 class NvmeSwapper:
@@ -67,7 +73,16 @@ class NvmeSwapper:
         self._finalizer = weakref.finalize(self, remove_swap_file, self.fd, self.path, pool)
 
     def close(self) -> None:
+        """Delete the file and free its disk space now (nothing swapped out can be read back afterwards)."""
         self._finalizer()
+
+    def teardown(self) -> None:
+        """Teardown: finish every transfer, stop the pool's threads and remove the file's name from the directory.
+        The file stays open, so the engine can still read and write what it swapped out (the threads start again
+        on demand); its blocks are freed by :meth:`close`, when the engine is collected, or at exit."""
+        if self._finalizer.alive:
+            self.pool.close()
+            unlink_name(self.path)
 
     def _offset(self, master: torch.Tensor, key: str, nbytes: int) -> int:
         region = (id(master), key)
