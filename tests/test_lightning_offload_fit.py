@@ -2,7 +2,8 @@
 zero3_offload and ZeroStrategy(offload_optimizer="nvme", offload_parameters="nvme", nvme_path=...) end with DDP's
 weights (AdamW, a step scheduler, accumulation, clipping), with no warning about offload; the NVMe run's swap
 files are gone from nvme_path when fit returns (the strategy's teardown), also when training_step raises, and
-none is left once the processes exit;
+none is left once the processes exit; its Trainer.save_checkpoint after fit (NVMe state streamed) resumes a
+fresh module to the same weights;
 zero3_offload_nvme on a missing /local_nvme fails before training, naming nvme_path
 (lightning_scripts/fit_offload.py)."""
 
@@ -40,6 +41,7 @@ def test_offload_strategy_fits_to_ddp_weights_without_warning(out, name):
         assert sorted(f.rsplit("_", 2)[0] for f in got["nvme_files_during"]) == sorted(
             f"zero_{kind}_rank{rank}" for kind in ("offload", "params") for rank in (0, 1)), got
         assert got["nvme_files_after_fit"] == [[], []], got  # removed by the teardown, in the same process
+        assert got["resumed_diff"] == 0.0, got  # Trainer.save_checkpoint after fit, loaded by a fresh fit
     assert (out / "nvme_files_at_exit").read_text() == ""  # every swap file removed when the ranks exited
 
 

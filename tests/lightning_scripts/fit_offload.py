@@ -73,13 +73,21 @@ def fit(name: str) -> dict:
         warnings.simplefilter("always")
         run.fit(model, loader())
     after_fit = own_swap_files() if dist.is_initialized() else None
-    save_rank(OUT, f"offload_{name}", full_weights(model))  # after the teardown: read from the open files
+    weights = full_weights(model)  # after the teardown: read from the open files
+    save_rank(OUT, f"offload_{name}", weights)
     config = getattr(run.strategy, "zero_config", None)
     result = {"global_step": run.global_step,
             "offload_warnings": [str(w.message) for w in caught if "offload" in str(w.message).lower()],
             "devices": None if config is None else [
                 block.device if block is not None else "none" for block in (config.offload_optimizer,
                                                                             config.offload_param)]}
+    if name == "zero3_infinity":  # a checkpoint of NVMe state (streamed), resumed by a fresh module's fit
+        path = OUT / "infinity.ckpt"
+        run.save_checkpoint(path)
+        fresh = LitGPT()
+        trainer(strategy_for(name), OUT, **FIT).fit(fresh, loader(), ckpt_path=str(path))  # nothing left to train
+        resumed = full_weights(fresh)
+        result["resumed_diff"] = max((resumed[n] - weights[n]).abs().max().item() for n in weights)
     result["nvme_files_during"] = listing.seen
     result["nvme_files_after_fit"] = after_fit  # per rank: its own files once fit returned
     return result
