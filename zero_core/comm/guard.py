@@ -377,12 +377,20 @@ class _Watchdog:
     @classmethod
     def _run(cls) -> None:
         while not cls._stopping.wait(0.5):
-            for guard in list(cls._guards):
-                try:
-                    guard.post_if_stalled()
-                    guard.delete_stale_keys()
-                except Exception:  # noqa: BLE001 - the store may be gone at exit; the main thread reports errors
-                    pass
+            cls._tend()
+
+    @classmethod
+    def _tend(cls) -> None:
+        """One round over the guards, in its own frame: a loop variable left in ``_run``'s frame would hold the
+        last guard strongly while the thread sleeps, and through its step hooks the runtime and the model of a
+        dropped engine (a thread's frame is a root the cycle collector cannot free: a leak for good, since the
+        guard then never leaves the weak set)."""
+        for guard in list(cls._guards):
+            try:
+                guard.post_if_stalled()
+                guard.delete_stale_keys()
+            except Exception:  # noqa: BLE001 - the store may be gone at exit; the main thread reports errors
+                pass
 
 
 def _same_call(a: Call, b: Call) -> bool:
