@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core.comm.guard import Call, CollectiveGuard
+from zero_core.comm import gloo as gloo_paths
 from zero_core.comm import paths as comm_paths
 from zero_core.comm.topology import Topology
 
@@ -83,6 +84,16 @@ class Communicator:
         # No ZeRO++ gather path is configured: every stage-3 gather is plain (the hot path asks per unit).
         self._all_gathers_plain = not (options.quantize_weights or options.quantize_frozen_weights
                                        or topology.secondary_group is not None or self.paths.hierarchical(None))
+        self._transport: Optional[tuple] = None  # (reduce-scatter, all-gather) over the shard group; see _plain
+
+    def _plain(self) -> tuple:
+        """The shard group's plain reduce-scatter and all-gather: on gloo through one all-to-all each (gloo.py),
+        unless ``ZERO_CORE_GLOO_ALL_TO_ALL=0``; else torch's."""
+        if self._transport is None:
+            routed = os.environ.get("ZERO_CORE_GLOO_ALL_TO_ALL", "1") != "0" and gloo_paths.applies(self.topology.group)
+            self._transport = ((gloo_paths.reduce_scatter_into, gloo_paths.all_gather_into) if routed
+                               else (_reduce_scatter, _all_gather))
+        return self._transport
 
     @property
     def replicated(self) -> bool:
@@ -174,7 +185,7 @@ class Communicator:
         call = self._count("reduce_scatter", input, label)
         self.count_link("reduce_scatter", group, output.numel() * output.element_size())
         work = self._issue(call, async_op and not self.replicated,
-                           lambda a: _reduce_scatter(output, input, group=group, async_op=a))
+                           lambda a: self._plain()[0](output, input, group=group, async_op=a))
         if self.replicated:
             self.paths.average_over_replicas(output, label)
             return comm_paths.DONE if async_op else None
@@ -201,7 +212,7 @@ class Communicator:
         group = self.topology.group
         call = self._count("all_gather", output, label)
         self.count_link("all_gather", group, input.numel() * input.element_size())
-        return self._issue(call, async_op, lambda a: _all_gather(output, input, group=group, async_op=a))
+        return self._issue(call, async_op, lambda a: self._plain()[1](output, input, group=group, async_op=a))
 
     def all_gather_packed(
         self, output: torch.Tensor, packed: "comm_paths.Quantized", numel: int, async_op: bool = False,
