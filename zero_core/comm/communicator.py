@@ -86,6 +86,21 @@ class Communicator:
                                        or topology.secondary_group is not None or self.paths.hierarchical(None))
         self._transport: Optional[tuple] = None  # (reduce-scatter, all-gather) over the shard group; see _plain
 
+    @property
+    def coalesce_gathers(self) -> bool:
+        """Whether stage 3 should coalesce several units' all-gathers into one collective (copying their shards
+        into one buffer and the result out of it). Not over gloo's all-to-all (gloo.py): there a collective
+        costs little next to those copies, and one collective per unit goes straight into place and lets the
+        first finish while the others are still in flight."""
+        return self._plain()[0] is not gloo_paths.reduce_scatter_into
+
+    def _reduce_scatter_plain(self, output, input, group, async_op: bool, scratch: Optional[torch.Tensor]):
+        reduce_scatter = self._plain()[0]
+        if reduce_scatter is gloo_paths.reduce_scatter_into:
+            fits = scratch is not None and scratch.numel() >= input.numel()
+            return reduce_scatter(output, input, group=group, async_op=async_op, scratch=scratch if fits else None)
+        return reduce_scatter(output, input, group=group, async_op=async_op)
+
     def _plain(self) -> tuple:
         """The shard group's plain reduce-scatter and all-gather: on gloo through one all-to-all each (gloo.py),
         unless ``ZERO_CORE_GLOO_ALL_TO_ALL=0``; else torch's."""
@@ -174,18 +189,20 @@ class Communicator:
     # -- the collectives -------------------------------------------------------------------------------------
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "",
-        segments: Optional[Sequence[int]] = None,
+        segments: Optional[Sequence[int]] = None, scratch: Optional[torch.Tensor] = None,
     ) -> Optional[dist.Work]:
         """Sum ``input`` over ranks; this rank receives its equal slice in ``output`` (gradients: with MiCS the
         sum also runs over the replicas, and averages over them; with qgZ it is the quantised all-to-all, whose
-        int4 blocks stay inside each of ``segments``, the widths of the slice's parameter units)."""
+        int4 blocks stay inside each of ``segments``, the widths of the slice's parameter units). ``scratch``: a
+        free buffer of at least ``input``'s size that gloo's all-to-all (gloo.py) may receive into, until the
+        collective is waited on."""
         if self.options.quantize_gradients and input.is_floating_point() and self.topology.world_size > 1:
             return self.paths.quantized_reduce_scatter(output, input, label, async_op, segments)
         group = self.topology.group
         call = self._count("reduce_scatter", input, label)
         self.count_link("reduce_scatter", group, output.numel() * output.element_size())
         work = self._issue(call, async_op and not self.replicated,
-                           lambda a: self._plain()[0](output, input, group=group, async_op=a))
+                           lambda a: self._reduce_scatter_plain(output, input, group, a, scratch))
         if self.replicated:
             self.paths.average_over_replicas(output, label)
             return comm_paths.DONE if async_op else None

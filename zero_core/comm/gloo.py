@@ -53,10 +53,12 @@ def _finish(work: dist.Work, then: Callable[[], None], async_op: bool):
     return wrapped
 
 
-def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """``dist.reduce_scatter_single`` (sum) through one all-to-all; the sum is taken on ``wait()``."""
+def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+                        scratch: Optional[torch.Tensor] = None):
+    """``dist.reduce_scatter_single`` (sum) through one all-to-all; the sum is taken on ``wait()``. ``scratch``:
+    a buffer of ``input.numel()`` elements to receive into (else one is allocated)."""
     world = dist.get_world_size(group)
-    received = torch.empty_like(input)
+    received = scratch.view(-1)[: input.numel()] if scratch is not None else torch.empty_like(input)
     work = dist.all_to_all_single(received, input, group=group, async_op=True)
     rows = received.view(world, -1)
 

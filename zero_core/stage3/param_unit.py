@@ -297,8 +297,9 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
         else:
             unit._gather_alone(phase)
     if plain:
-        batch = CoalescedGather(plain, comm, plain[0].streams.gather)
-        for unit in plain:
-            unit._works = [batch]
-            unit.state = UnitState.GATHERING
+        for batch in [plain] if comm.coalesce_gathers else [[unit] for unit in plain]:
+            gathering = CoalescedGather(batch, comm, batch[0].streams.gather)
+            for unit in batch:
+                unit._works = [gathering]
+                unit.state = UnitState.GATHERING
 

@@ -103,6 +103,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
         # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
         self._reduce_order: Optional[list[ParamUnit]] = None
+        self._planned_widths: dict = {}  # unit -> columns of the bucket it opens (gradients.py, _planned_width)
         self._reset_backward_state()
         self._register_hooks(module_names)
         # A trace deviation on any rank is agreed at the step barrier, so all ranks re-record together.
