@@ -86,13 +86,13 @@ class Communicator:
                                        or topology.secondary_group is not None or self.paths.hierarchical(None))
         self._transport: Optional[tuple] = None  # (reduce-scatter, all-gather) over the shard group; see _plain
 
-    @property
-    def coalesce_gathers(self) -> bool:
-        """Whether stage 3 should coalesce several units' all-gathers into one collective (copying their shards
-        into one buffer and the result out of it). Not over gloo's all-to-all (gloo.py): there a collective
-        costs little next to those copies, and one collective per unit goes straight into place and lets the
-        first finish while the others are still in flight."""
-        return self._plain()[0] is not gloo_paths.reduce_scatter_into
+    def gathers_alone(self, numel: int) -> bool:
+        """Whether stage 3 should all-gather a unit of ``numel`` elements in a collective of its own, straight into
+        place, rather than coalesced with others (their shards copied into one buffer and the result out of it).
+        Over gloo's all-to-all (gloo.py), for units of at least ``gloo.ALONE_NUMEL`` elements: there a
+        collective's fixed cost is small next to copying such a unit twice, and the first unit's gather
+        finishes while the later ones are still in flight. Smaller units, and every unit elsewhere, coalesce."""
+        return numel >= gloo_paths.ALONE_NUMEL and self._plain()[1] is gloo_paths.all_gather_into
 
     def _reduce_scatter_plain(self, output, input, group, async_op: bool, scratch: Optional[torch.Tensor]):
         reduce_scatter = self._plain()[0]
