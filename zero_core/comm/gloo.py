@@ -1,15 +1,15 @@
-"""gloo's reduce-scatter and all-gather as one all-to-all each: the same bytes on the wire, about half the host time.
+"""gloo's reduce-scatter as one all-to-all, its all-gather as broadcasts: the same bytes, about half the host time.
 
 On gloo (the CPU backend) ``reduce_scatter_single`` and ``all_gather_single`` cost about twice the CPU time and
-wall time of an ``all_to_all_single`` moving the same bytes (2 ranks, a few MiB: the all-to-all exchanges every
-pair's slice directly, where gloo's reduce-scatter flattens and copies its input and its all-gather runs ring
-steps). So on gloo the Communicator (communicator.py) routes both through ``all_to_all_single``:
+wall time of moving the same bytes by an ``all_to_all_single`` or by broadcasts (2 ranks, a few MiB: those
+exchange every pair's slice directly, where gloo's reduce-scatter flattens and copies its input and its
+all-gather runs ring steps). So on gloo the Communicator (communicator.py) routes them so:
 
 - reduce-scatter: rank ``r`` sends row ``r`` of the rank-major input to rank ``r`` and receives every rank's
   row for itself, then sums those rows in rank order into ``output`` when the collective is waited on (in
   fp32 for 16-bit inputs, as a reduction kernel accumulates). With two ranks the sum is the same as gloo's.
-- all-gather: every rank sends its shard to every rank (the send buffer holds it ``world`` times) and receives
-  each rank's shard straight into its place in ``output``.
+- all-gather: one broadcast per rank, from its slice of ``output`` (its shard, copied there) straight into the
+  same slice on every other rank.
 
 The element counts, bytes and link classes counted are those of the collective the caller asked for.
 NCCL keeps its own collectives.
@@ -29,30 +29,31 @@ ALONE_NUMEL = 1 << 18
 
 
 class _ThenWork:
-    """An all-to-all in flight, and the local step that completes the collective once it is done."""
+    """Collectives in flight, and the local step that completes the collective once they are done."""
 
-    __slots__ = ("_work", "_then")
+    __slots__ = ("_works", "_then")
 
-    def __init__(self, work: dist.Work, then: Optional[Callable[[], None]]) -> None:
-        self._work = work  # kept referenced after completion (see communicator._RETAINED_WORKS)
+    def __init__(self, works: list, then: Optional[Callable[[], None]]) -> None:
+        self._works = works  # kept referenced after completion (see communicator._RETAINED_WORKS)
         self._then = then
 
     def wait(self, timeout=None) -> bool:
-        if timeout is None:
-            self._work.wait()
-        else:
-            self._work.wait(timeout)  # raises while it still runs; the work stays valid, so this can be retried
+        for work in self._works:  # a completed work returns at once when waited on again
+            if timeout is None:
+                work.wait()
+            else:
+                work.wait(timeout)  # raises while it still runs; the work stays valid, so this can be retried
         then, self._then = self._then, None
         if then is not None:
             then()
         return True
 
     def is_completed(self) -> bool:
-        return self._then is None or self._work.is_completed()
+        return all(work.is_completed() for work in self._works) and self._then is None
 
 
-def _finish(work: dist.Work, then: Callable[[], None], async_op: bool):
-    wrapped = _ThenWork(work, then)
+def _finish(works: list, then: Optional[Callable[[], None]], async_op: bool):
+    wrapped = _ThenWork(works, then)
     if not async_op:
         wrapped.wait()
     return wrapped
@@ -73,17 +74,18 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, a
         else:
             torch.sum(rows, dim=0, out=output.view(-1))
 
-    return _finish(work, then, async_op)
+    return _finish([work], then, async_op)
 
 
 def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False):
-    """``dist.all_gather_single`` through one all-to-all: ``input`` sent to every rank, each rank's received
-    straight into its slice of ``output``."""
-    world = dist.get_world_size(group)
-    send = torch.empty(world, input.numel(), dtype=input.dtype, device=input.device)
-    send.copy_(input.reshape(1, -1).expand(world, -1))
-    work = dist.all_to_all_single(output.view(-1), send.view(-1), group=group, async_op=True)
-    return _finish(work, None, async_op)
+    """``dist.all_gather_single`` as one broadcast per rank, each rank's shard straight from and into its slice of
+    ``output`` (this rank's shard is copied into its own slice first)."""
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    slices = output.view(world, -1)
+    slices[rank].copy_(input.reshape(-1))
+    works = [dist.broadcast(slices[r], src=dist.get_global_rank(group or dist.group.WORLD, r), group=group,
+                            async_op=True) for r in range(world)]
+    return _finish(works, None, async_op)
 
 
 def applies(group) -> bool:
