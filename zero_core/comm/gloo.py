@@ -73,6 +73,8 @@ def reduce_scatter_into(output: torch.Tensor, input: torch.Tensor, group=None, a
             torch.add(rows[0], rows[1], out=output.view(-1))
         else:
             torch.sum(rows, dim=0, out=output.view(-1))
+        if scratch is None:  # the communicator keeps recent works, and so this buffer, referenced: free it now
+            received.untyped_storage().resize_(0)
 
     return _finish([work], then, async_op)
 
