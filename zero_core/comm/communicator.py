@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core.comm.guard import Call, CollectiveGuard
+from zero_core.comm import gloo as gloo_paths
 from zero_core.comm import paths as comm_paths
 from zero_core.comm.topology import Topology
 
@@ -83,6 +84,31 @@ class Communicator:
         # No ZeRO++ gather path is configured: every stage-3 gather is plain (the hot path asks per unit).
         self._all_gathers_plain = not (options.quantize_weights or options.quantize_frozen_weights
                                        or topology.secondary_group is not None or self.paths.hierarchical(None))
+        self._transport: Optional[tuple] = None  # (reduce-scatter, all-gather) over the shard group; see _plain
+
+    def gathers_alone(self, numel: int) -> bool:
+        """Whether stage 3 should all-gather a unit of ``numel`` elements in a collective of its own, straight into
+        place, rather than coalesced with others (their shards copied into one buffer and the result out of it).
+        Over gloo's all-to-all (gloo.py), for units of at least ``gloo.ALONE_NUMEL`` elements: there a
+        collective's fixed cost is small next to copying such a unit twice, and the first unit's gather
+        finishes while the later ones are still in flight. Smaller units, and every unit elsewhere, coalesce."""
+        return numel >= gloo_paths.ALONE_NUMEL and self._plain()[1] is gloo_paths.all_gather_into
+
+    def _reduce_scatter_plain(self, output, input, group, async_op: bool, scratch: Optional[torch.Tensor]):
+        reduce_scatter = self._plain()[0]
+        if reduce_scatter is gloo_paths.reduce_scatter_into:
+            fits = scratch is not None and scratch.numel() >= input.numel()
+            return reduce_scatter(output, input, group=group, async_op=async_op, scratch=scratch if fits else None)
+        return reduce_scatter(output, input, group=group, async_op=async_op)
+
+    def _plain(self) -> tuple:
+        """The shard group's plain reduce-scatter and all-gather: on gloo through one all-to-all each (gloo.py),
+        unless ``ZERO_CORE_GLOO_ALL_TO_ALL=0``; else torch's."""
+        if self._transport is None:
+            routed = os.environ.get("ZERO_CORE_GLOO_ALL_TO_ALL", "1") != "0" and gloo_paths.applies(self.topology.group)
+            self._transport = ((gloo_paths.reduce_scatter_into, gloo_paths.all_gather_into) if routed
+                               else (_reduce_scatter, _all_gather))
+        return self._transport
 
     @property
     def replicated(self) -> bool:
@@ -163,18 +189,20 @@ class Communicator:
     # -- the collectives -------------------------------------------------------------------------------------
     def reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "",
-        segments: Optional[Sequence[int]] = None,
+        segments: Optional[Sequence[int]] = None, scratch: Optional[torch.Tensor] = None,
     ) -> Optional[dist.Work]:
         """Sum ``input`` over ranks; this rank receives its equal slice in ``output`` (gradients: with MiCS the
         sum also runs over the replicas, and averages over them; with qgZ it is the quantised all-to-all, whose
-        int4 blocks stay inside each of ``segments``, the widths of the slice's parameter units)."""
+        int4 blocks stay inside each of ``segments``, the widths of the slice's parameter units). ``scratch``: a
+        free buffer of at least ``input``'s size that gloo's all-to-all (gloo.py) may receive into, until the
+        collective is waited on."""
         if self.options.quantize_gradients and input.is_floating_point() and self.topology.world_size > 1:
             return self.paths.quantized_reduce_scatter(output, input, label, async_op, segments)
         group = self.topology.group
         call = self._count("reduce_scatter", input, label)
         self.count_link("reduce_scatter", group, output.numel() * output.element_size())
         work = self._issue(call, async_op and not self.replicated,
-                           lambda a: _reduce_scatter(output, input, group=group, async_op=a))
+                           lambda a: self._reduce_scatter_plain(output, input, group, a, scratch))
         if self.replicated:
             self.paths.average_over_replicas(output, label)
             return comm_paths.DONE if async_op else None
@@ -201,7 +229,7 @@ class Communicator:
         group = self.topology.group
         call = self._count("all_gather", output, label)
         self.count_link("all_gather", group, input.numel() * input.element_size())
-        return self._issue(call, async_op, lambda a: _all_gather(output, input, group=group, async_op=a))
+        return self._issue(call, async_op, lambda a: self._plain()[1](output, input, group=group, async_op=a))
 
     def all_gather_packed(
         self, output: torch.Tensor, packed: "comm_paths.Quantized", numel: int, async_op: bool = False,

@@ -88,12 +88,12 @@ class CoalescedGather:
 class ReduceBucket:
     """Gradients of consecutive units staged rank-major for one reduce-scatter: row ``r`` of the buffer holds
     what rank ``r`` receives, each unit's shard-shaped part side by side (``ParamUnit.stage_grads`` writes
-    there directly, so there is no second copy). Rows are sized for a full bucket; ``send`` closes the gaps of
-    a bucket that is sent partly filled."""
+    there directly, so there is no second copy). Rows are sized for a full bucket, or for the units planned
+    for it (``per_rank``, gradients.py); ``send`` closes the gaps of a bucket that is sent partly filled."""
 
-    def __init__(self, buffer: torch.Tensor, world: int) -> None:
+    def __init__(self, buffer: torch.Tensor, world: int, per_rank: Optional[int] = None) -> None:
         self.buffer, self.world = buffer, world
-        self.per_rank = buffer.numel() // world
+        self.per_rank = buffer.numel() // world if per_rank is None else per_rank  # columns
         self.by_rank = buffer[: world * self.per_rank].view(world, self.per_rank)
         self.units: list = []
         self.filled = 0  # columns used
@@ -134,9 +134,15 @@ class CoalescedReduce:
         send = bucket.send()
         send.div_(bucket.world)
         first = self.units[0]
-        self.result = torch.empty(bucket.filled, dtype=first.dtype, device=first.device)
+        # A bucket sized for its units leaves the rest of its pool buffer free: the result, and the transport's
+        # receive buffer (comm.reduce_scatter's scratch), go there rather than into fresh allocations.
+        spare = bucket.buffer[send.numel():]
+        if spare.numel() >= bucket.filled:
+            self.result, spare = spare[: bucket.filled], spare[bucket.filled:]
+        else:
+            self.result = torch.empty(bucket.filled, dtype=first.dtype, device=first.device)
         self._work = comm.reduce_scatter(self.result, send, async_op=async_op, label=_label(self.units),
-                                         segments=[unit.layout.shard_numel for unit in self.units])
+                                         segments=[unit.layout.shard_numel for unit in self.units], scratch=spare)
 
     def finish(self) -> None:
         """Add the reduced parts into the gradient shards; on CUDA the current stream then waits for that (the

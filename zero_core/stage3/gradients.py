@@ -114,14 +114,47 @@ class GradientReduction:
             self._flush_bucket()
         if self._bucket is None:
             buffer = self.pool.acquire(self.pool.largest, unit.dtype, zeroed=False)
-            self._bucket = ReduceBucket(buffer, self.comm.topology.world_size)
+            self._bucket = ReduceBucket(buffer, self.comm.topology.world_size, self._planned_width(unit))
         missing = self._bucket.add(unit)
         # While the collectives are checked (the first trace is recorded, when ranks' orders may still differ),
-        # each unit goes alone, so that a mismatch is caught and named by its module.
-        filled = self._bucket.filled * self._bucket.world
-        if filled >= min(self.policy.reduce_bucket_size, self.pool.largest) or self.comm.check:
+        # each unit goes alone, so that a mismatch is caught and named by its module. A bucket that holds all
+        # it was planned for goes at once, without waiting for the unit that does not fit.
+        bucket = self._bucket
+        if (bucket.filled * bucket.world >= min(self.policy.reduce_bucket_size, self.pool.largest)
+                or bucket.filled == bucket.per_rank or self.comm.check):
             self._flush_bucket()
         return missing
+
+    def _planned_width(self, unit: ParamUnit) -> Optional[int]:
+        """The columns of the bucket that ``unit`` opens: the units that follow it in the agreed reduce order and
+        will join it under ``_reduce``'s rules, so a bucket is sent as filled, with no rows to close up
+        (``ReduceBucket.send``). None (a full bucket's width) while there is no agreed order, or while units go
+        alone. A unit that does not come (frozen for this backward) leaves the bucket partly filled: still
+        correct, closed up as before."""
+        order = self._reduce_order
+        if order is None or self.comm.check:
+            return None
+        widths = self._planned_widths
+        if widths.get(None) is not order:  # the order changed: plan again
+            widths.clear()
+            widths[None] = order
+            self._order_index = {u: i for i, u in enumerate(order)}
+        width = widths.get(unit)
+        if width is None:
+            index = self._order_index.get(unit)
+            if index is None:
+                return None
+            world = self.comm.topology.world_size
+            per_rank, limit = self.pool.largest // world, min(self.policy.reduce_bucket_size, self.pool.largest)
+            width = 0
+            for member in order[index:]:
+                if member.dtype != unit.dtype or width + member.layout.shard_numel > per_rank:
+                    break
+                width += member.layout.shard_numel
+                if width * world >= limit:
+                    break
+            widths[unit] = width = max(width, unit.layout.shard_numel)
+        return width
 
     def _flush_bucket(self) -> None:
         if self._bucket is None:

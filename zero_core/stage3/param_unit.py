@@ -288,7 +288,8 @@ class ParamUnit:
 
 def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optional[str] = None) -> None:
     """Start one all-gather for these sharded units (coalesced.py); each completes on its ``wait()``. Units whose
-    gather takes a ZeRO++ path in this ``phase`` gather alone."""
+    gather takes a ZeRO++ path in this ``phase`` gather alone, and so do large units where the transport gains
+    nothing from coalescing them (``Communicator.gathers_alone``: gloo), after the coalesced rest."""
     plain = []
     for unit in units:
         unit._allocate()
@@ -296,9 +297,11 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
             plain.append(unit)
         else:
             unit._gather_alone(phase)
-    if plain:
-        batch = CoalescedGather(plain, comm, plain[0].streams.gather)
-        for unit in plain:
-            unit._works = [batch]
+    alone = [[unit] for unit in plain if comm.gathers_alone(unit.numel)]  # large units on gloo: straight into place
+    together = [unit for unit in plain if not comm.gathers_alone(unit.numel)]
+    for batch in ([together] if together else []) + alone:
+        gathering = CoalescedGather(batch, comm, batch[0].streams.gather)
+        for unit in batch:
+            unit._works = [gathering]
             unit.state = UnitState.GATHERING
 

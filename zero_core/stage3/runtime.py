@@ -103,6 +103,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
         # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
         self._reduce_order: Optional[list[ParamUnit]] = None
+        self._planned_widths: dict = {}  # unit -> columns of the bucket it opens (gradients.py, _planned_width)
         self._reset_backward_state()
         self._register_hooks(module_names)
         # A trace deviation on any rank is agreed at the step barrier, so all ranks re-record together.
@@ -473,11 +474,15 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
     def after_step(self, parts: list[ParamUnit]) -> None:
         """Updated masters of ``parts`` go back into the 16-bit shards; persistent units are gathered again, and
         any other gathered copy is dropped (stale, or no longer needed)."""
+        stale = []
         for unit in parts:
             unit.write_back_masters()
             if unit.persistent:
                 unit.state = UnitState.SHARDED  # its full copy is stale: gather the new values
-                unit.gather()
+                stale.append(unit)
+        gather_together(stale, self.comm)  # all issued at once (one collective where they coalesce)
+        for unit in stale:
+            unit.wait()
         self._active.clear()
         self.release_all()
         if self.phase is Phase.BACKWARD and self._resume_phase is not Phase.IDLE:
