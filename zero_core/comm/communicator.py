@@ -78,6 +78,7 @@ class Communicator:
         self.guard = CollectiveGuard(topology)
         self._recent_works: deque = deque(maxlen=_RETAINED_WORKS)  # see _RETAINED_WORKS
         self._peers: dict = {}  # group -> (in-node peers, cross-node peers) of this rank
+        self._backends: dict = {}  # group -> its backend's name (reduce_scatter_in_place)
         self.paths = comm_paths.Paths(self)
         self._shard_group_only = False
         # No ZeRO++ gather path is configured: every stage-3 gather is plain (the hot path asks per unit).
@@ -179,6 +180,27 @@ class Communicator:
             self.paths.average_over_replicas(output, label)
             return comm_paths.DONE if async_op else None
         return work
+
+    def reduce_scatter_in_place(self, input: torch.Tensor, async_op: bool = False, label: str = "") -> Optional[dist.Work]:
+        """:meth:`reduce_scatter` of ``input`` into this rank's own slice of it (``input.chunk(n)[rank]``), the
+        caller letting the other slices be overwritten; counted as the reduce-scatter it is. gloo implements a
+        reduce-scatter as a clone of the whole input (freshly allocated at every call), an all-reduce of the
+        clone and a copy of the slice out: here that all-reduce runs on ``input`` itself, the same traffic at
+        any world size without the clone or the copy. Other backends reduce-scatter into the slice."""
+        group = self.topology.group
+        if self.replicated or self.options.quantize_gradients or not self._gloo(group):
+            shard = input.numel() // self.topology.world_size
+            own = input[self.topology.rank * shard : (self.topology.rank + 1) * shard]
+            return self.reduce_scatter(own, input, async_op=async_op, label=label)
+        call = self._count("reduce_scatter", input, label)
+        self.count_link("reduce_scatter", group, input.numel() // self.topology.world_size * input.element_size())
+        return self._issue(call, async_op, lambda a: dist.all_reduce(input, group=group, async_op=a))
+
+    def _gloo(self, group: Optional[dist.ProcessGroup]) -> bool:
+        backend = self._backends.get(group)
+        if backend is None:
+            backend = self._backends[group] = dist.get_backend(group)
+        return backend == "gloo"
 
     def all_gather(
         self, output: torch.Tensor, input: torch.Tensor, async_op: bool = False, label: str = "",

@@ -261,14 +261,14 @@ class GradReducer:
                 continue
             source = group.bucket_grad_input(group.layout.buckets[bucket])
             # in place: this rank's slice of the bucket is its gradient shard (torch's in-place convention)
-            self._inflight.push(self._reduce(group, bucket, source, accumulate=False, into=group.grad_shard(bucket)))
+            self._inflight.push(self._reduce(group, bucket, source, accumulate=False))
         self._inflight.drain()
 
     # -- the collectives -----------------------------------------------------------------------------------
-    def _reduce(self, group: FlatParamGroup, bucket: int, source: torch.Tensor, accumulate: bool,
-                into: Optional[torch.Tensor] = None) -> _InFlight:
-        """Average ``source`` (one bucket) over ranks; this rank's slice goes to its gradient shard. ``into``: that
-        shard when it is this rank's slice of ``source`` itself (stage 1), reduced in place, with no scratch."""
+    def _reduce(self, group: FlatParamGroup, bucket: int, source: torch.Tensor, accumulate: bool) -> _InFlight:
+        """Average ``source`` (one bucket) over ranks; this rank's slice goes to its gradient shard. ``source`` may
+        be overwritten (stage 1's flat gradients, whose slice is the gradient shard itself; stage 2's staging
+        buffer), so it is reduced in place (Communicator.reduce_scatter_in_place), with no scratch."""
         shard_size = group.layout.buckets[bucket].shard_size
         if not self.use_reduce_scatter:
             source.div_(self.world_size)  # every rank keeps the whole average (stage 1 leaves DDP's param.grad)
@@ -281,10 +281,11 @@ class GradReducer:
         if source.dtype == torch.float16 or self.comm.options.quantize_gradients:
             source.div_(self.world_size)
             post = 1.0
-        if into is not None and not self.comm.options.quantize_gradients and (  # qgZ's all-to-all needs its own
-                into.data_ptr() == source.data_ptr() + self.rank * shard_size * source.element_size()):
-            work = self.comm.reduce_scatter(into, source, async_op=self.overlap)
-            return _InFlight(group, bucket, work, into, [], accumulate, post)
+        if not self.comm.options.quantize_gradients:  # qgZ's all-to-all needs its own output
+            # this rank's slice of the bucket is its result (stage 1: its gradient shard itself)
+            work = self.comm.reduce_scatter_in_place(source, async_op=self.overlap)
+            own = source[self.rank * shard_size : (self.rank + 1) * shard_size]
+            return _InFlight(group, bucket, work, own, [], accumulate, post)
         scratch = self.pool.acquire(shard_size, group.dtype, zeroed=False)  # the collective writes all of it
         work = self.comm.reduce_scatter(scratch[:shard_size], source, async_op=self.overlap)
         return _InFlight(group, bucket, work, scratch[:shard_size], [scratch], accumulate, post)
