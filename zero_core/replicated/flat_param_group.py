@@ -5,8 +5,9 @@ unchanged), and this rank's optimizer steps over its slices of each bucket. What
 where gradients live, and that is chosen here by ``full_grads``:
 - stage 1 (``full_grads=True``): a flat gradient buffer as big as ``flat``; ``param.grad`` are views of it, so
   autograd accumulates in place and one reduce-scatter per bucket reads it directly.
-- stage 2 (``full_grads=False``): only this rank's reduced gradient shard is kept; ``param.grad`` exists only
-  between autograd producing it and the reducer copying it into a bucket.
+- stage 2 (``full_grads=False``): only this rank's reduced gradient shard is kept; during backward
+  ``param.grad`` is the parameter's slot in its bucket's staging buffer (from the bucket's first gradient to its
+  launch, grad_reducer.py), and None outside backward.
 """
 
 from __future__ import annotations
