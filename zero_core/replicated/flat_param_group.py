@@ -108,8 +108,9 @@ class FlatParamGroup:
 
     def bucket_grad_input(self, bucket: BucketLayout) -> torch.Tensor:
         """Stage 1: the full local gradients of one bucket, gathered into the flat gradient buffer."""
+        params, views = self.params, self._grad_views
         for index in bucket.param_indices:
-            param, view = self.params[index], self._grad_views[index]
+            param, view = params[index], views[index]
             grad = param.grad
             if grad is view:
                 continue  # autograd accumulated into the view, as it should
