@@ -130,7 +130,7 @@ class ReplicatedParamsRuntime:
         if not self.config.allgather_partitions:
             pieces = [bucket.shard_range(r).shift(-bucket.range.start) for r in range(self.comm.topology.world_size)]
             return [self.comm.broadcast(full[p.as_slice()], src=r, async_op=True) for r, p in enumerate(pieces)]
-        return [self.comm.all_gather(full, group.shard_of_params(bucket.index), async_op=True)]
+        return [self.comm.all_gather_in_place(full, async_op=True)]  # this rank's slice of it is its shard
 
     def zero_grads(self, parts: list[FlatParamGroup]) -> None:
         for group in parts:
