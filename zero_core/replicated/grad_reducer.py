@@ -111,7 +111,8 @@ class GradReducer:
             handle.remove()
 
     def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
-        if not self.session.grad_arrived():
+        session = self.session
+        if not (session.open and session.sync) and not session.grad_arrived():
             return  # no_sync: autograd keeps accumulating in param.grad
         if position > self._next:
             group = self.order[position][0]
@@ -282,9 +283,11 @@ class GradReducer:
         """Wait for one collective (the reduction queue's oldest) and add its result to the gradient shard."""
         if job.work is not None:
             job.work.wait()
-        target = job.group.grad_shard(job.bucket)
-        if job.accumulate:
+        target, overwrite = job.group.take_grad_shard(job.bucket)
+        if job.accumulate and not overwrite:
             target.add_(job.result, alpha=job.scale)
+        elif job.accumulate and job.scale == 1.0:
+            target.copy_(job.result)  # the step's first reduction: the shard held nothing (not even zeros)
         elif target.data_ptr() != job.result.data_ptr():
             torch.mul(job.result, job.scale, out=target)
         elif job.scale != 1.0:
