@@ -1,5 +1,6 @@
 """Issue 19 on one GPU: a GPT of Llama-7B width (d 4096, 32 heads) trained in bf16 with the optimizer on the CPU,
-our stage 3 with ``offload_optimizer: {device: cpu, pin_memory: true}`` against FSDP2 with ``CPUOffloadPolicy``
+our stage 3 with ``offload_optimizer: {device: cpu, pin_memory: true}`` (``zero3``), with ``offload_param`` as
+well (``zero3_param``, what FSDP2's policy offloads), against FSDP2 with ``CPUOffloadPolicy``
 (bf16 ``MixedPrecisionPolicy``, torch's fused CPU AdamW), each in its own process, one after the other.
 
     python -m benchmarks.gpu_offload --layers 32                 # about 6.6B parameters
@@ -35,6 +36,9 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int) -> dict:
     with torch.device("cuda"):
         model = build_gpt(config)
     psi = num_params(model)
+    offload = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    if impl == "zero3_param":  # parameters too, as FSDP2's CPUOffloadPolicy does
+        offload["offload_param"] = {"device": "cpu", "pin_memory": True}
     if impl == "fsdp2":
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
@@ -45,33 +49,40 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int) -> dict:
         fully_shard(model, **policy)
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
-        def train_step(tokens, targets):
+        def forward_backward(tokens, targets):
             model(tokens, targets).backward()
+
+        def step():
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
     else:
         import zero_core
 
         engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), {
-            "bf16": {"enabled": True},
-            "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}})
+            "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, **offload}})
         del model
 
-        def train_step(tokens, targets):
+        def forward_backward(tokens, targets):
             engine.backward(engine.module(tokens, targets))
-            engine.step()
+
+        step = engine.step
     setup_s = time.perf_counter() - t0
-    times = []
+    times, phases = [], []
     for s in range(warmup + steps):
         tokens, targets = (t.cuda() for t in batch(config, 0, s))
         torch.cuda.synchronize()
         start = time.perf_counter()
-        train_step(tokens, targets)
+        forward_backward(tokens, targets)
+        torch.cuda.synchronize()
+        middle = time.perf_counter()
+        step()
         torch.cuda.synchronize()
         if s >= warmup:
             times.append(time.perf_counter() - start)
+            phases.append(middle - start)
     dist.destroy_process_group()
     return {"impl": impl, "params": psi, "setup_s": setup_s, "step_s": statistics.median(times),
+            "forward_backward_s": statistics.median(phases), "threads": torch.get_num_threads(),
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -83,7 +94,7 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--impls", nargs="+", default=["zero3", "fsdp2"], choices=("zero3", "fsdp2"))
+    p.add_argument("--impls", nargs="+", default=["zero3", "zero3_param", "fsdp2"], choices=("zero3", "zero3_param", "fsdp2"))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=int, default=600, help="seconds per implementation's process")
@@ -112,11 +123,13 @@ def main(argv=None) -> None:
         rows.append(json.loads(lines[-1][7:]))
     print(f"{torch.cuda.get_device_name(0)}; d {args.width}, {args.layers} layers, batch {args.batch_size}x{args.seq_len}, "
           f"bf16, AdamW, optimizer on the CPU; median of {args.steps} steps after {args.warmup}")
-    print("| implementation | params | step s | tokens/s | peak GPU GiB | peak RSS GiB | setup s |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    print("| implementation | params | step s | of which forward+backward | tokens/s | peak GPU GiB | peak RSS GiB | "
+          "setup s | torch threads |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['impl']} | {r['params'] / 1e9:.2f}B | {r['step_s']:.2f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['peak_gpu_gib']:.1f} | {r['peak_rss_gib']:.1f} | {r['setup_s']:.0f} |")
+        print(f"| {r['impl']} | {r['params'] / 1e9:.2f}B | {r['step_s']:.2f} | {r['forward_backward_s']:.2f} | "
+              f"{r['tokens_per_s']:,.0f} | {r['peak_gpu_gib']:.1f} | {r['peak_rss_gib']:.1f} | {r['setup_s']:.0f} | "
+              f"{r['threads']} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -6,6 +6,11 @@
 - ``step``: the offloaded CPU step (gradient copy + unscale/clip + tiled fused AdamW, OptimizerOffload.step)
   over N parameters, against a bare ``AdamW(fused=True).step()`` over one N-element parameter; wall time and
   the process's CPU time (every thread), whole tiles or chunks smaller than a piece (``--chunks``).
+- ``step-overlap``: the bf16 offloaded step (gradients copied during backward, untimed) three ways, interleaved
+  in one process with the bare fused AdamW so that every repeat sees the same load: inline (a CPU-only run),
+  the write-back cast on the copy thread while the next tile steps (whole tiles), and on the copy thread in 1M-
+  element chunks; beside them the bare step followed by the cast of its 20M results (what inline can at best
+  reach: the cast is CPU work wherever it runs, so the CPU-time ratio counts it on any thread).
 - ``rss``: peak RSS during training (the kernel's high-water mark, reset after setup) of one rank training a
   ~100M-parameter MLP at stage 3 (world size 1), without offload, with ``offload_optimizer: nvme``, and with
   ``offload_param: nvme`` as well, each in a fresh process.
@@ -18,6 +23,7 @@
 
     python -m benchmarks.offload nvme --numel 67108864 --dir /tmp
     python -m benchmarks.offload step --numel 20000000
+    python -m benchmarks.offload step-overlap --numel 20000000 --repeats 15 --threads 1
     python -m benchmarks.offload rss --dir /tmp
     python -m benchmarks.offload param --dir /tmp --width 1024 --layers 16 --tokens 256
 """
@@ -209,6 +215,77 @@ def bench_step(args) -> dict:
             "bare_same_pieces_median_s": statistics.median(pieces_times), "load_average": os.getloadavg()}
 
 
+def bench_step_overlap(args) -> dict:
+    from zero_core.config import ZeroConfig
+    from zero_core.layout import compute_layout
+    from zero_core.offload import OptimizerOffload
+    from zero_core.replicated.flat_param_group import FlatParamGroup
+
+    n = args.numel
+    sizes = [min(args.param, n - s) for s in range(0, n, args.param)]
+    used = [[True] * len(sizes)]
+
+    def offloaded(copy_thread: bool, chunked: bool):
+        params = [torch.nn.Parameter(torch.randn(size, dtype=torch.bfloat16)) for size in sizes]
+        group = FlatParamGroup(params, [f"p{i}" for i in range(len(params))], 0,
+                               compute_layout(sizes, 1, args.bucket), rank=0, full_grads=False)
+        group.build_masters(torch.float32)
+        for grad in group.grad_shards():
+            grad.copy_(torch.randn_like(grad))
+        config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"}, sub_group_size=args.sub_group_size)
+        offload = OptimizerOffload([group], config, rank=0)
+        offload.copy_thread, offload.chunked = copy_thread, chunked
+        optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
+        offload.bind([optimizer])
+
+        def step():
+            offload.step(optimizer, [group], used, 1.0, None)
+            group.write_back_masters()
+
+        def prepare():  # the copies to the host that the engine makes during backward (untimed)
+            offload.grad_reduced(group, None)
+
+        return prepare, step
+
+    bare_param = torch.nn.Parameter(torch.randn(n))
+    bare_param.grad = torch.randn(n)
+    bare = torch.optim.AdamW([bare_param], lr=1e-3, fused=True)
+    cast_into = torch.empty(n, dtype=torch.bfloat16)
+
+    def bare_and_cast():
+        bare.step()
+        cast_into.copy_(bare_param.detach())
+
+    nothing = lambda: None  # noqa: E731
+    runs = {"bare": (nothing, bare.step), "bare_then_cast": (nothing, bare_and_cast),
+            "inline": offloaded(False, None), "copy_thread_tiles": offloaded(True, False),
+            "copy_thread_chunks": offloaded(True, True)}
+    wall: dict = {name: [] for name in runs}
+    cpu: dict = {name: [] for name in runs}
+    for prepare, fn in runs.values():  # state allocation outside the timing
+        prepare()
+        fn()
+    for _ in range(args.repeats):
+        for name, (prepare, fn) in runs.items():
+            prepare()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            fn()
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    out = {"numel": n, "threads": torch.get_num_threads(), "repeats": args.repeats,
+           "bare_cpu_ms": min(cpu["bare"]) * 1e3, "bare_wall_ms": min(wall["bare"]) * 1e3}
+    for name in runs:
+        if name == "bare":
+            continue
+        out[name] = {"cpu_vs_bare": min(cpu["bare"]) / min(cpu[name]),
+                     "cpu_vs_bare_median": statistics.median(cpu["bare"]) / statistics.median(cpu[name]),
+                     "wall_vs_bare": min(wall["bare"]) / min(wall[name]),
+                     "wall_vs_bare_median": statistics.median(wall["bare"]) / statistics.median(wall[name]),
+                     "cpu_ms": min(cpu[name]) * 1e3}
+    out["load_average"] = os.getloadavg()
+    return out
+
+
 def _status_bytes(field: str) -> int:
     with open("/proc/self/status") as f:
         line = next(line for line in f if line.startswith(field + ":"))
@@ -348,7 +425,7 @@ def bench_param(args) -> dict:
 
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=("nvme", "step", "rss", "rss-worker", "param"))
+    parser.add_argument("what", choices=("nvme", "step", "step-overlap", "rss", "rss-worker", "param"))
     parser.add_argument("--numel", type=int, default=64 * MiB // 4 * 4)
     parser.add_argument("--dir", default=tempfile.gettempdir())
     parser.add_argument("--repeats", type=int, default=3)
@@ -387,7 +464,8 @@ def main(argv=None) -> None:
     if args.what == "rss-worker":
         rss_worker(args)
         return
-    result = {"nvme": bench_nvme, "step": bench_step, "rss": bench_rss, "param": bench_param}[args.what](args)
+    result = {"nvme": bench_nvme, "step": bench_step, "step-overlap": bench_step_overlap, "rss": bench_rss,
+              "param": bench_param}[args.what](args)
     print(json.dumps(result, indent=1))
 
 

@@ -44,7 +44,7 @@ def test_accelerate_offload_key_errors(tmp_path, text, words):
 def test_launch_with_offload_keys_trains_to_ddps_weights(tmp_path):
     """zero.yaml puts the optimizer and the parameter shards on NVMe with Accelerate's key names; the launched
     example (accelerate_scripts/offload.py) ends within 1e-5 of plain Accelerate DDP, with the placement asked
-    for, and the swap files are gone once the processes exit."""
+    for; the engine's swap files are gone after end_training(), and every swap file once the processes exit."""
     from test_accelerate_launch import SCRIPTS, TOLERANCE, ZERO_YAML, clean_env, max_diff, run
 
     nvme = tmp_path / "nvme"
@@ -63,4 +63,5 @@ def test_launch_with_offload_keys_trains_to_ddps_weights(tmp_path):
     # (the training run's engine and this one: each rank holds an optimizer file and a parameter file per engine)
     assert sorted({name.rsplit("_", 2)[0] for name in placement["files"]}) == [
         "zero_offload_rank0", "zero_offload_rank1", "zero_params_rank0", "zero_params_rank1"], placement
+    assert results["files_after_end_training"] == [], results["files_after_end_training"]
     assert list(nvme.iterdir()) == []

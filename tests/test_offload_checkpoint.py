@@ -1,6 +1,9 @@
 """Checkpoints of offloaded engines: saved with the masters and state on the CPU or in NVMe files, they load
 into an engine without offload (and the other way round, into CPU and NVMe placements, at another stage, and
 from 2 ranks into 1 and from 1 into 2), and training continues exactly as the engine that saved them would have.
+With NVMe the state passes through memory a few tiles at a time, on save and on load (the swapper's peak of
+bytes read in stays within two tiles); saves and loads go through the module-level functions Lightning's and
+Accelerate's checkpoint IO call.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
 import zero_core
 from distributed import run_distributed
@@ -51,22 +55,48 @@ def _engine(stage: int, device: str, nvme_dir: str):
     return zero_core.setup(model, make_optimizer(model), _config(stage, device, nvme_dir))
 
 
+def _swapper(engine):
+    offload = engine._offload
+    return offload.swapper if offload is not None else None
+
+
+def _measured(engine, action, released: bool = True):
+    """Run ``action``; with NVMe, (peak bytes read in from the swap file, bytes in the file, two tiles' bytes)."""
+    swapper = _swapper(engine)
+    if swapper is None:
+        action()
+        return None
+    swapper.peak_read_in_bytes = swapper.read_in_bytes
+    action()
+    assert swapper.read_in_bytes == 0 or not released, swapper.read_in_bytes  # everything released again
+    total = sum(shape.numel() * dtype.itemsize for shape, dtype in swapper._shapes.values())
+    largest = max(shape.numel() for (_, key), (shape, _) in swapper._shapes.items() if key == "__master__")
+    bytes_per_element = 4 * 3  # fp32 master and Adam's two moments
+    tile = engine.config.sub_group_size
+    return swapper.peak_read_in_bytes, total, 2 * max(tile, largest) * bytes_per_element
+
+
 def checkpoint_worker(rank, world_size, pairs):
     nvme_dir = tempfile.mkdtemp(prefix=f"zero-offload-ckpt-{rank}-")
     ckpt_root = tempfile.mkdtemp(prefix="zero-offload-ckpt-") if rank == 0 else None
     holder = [ckpt_root]
     dist.broadcast_object_list(holder, src=0)
-    diffs = []
+    diffs, peaks = [], []
     for index, (saver, loader) in enumerate(pairs):
         path = os.path.join(holder[0], f"ckpt{index}")
         source = _engine(*saver, nvme_dir)
         _train(source, 0, BEFORE)
-        source.save_checkpoint(path)
+        saved = _measured(source, lambda: zero_core.save_checkpoint(source, path))
         weights = full_params(source.module)  # a collective at stage 3
         if rank == 0:  # what any other world size must load (test_load_at_another_world_size)
             torch.save(weights, os.path.join(holder[0], f"weights{index}.pt"))
         target = _engine(*loader, nvme_dir)
-        target.load_checkpoint(path)
+        loaded_peak = _measured(target, lambda: zero_core.load_checkpoint(target, path))
+        if saved is not None:  # contrast: everything resident at once, as checkpoints did before
+            context = source.offload_resident()
+            resident = _measured(source, context.__enter__, released=False)
+            context.__exit__(None, None, None)
+        peaks.append({"save": saved, "load": loaded_peak, "resident": resident if saved is not None else None})
         loaded = max_abs_diff(full_params(target.module), full_params(source.module))
         # The debugging API reads NVMe-swapped state too (each call swaps it in and out again).
         params = [dict(e.module.named_parameters()) for e in (source, target)]
@@ -78,7 +108,7 @@ def checkpoint_worker(rank, world_size, pairs):
         diffs.append((loaded, max_abs_diff(full_params(target.module), full_params(source.module))))
         for engine in (source, target):
             engine.remove_offload_files()
-    return diffs, os.listdir(nvme_dir), holder[0]
+    return diffs, os.listdir(nvme_dir), holder[0], peaks
 
 
 def save_alone_worker(rank, world_size, root, placement):
@@ -126,12 +156,96 @@ def saved():
 @pytest.mark.timeout(300)
 def test_offloaded_checkpoints_load_into_other_placements(saved):
     per_rank = saved
-    for rank, (diffs, leftovers, _) in enumerate(per_rank):
+    for rank, (diffs, leftovers, *_) in enumerate(per_rank):
         assert leftovers == [], f"rank {rank}: swap files left behind: {leftovers}"
         for (saver, loader), (loaded, trained) in zip(PAIRS, diffs, strict=True):
             assert loaded == 0.0, f"rank {rank} {saver} -> {loader}: loaded weights differ by {loaded}"
             # The same fp32 arithmetic on both sides, up to float reordering between stages' buckets.
             assert trained <= 1e-6, f"rank {rank} {saver} -> {loader}: {AFTER} steps on they differ by {trained}"
+
+
+@pytest.mark.timeout(300)
+def test_nvme_checkpoints_stream_tile_by_tile(saved):
+    """Saving reads each tile of masters and state from the swap file, writes it, and drops it; loading reads a
+    tile's masters, fills them and the state, and writes the tile out: at most two tiles (the one in use and
+    the one read ahead) are in memory, where holding everything resident reads all of the file in. (This
+    model's largest pieces are a quarter of a rank's state; test_streamed_checkpoint_of_many_tiles has many.)"""
+    counts = {"save": 0, "load": 0}
+    for rank, (*_, peaks) in enumerate(saved):
+        for (saver, loader), peak in zip(PAIRS, peaks, strict=True):
+            for what in ("save", "load"):
+                if peak[what] is not None:
+                    read_in, total, two_tiles = peak[what]
+                    assert 0 < read_in <= two_tiles and read_in < total / 2, (rank, saver, loader, what, peak[what])
+                    counts[what] += rank == 0
+            if peak["resident"] is not None:
+                read_in, total, _ = peak["resident"]
+                assert read_in == total, (rank, saver, loader, peak["resident"])
+    assert counts == {"save": 3, "load": 3}, counts
+
+
+class _Stack(nn.Module):
+    """24 small layers: a rank's state is many tiles."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        torch.manual_seed(seed)
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(24)])
+
+    def forward(self, x):
+        return self.layers(x).pow(2).mean()
+
+
+def _stack_engine(stage: int, nvme_dir: str, seed: int):
+    model = _Stack(seed)
+    config = {"stage": stage, "sub_group_size": 300, "param_persistence_threshold": 0,
+              "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir}}
+    return zero_core.setup(model, make_optimizer(model), config)
+
+
+def _stack_steps(engine, first: int, steps: int) -> None:
+    for step in range(first, first + steps):
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(step))
+        engine.backward(engine.module(x))
+        engine.step()
+        if not engine.step_zeroes_grads:
+            engine.zero_grad()
+
+
+def streamed_worker(rank, world_size, root):
+    nvme_dir = tempfile.mkdtemp(prefix="zero-offload-stream-")
+    out = {}
+    for stage in (2, 3):
+        path = os.path.join(root, f"stack{stage}")
+        source = _stack_engine(stage, nvme_dir, 0)
+        _stack_steps(source, 0, 3)
+        save = _measured(source, lambda: zero_core.save_checkpoint(source, path))
+        target = _stack_engine(stage, nvme_dir, 1)
+        load = _measured(target, lambda: zero_core.load_checkpoint(target, path))
+        params = [dict(e.module.named_parameters()) for e in (source, target)]
+        state = max((zero_core.safe_get_full_optimizer_state(params[0][n], key)
+                     - zero_core.safe_get_full_optimizer_state(params[1][n], key)).abs().max().item()
+                    for n in params[0] for key in ("exp_avg", "exp_avg_sq"))
+        weights = max_abs_diff(full_params(target.module), full_params(source.module))
+        _stack_steps(source, 3, 2)
+        _stack_steps(target, 3, 2)
+        trained = max_abs_diff(full_params(target.module), full_params(source.module))
+        out[stage] = {"save": save, "load": load, "state": state, "weights": weights, "trained": trained}
+        for engine in (source, target):
+            engine.remove_offload_files()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_streamed_checkpoint_of_many_tiles(tmp_path):
+    """A rank whose state is about 20 tiles: a save and a load each hold at most two tiles of it (a tenth), and
+    the round trip gives the same weights and Adam state, and the same training afterwards (stages 2 and 3)."""
+    out, = run_distributed(streamed_worker, 1, str(tmp_path), timeout=180)
+    for stage, got in out.items():
+        assert got["weights"] == 0.0 and got["state"] == 0.0 and got["trained"] == 0.0, (stage, got)
+        for what in ("save", "load"):
+            read_in, total, two_tiles = got[what]
+            assert 0 < read_in <= two_tiles <= total / 8, (stage, what, got[what])
 
 
 @pytest.mark.timeout(300)

@@ -163,6 +163,12 @@ class CheckpointedEngine(Protocol):
 
     def optimizer_state_of(self, master: torch.Tensor) -> dict: ...
 
+    def offload_tiles(self, fragments: list["Fragment"], write: bool = False) -> Iterator[list["Fragment"]]:
+        """Groups of ``fragments`` whose masters and state are in memory while held (NVMe: a few tiles)."""
+
+    def shape_in_memory(self, master: torch.Tensor, key=None) -> torch.Size:
+        """The in-memory shape of a master or of its state ``key``, also while swapped out to NVMe."""
+
     def add_param_group(self, optimizer, param_group: dict) -> None: ...
 
     def replicated_state(self) -> dict[str, torch.Tensor]: ...

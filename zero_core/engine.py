@@ -38,6 +38,7 @@ from zero_core.plain_loop import OptimizerRoute
 from zero_core.optim.sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from zero_core.replicated.runtime import ReplicatedParamsRuntime
 from zero_core.comm.topology import Topology
+from zero_core.weak_hooks import weakly
 
 ConfigLike = Union[ZeroConfig, dict, str, "os.PathLike[str]", None]
 OptimizerRef = Union[int, torch.optim.Optimizer, None]
@@ -96,7 +97,7 @@ class ZeroEngine:
         registry.register(self.runtime.managed_params(), self)
         for param in self.runtime.managed_params():
             if param.requires_grad:
-                param.register_post_accumulate_grad_hook(self._note_grad)
+                param.register_post_accumulate_grad_hook(weakly(self._note_grad))
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
         teardown.destroy_group_at_exit()  # a group left up at exit is closed while Python still runs
@@ -183,7 +184,7 @@ class ZeroEngine:
         new_params = [p for params in fresh.values() for p in params]
         registry.register(new_params, self)
         for param in new_params:
-            param.register_post_accumulate_grad_hook(self._note_grad)
+            param.register_post_accumulate_grad_hook(weakly(self._note_grad))
         self._index_parts()
         for part in new_parts:
             k = self.group_optimizer[part.group_index]
@@ -520,8 +521,16 @@ class ZeroEngine:
         as engine:`` calls it on leaving the block. It is idempotent, and the engine stays usable: a later
         forward or step simply communicates again. ``wait=False`` (after an error, when another rank may never
         issue the matching collectives) forgets the pending handles instead of waiting, as does a call after
-        the process group is gone."""
-        teardown.quiesce(self.runtime, wait)
+        the process group is gone.
+
+        With NVMe offload it also removes the swap files' names from ``nvme_path`` and stops the ``aio`` and
+        write-back threads. The files stay open, so the engine can still evaluate, save or train (the threads
+        start again); their disk space is freed by :meth:`remove_offload_files`, when the engine is collected,
+        or at exit (docs/offload.md, "NVMe files")."""
+        try:
+            teardown.quiesce(self.runtime, wait)
+        finally:
+            teardown.release_offload(self._offload, self.runtime.param_swap)
 
     def __enter__(self) -> "ZeroEngine":
         return self
@@ -567,9 +576,36 @@ class ZeroEngine:
         wrap direct reads of ``fragments()`` / ``optimizer_state_of`` with it."""
         return self._offload.resident() if self._offload is not None else contextlib.nullcontext()
 
+    def offload_tiles(self, fragments: list[Fragment], write: bool = False) -> Iterator[list[Fragment]]:
+        """``fragments`` in groups whose masters and optimizer state are in memory while the caller holds the
+        group: with NVMe offload, tiles of about ``sub_group_size`` elements read one ahead, then dropped, or with
+        ``write`` written back into the model and out to the file (OptimizerOffload.stream); else one group.
+        Checkpoints save and load through it, so that NVMe state passes through memory a few tiles at a time."""
+        if self._offload is None:
+            yield list(fragments)
+            return
+        of_master: dict[int, list[Fragment]] = {}
+        masters = []
+        for fragment in fragments:
+            if id(fragment.master) not in of_master:
+                of_master[id(fragment.master)] = []
+                masters.append(fragment.master)
+            of_master[id(fragment.master)].append(fragment)
+        for tile in self._offload.stream(masters, write):
+            yield [f for master in tile for f in of_master[id(master)]]
+
+    def shape_in_memory(self, master: torch.Tensor, key=None) -> torch.Size:
+        """The shape of ``master`` (``key`` None) or of its optimizer state ``key`` as in memory, also while it is
+        swapped out to NVMe (then the tensor itself is empty)."""
+        shape = self._offload.shape_in_memory(master, key) if self._offload is not None else None
+        if shape is not None:
+            return shape
+        return (master if key is None else self.optimizer_state_of(master)[key]).shape
+
     def remove_offload_files(self) -> None:
-        """Remove this rank's NVMe swap files (optimizer and parameters) now; they also go when the engine is
-        collected and at exit. The engine cannot train or save afterwards."""
+        """Close and delete this rank's NVMe swap files (optimizer and parameters) now, freeing their disk space;
+        that also happens when the engine is collected and at exit (``close()`` already took their names out of
+        ``nvme_path``). The engine cannot train or save afterwards."""
         if self._offload is not None:
             self._offload.close()
         if self.runtime.param_swap is not None:
@@ -633,15 +669,13 @@ class ZeroEngine:
         """Write a sharded checkpoint directory atomically (docs/checkpoints.md)."""
         from zero_core.checkpoint import save_checkpoint
 
-        with self.offload_resident():
-            return save_checkpoint(self, path, client_state)
+        return save_checkpoint(self, path, client_state)  # NVMe-offloaded state streams a few tiles at a time
 
     def load_checkpoint(self, path, strict: bool = True, load_optimizer_states: bool = True) -> Optional[dict]:
         """Load a checkpoint saved at any world size and stage (or a plain state dict); returns client_state."""
         from zero_core.checkpoint import load_checkpoint
 
-        with self.offload_resident():
-            return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
+        return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
 
     def save_16bit_model(self, out_dir, **kwargs) -> bool:
         """16-bit safetensors of the whole model, streamed one parameter (unit) at a time."""

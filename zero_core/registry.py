@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional, Union
 
+import weakref
+
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
@@ -21,16 +23,24 @@ from zero_core.contracts import ParamOwner, PendingPartition
 if TYPE_CHECKING:
     from zero_core.engine import ZeroEngine
 
-# Keyed by identity: tensors compare element-wise, so an ordinary weak dictionary cannot hold them.
+# Keyed by identity: tensors compare element-wise, so an ordinary weak dictionary cannot hold them. An engine
+# is held weakly too: it holds its parameters, so a strong value would keep both alive for the life of the
+# process (a dropped engine's GPU memory never freed). An Init partition is held strongly: until an engine
+# takes its parameters over, it alone holds their shards.
 _ENGINES = WeakIdKeyDictionary()
 _PENDING = WeakIdKeyDictionary()
+
+
+def _lookup(table: WeakIdKeyDictionary, param: torch.Tensor):
+    ref = table.get(param)
+    return ref() if ref is not None else None
 
 
 def register(params, engine: "ZeroEngine") -> None:
     """``params`` train under ``engine`` (from now on, whatever partition built them)."""
     for param in params:
         _PENDING.pop(param, None)
-        _ENGINES[param] = engine
+        _ENGINES[param] = weakref.ref(engine)
 
 
 def register_pending(params, partition: PendingPartition) -> None:
@@ -42,7 +52,7 @@ def register_pending(params, partition: PendingPartition) -> None:
 def owner_of(param: torch.Tensor) -> Optional[ParamOwner]:
     if not isinstance(param, torch.Tensor):
         return None
-    engine = _ENGINES.get(param)
+    engine = _lookup(_ENGINES, param)
     return engine if engine is not None else _PENDING.get(param)
 
 
@@ -55,7 +65,7 @@ def engine_of(param_or_module: Union[torch.Tensor, nn.Module]) -> Optional["Zero
     """The engine training this parameter (or this module's first parameter); None if there is none."""
     if isinstance(param_or_module, nn.Module):
         param_or_module = next(param_or_module.parameters(), None)
-    return _ENGINES.get(param_or_module) if isinstance(param_or_module, torch.Tensor) else None
+    return _lookup(_ENGINES, param_or_module) if isinstance(param_or_module, torch.Tensor) else None
 
 
 def require_engine(param: torch.Tensor) -> "ZeroEngine":

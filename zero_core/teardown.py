@@ -5,7 +5,8 @@ few reduce-scatters in flight. A handle still pending when ``destroy_process_gro
 interpreter shuts down) leaves gloo's worker threads owning tensors that Python must free during
 finalisation. ``engine.close()`` (also the engine's context-manager exit, and every front-end's teardown)
 waits for them and frees what they gathered; a finaliser does the same at interpreter exit for scripts that
-never call it. docs/reliability.md describes the guarantees.
+never call it. docs/reliability.md describes the guarantees. With NVMe offload, ``close()`` also takes the
+swap files' names out of ``nvme_path`` and stops the offload threads (:func:`release_offload`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,15 @@ def quiesce(runtime, wait: bool = True) -> None:
     """Finish (or, with ``wait=False`` or without a process group, forget) every collective ``runtime`` still
     has in flight."""
     runtime.quiesce(communicate=wait and dist.is_available() and dist.is_initialized())
+
+
+def release_offload(offload, param_swap) -> None:
+    """The NVMe swap files' names leave ``nvme_path`` and the offload threads stop (the files stay open for the
+    engine's later use; zero_core/offload)."""
+    if offload is not None:
+        offload.teardown()
+    if param_swap is not None:
+        param_swap.teardown()
 
 
 def _quiesce_if_alive(runtime_ref: "weakref.ref") -> None:

@@ -3,7 +3,8 @@ Accelerate-named offload keys (optimizer and parameters on NVMe).
 
     accelerate-zero launch --config zero.yaml offload.py OUT.json
 
-Rank 0 writes both runs' final weights and norms, and where the engine put the optimizer and the parameters.
+Rank 0 writes both runs' final weights and norms, where the engine put the optimizer and the parameters, and
+whether that engine's swap files still exist after ``accelerator.end_training()`` (which closes the engine).
 """
 
 import os
@@ -27,8 +28,11 @@ def main() -> None:
         "param_units_in_file": sum(unit.swap is swap for unit in engine.runtime.units) if swap is not None else 0,
         "files": sorted(os.listdir(os.environ["OFFLOAD_TEST_NVME"])) if rank() == 0 else [],
     }
+    paths = [engine._offload.swapper.path, swap.path]
+    torch.distributed.barrier()  # every rank listed the files
+    accelerator.end_training()  # closes the engine, then destroys the process group
+    results["files_after_end_training"] = [path for path in paths if os.path.exists(path)]
     write_json(sys.argv[1], results)
-    torch.distributed.barrier()
 
 
 if __name__ == "__main__":

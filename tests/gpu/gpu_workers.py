@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import torch
 import torch.distributed as dist
@@ -87,22 +88,34 @@ def without_side_streams(engine) -> None:
         unit.streams = streams.NONE
 
 
-def engine_run(device, stage: int, side_streams: bool = True) -> dict:
+def _engine(device, stage: int, reset_peak: bool = True):
     import zero_core
 
     torch.manual_seed(0)
     model = GPT().to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    torch.cuda.reset_peak_memory_stats()
-    engine = zero_core.setup(model, optimizer, {"stage": stage, "bf16": {"enabled": True},
-                                                "stage3_param_persistence_threshold": 0})
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # torch's choice of kernel: the engine's fused one
+    if reset_peak:
+        torch.cuda.reset_peak_memory_stats()
+    return model, zero_core.setup(model, optimizer, {"stage": stage, "bf16": {"enabled": True},
+                                                     "stage3_param_persistence_threshold": 0})
+
+
+def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0) -> dict:
+    """``resume_at``: after that many steps, save a checkpoint, build a fresh engine and load it, then go on."""
+    model, engine = _engine(device, stage)
     issued = None
     if stage == 3 and side_streams:
         issued = spy_on_streams(engine)
     elif stage == 3:
         without_side_streams(engine)
     losses = []
-    for tokens in batches(device):
+    for index, tokens in enumerate(batches(device)):
+        if resume_at and index == resume_at:
+            with tempfile.TemporaryDirectory() as directory:
+                engine.save_checkpoint(directory)
+                del engine, model
+                model, engine = _engine(device, stage, reset_peak=False)
+                engine.load_checkpoint(directory)
         loss = engine.module(tokens)
         engine.backward(loss)
         engine.step()
@@ -123,6 +136,7 @@ def main(out: str) -> None:
     for stage in (1, 2, 3):
         results[f"zero{stage}"] = engine_run(device, stage)
     results["zero3_in_order"] = engine_run(device, 3, side_streams=False)
+    results["zero2_resumed"] = engine_run(device, 2, resume_at=STEPS // 2)
     dist.destroy_process_group()
     torch.save(results, out)
 

@@ -54,6 +54,15 @@ def test_stage3_gathers_and_reduces_on_side_streams(gpu_runs):
         assert torch.equal(streamed["weights"][name], value), name
 
 
+def test_a_checkpoint_resumes_on_the_gpu_as_if_never_stopped(gpu_runs):
+    """Save halfway, load into a fresh engine, go on: the same losses and weights, bit for bit, as the run that
+    never stopped (the fused CUDA step takes its step counts on the GPU, wherever the checkpoint left them)."""
+    continuous, resumed = gpu_runs["zero2"], gpu_runs["zero2_resumed"]
+    assert resumed["losses"] == continuous["losses"]
+    for name, value in continuous["weights"].items():
+        assert torch.equal(resumed["weights"][name], value), name
+
+
 def test_peak_memory_stays_within_the_engine_state_plus_one_model_of_activations(gpu_runs):
     plain_peak = gpu_runs["plain"]["peak"]
     for stage in (1, 2, 3):

@@ -11,12 +11,13 @@ import contextlib
 import ctypes
 import hashlib
 import json
+import math
 import os
 import secrets
 import shutil
 import zlib
 from pathlib import Path
-from typing import Iterator, Optional, Sequence, Union
+from typing import Iterable, Iterator, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -31,17 +32,31 @@ def tensor_bytes(tensor: torch.Tensor) -> memoryview:
     return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
 
 
-def write_safetensors(path: Path, entries: Sequence[tuple[str, torch.Tensor]],
-                      metadata: Optional[dict[str, str]] = None) -> dict:
-    """Write ``entries`` (key, tensor) in order; returns {"bytes", "sha256", "crc32": {key: crc32 of its bytes}}."""
+class Pending(NamedTuple):
+    """An entry whose tensor is not in memory yet: its dtype and shape, for the header. :func:`write_safetensors`
+    takes the tensor from its ``data`` stream when it gets to the entry."""
+
+    dtype: torch.dtype
+    shape: tuple
+
+
+def write_safetensors(path: Path, entries: Sequence[tuple[str, Union[torch.Tensor, Pending]]],
+                      metadata: Optional[dict[str, str]] = None,
+                      data: Optional[Iterable[tuple[str, torch.Tensor]]] = None) -> dict:
+    """Write ``entries`` (key, tensor) in order; returns {"bytes", "sha256", "crc32": {key: crc32 of its bytes}}.
+
+    An entry given as :class:`Pending` takes its tensor from ``data``, which yields (key, tensor) for those
+    entries in the same order, each when it is written (a stream: e.g. NVMe-swapped optimizer state read one tile
+    at a time, zero_core/checkpoint/save.py)."""
     header, offset = {}, 0
     if metadata:
         header["__metadata__"] = dict(metadata)
     for key, tensor in entries:
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = math.prod(tensor.shape) * tensor.dtype.itemsize
         header[key] = {"dtype": safetensors_dtype(tensor.dtype), "shape": list(tensor.shape),
                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
+    stream = iter(data) if data is not None else iter(())
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned, as safetensors itself writes it
     digest, crcs, size = hashlib.sha256(), {}, 0
@@ -51,14 +66,25 @@ def write_safetensors(path: Path, entries: Sequence[tuple[str, torch.Tensor]],
             digest.update(chunk)
             size += len(chunk)
         for key, tensor in entries:
-            data = tensor_bytes(tensor)  # one tensor at a time: a GPU tensor is copied to the CPU alone
-            f.write(data)
-            digest.update(data)
-            crcs[key] = zlib.crc32(data)
-            size += len(data)
+            if isinstance(tensor, Pending):
+                tensor = _next_pending(stream, key, tensor)
+            raw_data = tensor_bytes(tensor)  # one tensor at a time: a GPU tensor is copied to the CPU alone
+            f.write(raw_data)
+            digest.update(raw_data)
+            crcs[key] = zlib.crc32(raw_data)
+            size += len(raw_data)
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": size, "sha256": digest.hexdigest(), "crc32": crcs}
+
+
+def _next_pending(stream: Iterator[tuple[str, torch.Tensor]], key: str, spec: Pending) -> torch.Tensor:
+    got, tensor = next(stream, (None, None))
+    if got != key or tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
+        found = "nothing" if got is None else f"{got!r} {tensor.dtype} {tuple(tensor.shape)}"
+        raise CheckpointError(f"the stream of tensors to write gave {found} where {key!r} {spec.dtype} "
+                              f"{tuple(spec.shape)} was announced (a bug in the saving code; please report it)")
+    return tensor
 
 
 def sha256_file(path: Path) -> str:

@@ -148,16 +148,24 @@ def _match(source, model_shapes: dict, aliases: dict, strict: bool) -> None:
 
 
 def _load_fragments(engine, source, optimizer, names: dict, strict: bool) -> None:
+    """Each fragment's master values, then (``optimizer``) its optimizer state, a few tiles at a time with NVMe
+    offload: a tile is read in, filled, written back into the model's parameter shards and out to the swap file
+    (engine.offload_tiles), so the state is never all in memory at once."""
     round_to_16bit = not engine.config.load_from_fp32_weights
-    for fragment in engine.fragments():
-        if fragment.name not in names:
-            continue
-        values = source.read(names[fragment.name], fragment.param_range, MASTER_KIND)
-        if round_to_16bit:  # DeepSpeed's load_from_fp32_weights=False: start from the 16-bit model weights
-            values = values.to(fragment.dtype)
-        fragment.master_values().copy_(values)
+    state_of = _optimizer_loader(engine, optimizer) if optimizer is not None else None
+    for tile in engine.offload_tiles(engine.fragments(), write=True):
+        for fragment in tile:
+            if fragment.name in names:
+                values = source.read(names[fragment.name], fragment.param_range, MASTER_KIND)
+                if round_to_16bit:  # DeepSpeed's load_from_fp32_weights=False: start from the 16-bit model weights
+                    values = values.to(fragment.dtype)
+                fragment.master_values().copy_(values)
+            if state_of is not None:
+                state_of(fragment)
     if optimizer is not None:
-        _load_optimizer(engine, optimizer, strict)
+        inners = engine.inner_optimizers
+        _load_hyperparameters([g for inner in inners for g in inner.param_groups], optimizer.hyperparameters(),
+                              strict)
 
 
 def _load_replicated(engine, source, wanted: list[str], names: dict) -> None:
@@ -189,17 +197,20 @@ def _source_names(source, module) -> dict[str, str]:
     return names
 
 
-def _load_optimizer(engine, source, strict: bool) -> None:
-    """Optimizer sources are keyed by the engine's own parameter names (the manifest's, group_param_names)."""
+def _optimizer_loader(engine, source):
+    """Clear the optimizers' state (like Optimizer.load_state_dict: the checkpoint's state replaces the current
+    one) and return what loads one fragment's state (its master in memory). Optimizer sources are keyed by the
+    engine's own parameter names (the manifest's, group_param_names)."""
     inners = engine.inner_optimizers
     for inner in inners:
-        inner.state.clear()  # like Optimizer.load_state_dict: the checkpoint's state replaces the current one
+        inner.state.clear()
     owner_of = {id(m): (g, inner) for inner in inners for g in inner.param_groups for m in g["params"]}
     keys = source.state_keys()
-    for fragment in engine.fragments():
+
+    def load(fragment) -> None:
         name = fragment.name
         if not source.has_state(name):
-            continue
+            return
         master = fragment.master
         group, inner = owner_of[id(master)]
         on_device = group.get("capturable") or group.get("fused")  # else scalars stay on the CPU, as in torch
@@ -211,7 +222,8 @@ def _load_optimizer(engine, source, strict: bool) -> None:
             values = source.read_state(name, fragment.param_range, key)
             if values is not None:
                 state[key][fragment.local.as_slice()] = values
-    _load_hyperparameters([g for inner in inners for g in inner.param_groups], source.hyperparameters(), strict)
+
+    return load
 
 
 def _load_hyperparameters(groups: list[dict], saved: list[dict], strict: bool) -> None:

@@ -13,19 +13,20 @@ check that the nodes do not share the directory): node_local.py.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import platform
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import gather_json, on_first_replica, run_agreed, shared_token, staged_together
-from zero_core.checkpoint.files import StagedDirectory, publish, write_safetensors
+from zero_core.checkpoint.files import Pending, StagedDirectory, publish, write_safetensors
 from zero_core.checkpoint.format import (
     FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
     tensor_key, write_json,
@@ -72,8 +73,9 @@ def _save(engine, path: Path, client_state: Optional[Any]) -> None:
 def _write_rank(engine, temp: Path, client_state: Any, replicated: Optional[dict]) -> dict:
     """Write this rank's shard file (and on rank 0 the replicated and client state); describe what was written."""
     name = shard_file(engine.topology.rank, engine.topology.world_size)
-    entries, fragments = _fragment_entries(engine, name)
-    info = write_safetensors(temp / name, entries, {"format": "pt"})
+    entries, fragments, plan = _fragment_entries(engine, name)
+    with contextlib.closing(_fragment_tensors(engine, plan)) as data:
+        info = write_safetensors(temp / name, entries, {"format": "pt"}, data)
     _add_crcs(fragments, info["crc32"])
     report = {"fragments": fragments, "files": {name: _file_entry(info)}}
     if replicated is not None:  # rank 0
@@ -83,35 +85,57 @@ def _write_rank(engine, temp: Path, client_state: Any, replicated: Optional[dict
     return report
 
 
-def _fragment_entries(engine, file: str) -> tuple[list, list]:
-    """(key, tensor view) pairs to write, and the manifest's description of each fragment."""
-    entries, fragments = [], []
+def _fragment_entries(engine, file: str) -> tuple[list, list, list]:
+    """(key, Pending) entries to write, the manifest's description of each fragment, and the plan of
+    :func:`_fragment_tensors`: (fragment, [(tensor key, optimizer state key or None for the master)]).
+
+    Only shapes and dtypes are needed here, so nothing swapped out to NVMe is read (engine.shape_in_memory)."""
+    entries, fragments, plan = [], [], []
     for fragment in engine.fragments():
-        per_element, scalars = _split_state(engine.optimizer_state_of(fragment.master), fragment)
+        per_element, scalars = _split_state(engine.optimizer_state_of(fragment.master), fragment, engine)
         start, end = fragment.param_range.start, fragment.param_range.end
-        tensors = {}
-        for kind, full in [(MASTER_KIND, fragment.master.detach())] + sorted(per_element.items()):
+        tensors, keys = {}, []
+        kinds = [(MASTER_KIND, None, fragment.master.dtype)] + [(k, k, d) for k, d in sorted(per_element.items())]
+        for kind, state_key, dtype in kinds:
             key = tensor_key(fragment.name, start, end, kind)
-            entries.append((key, full.detach()[fragment.local.as_slice()]))
+            shape = torch.empty(engine.shape_in_memory(fragment.master, state_key), device="meta")[
+                fragment.local.as_slice()].shape
+            entries.append((key, Pending(dtype, tuple(shape))))
             tensors[kind] = {"key": key}
+            keys.append((key, state_key))
         fragments.append({"name": fragment.name, "shape": list(fragment.shape), "dtype": dtype_name(fragment.dtype),
                           "file": file, "param_range": [start, end], "tensors": tensors, "scalars": scalars})
-    return entries, fragments
+        plan.append((fragment, keys))
+    return entries, fragments, plan
 
 
-def _split_state(state: dict, fragment) -> tuple[dict, dict]:
-    """A master's optimizer state: per-element tensors (the master's shape) apart from JSON scalars."""
+def _fragment_tensors(engine, plan: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """(key, tensor view) in the plan's order, each fragment's master and state in memory while it is written: with
+    NVMe offload a few tiles at a time, read ahead and dropped once written (engine.offload_tiles)."""
+    keys_of = {id(fragment): keys for fragment, keys in plan}
+    for tile in engine.offload_tiles([fragment for fragment, _ in plan]):
+        for fragment in tile:
+            state = engine.optimizer_state_of(fragment.master)
+            for key, state_key in keys_of[id(fragment)]:
+                full = fragment.master if state_key is None else state[state_key]
+                yield key, full.detach()[fragment.local.as_slice()]
+
+
+def _split_state(state: dict, fragment, engine) -> tuple[dict, dict]:
+    """A master's optimizer state: per-element tensors (the master's shape; key -> dtype) apart from JSON
+    scalars. Shapes are those in memory, also of state swapped out to NVMe."""
     per_element, scalars = {}, {}
+    master_shape = engine.shape_in_memory(fragment.master)
     for key, value in state.items():
-        if torch.is_tensor(value) and value.shape == fragment.master.shape:
-            per_element[key] = value
+        if torch.is_tensor(value) and engine.shape_in_memory(fragment.master, key) == master_shape:
+            per_element[key] = value.dtype
             continue
         try:
             scalars[key] = encode_value(value)
         except TypeError as error:
             raise CheckpointError(
                 f"optimizer state {key!r} of parameter '{fragment.name}' is neither per-element (the shape "
-                f"{tuple(fragment.master.shape)} of its master shard) nor a scalar ({error}); this optimizer's "
+                f"{tuple(master_shape)} of its master shard) nor a scalar ({error}); this optimizer's "
                 "state cannot be sharded") from None
     return per_element, scalars
 

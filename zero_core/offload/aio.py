@@ -6,6 +6,8 @@
 - ``single_submit``: a transfer's requests go one after another (each submitted when the previous is done)
   instead of as one batch;
 - ``overlap_events``: let transfers run while the optimizer steps (false: every transfer is waited at once).
+The threads start with the first request and stop at :meth:`AioPool.close` (the engine's teardown); a request
+after that starts them again.
 File offsets are aligned to ``block_size`` by the caller (nvme_swap.py), so requests are large and aligned.
 """
 
@@ -90,7 +92,8 @@ class AioPool:
         self.block_size = block_size
         self.single_submit = single_submit
         self.overlap = overlap_events
-        self._executor = ThreadPoolExecutor(max_workers=thread_count, thread_name_prefix="zero-aio")
+        self.thread_count = thread_count
+        self._executor: Optional[ThreadPoolExecutor] = None  # started by the first request after each close
         self._limit = max(queue_depth, 1) * thread_count
         self._lock = threading.Condition()
         self._backlog: deque[_Request] = deque()
@@ -129,7 +132,7 @@ class AioPool:
                 request = self._backlog.popleft()
                 self._running += 1
             try:
-                self._executor.submit(self._run, request)
+                self._threads().submit(self._run, request)
             except RuntimeError:  # the interpreter is exiting (no new work for the pool): do it on this thread
                 self._run(request, pump=False)
 
@@ -154,7 +157,21 @@ class AioPool:
     def read(self, transfer: Transfer, fd: int, tensor: torch.Tensor, offset: int) -> None:
         self._submit(transfer, _pread, fd, tensor, offset)
 
+    def _threads(self) -> ThreadPoolExecutor:
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=self.thread_count, thread_name_prefix="zero-aio")
+            return self._executor
+
+    @property
+    def running(self) -> bool:
+        """Whether the pool's threads are started (they are between the first request and :meth:`close`)."""
+        return self._executor is not None
+
     def close(self) -> None:
+        """Finish every request and stop the threads (idempotent); a later request starts them again."""
         with self._lock:  # let the backlog drain: its requests are submitted by the ones running
             self._lock.wait_for(lambda: not self._backlog and self._running == 0)
-        self._executor.shutdown(wait=True)
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)

@@ -38,14 +38,20 @@ def check_nvme_path(path: Optional[str], field: str, need_bytes: int) -> None:
                          "another directory")
 
 
-def remove_swap_file(fd: int, path: str, pool: AioPool) -> None:
-    """Stop the pool, close and delete a swap file (a finaliser: also at exit or when its owner is collected)."""
-    pool.close()
-    os.close(fd)
+def unlink_name(path: str) -> None:
+    """Remove a swap file's name from its directory (a no-op when it is gone already). The open descriptor keeps
+    the file's blocks readable and writable until it is closed, which frees them."""
     try:
         os.remove(path)
     except FileNotFoundError:
         pass
+
+
+def remove_swap_file(fd: int, path: str, pool: AioPool) -> None:
+    """Stop the pool, close and delete a swap file (a finaliser: also at exit or when its owner is collected)."""
+    pool.close()
+    os.close(fd)
+    unlink_name(path)
 
 
 class NvmeSwapper:
@@ -63,11 +69,25 @@ class NvmeSwapper:
         self._end = 0
         self.bytes_written = 0
         self.bytes_read = 0
+        # Regions read in and not released yet (bytes): what this swapper holds in memory of the file's contents,
+        # now and at most since the last reset (tests and benchmarks: checkpoints stream tile by tile).
+        self._read_in: dict[tuple[int, str], int] = {}
+        self.read_in_bytes = 0
+        self.peak_read_in_bytes = 0
         # Removed when the engine is collected or the interpreter exits, whichever comes first.
         self._finalizer = weakref.finalize(self, remove_swap_file, self.fd, self.path, pool)
 
     def close(self) -> None:
+        """Delete the file and free its disk space now (nothing swapped out can be read back afterwards)."""
         self._finalizer()
+
+    def teardown(self) -> None:
+        """Teardown: finish every transfer, stop the pool's threads and remove the file's name from the directory.
+        The file stays open, so the engine can still read and write what it swapped out (the threads start again
+        on demand); its blocks are freed by :meth:`close`, when the engine is collected, or at exit."""
+        if self._finalizer.alive:
+            self.pool.close()
+            unlink_name(self.path)
 
     def _offset(self, master: torch.Tensor, key: str, nbytes: int) -> int:
         region = (id(master), key)
@@ -87,11 +107,24 @@ class NvmeSwapper:
                 continue  # empty shard, or already out
             self._shapes[(id(master), key)] = (tensor.shape, tensor.dtype)
             self.pool.write(transfer, self.fd, tensor, self._offset(master, key, nbytes))
-            tensors.append(tensor)
+            tensors.append((master, key, tensor))
             self.bytes_written += nbytes
         return transfer
 
-    def _release(self, tensor: torch.Tensor) -> None:
+    def drop(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> None:
+        """Release tensors read in by :meth:`swap_in` and not changed since, without writing them (the file holds
+        their values): a checkpoint save that only reads them."""
+        for item in items:
+            if item[2].numel():
+                self._release(item)
+
+    def shape_of(self, master: torch.Tensor, key: str) -> Optional[tuple[torch.Size, torch.dtype]]:
+        """The (shape, dtype) that (``master``, ``key``) has in memory, once written to the file; else None."""
+        return self._shapes.get((id(master), key))
+
+    def _release(self, item: tuple[torch.Tensor, str, torch.Tensor]) -> None:
+        master, key, tensor = item
+        self.read_in_bytes -= self._read_in.pop((id(master), key), 0)
         old = tensor.data
         tensor.data = torch.empty(0, dtype=tensor.dtype)
         nbytes = old.numel() * old.element_size()
@@ -118,6 +151,9 @@ class NvmeSwapper:
             tensor.data = self._buffer(nbytes).view(dtype).view(shape)
             self.pool.read(transfer, self.fd, tensor, self._regions[region])
             self.bytes_read += nbytes
+            self._read_in[region] = nbytes
+            self.read_in_bytes += nbytes
+        self.peak_read_in_bytes = max(self.peak_read_in_bytes, self.read_in_bytes)
         return transfer
 
     def file_bytes(self) -> int:

@@ -28,7 +28,7 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from zero_core.offload.aio import AioPool, Transfer
-from zero_core.offload.nvme_swap import check_nvme_path, remove_swap_file
+from zero_core.offload.nvme_swap import check_nvme_path, remove_swap_file, unlink_name
 from zero_core.offload.placement import pinning
 
 
@@ -86,7 +86,16 @@ class ParamSwap:
         return torch.empty(self.buffer_bytes, dtype=torch.uint8, pin_memory=self.pin)
 
     def close(self) -> None:
+        """Delete the file and free its disk space now (the engine cannot use the swapped units afterwards)."""
         self._finalizer()
+
+    def teardown(self) -> None:
+        """Teardown: finish every read and write (reads ahead stay usable), stop the pool's threads and remove the
+        file's name from the directory; the open file still serves the engine (e.g. ``test`` after ``fit``) until
+        :meth:`close`, the engine's collection, or exit frees it (nvme_swap.NvmeSwapper.teardown)."""
+        if self._finalizer.alive:
+            self.pool.close()
+            unlink_name(self.path)
 
     # -- placing units -------------------------------------------------------------------------------------
     def adopt(self, unit) -> None:

@@ -1,11 +1,13 @@
 """Which of torch's optimizer kernels the step runs: one multi-tensor call over all the pieces, not one per piece.
 
 The optimizer steps one fp32 piece per parameter fragment (master_shards.py). torch's default implementation on
-CPU tensors is a Python loop with several kernels per tensor (on CUDA it is already the ``foreach`` one), which
-makes a model of many small parameters pay per piece. Where the user left the choice to torch (``fused`` and
-``foreach`` both None) and torch has a fused kernel for the optimizer on CPU (Adam, AdamW, SGD, Adagrad), the
-step runs it; the group dicts are restored afterwards, so ``state_dict()`` and the user's settings are unchanged.
-The fused kernel does the same arithmetic, elementwise, so only rounding can differ from the loop.
+CPU tensors is a Python loop with several kernels per tensor, which makes a model of many small parameters pay
+per piece; on CUDA it is the ``foreach`` one, which passes over the optimizer state several times (AdamW: about
+three times the fused kernel's time on an H200, docs/benchmarks.md). Where the user left the choice to torch
+(``fused`` and ``foreach`` both None) and torch has a fused kernel for the optimizer (Adam, AdamW, SGD, Adagrad,
+on CPU and CUDA), the step runs it, as DeepSpeed steps its own fused Adam; the group dicts are restored
+afterwards, so ``state_dict()`` and the user's settings are unchanged. The fused kernel does the same
+arithmetic, elementwise, so only rounding can differ from the loop.
 """
 
 from __future__ import annotations
@@ -15,24 +17,39 @@ from typing import Iterator
 
 import torch
 
-# torch optimizers with a fused CPU kernel (torch.optim.*(fused=True) on CPU tensors).
+# torch optimizers with a fused kernel on CPU tensors (torch.optim.*(fused=True)), and those with one on CUDA
+# in every torch this project supports.
 FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+FUSED_CUDA = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
-def _left_to_torch(group: dict) -> bool:
+def _left_to_torch(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     params = group["params"]
-    return (group.get("fused") is None and group.get("foreach") is None and not group.get("differentiable")
-            and bool(params) and params[0].device.type == "cpu")
+    if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable") or not params:
+        return False
+    device = params[0].device.type
+    return isinstance(optimizer, FUSED_CPU if device == "cpu" else FUSED_CUDA if device == "cuda" else ())
+
+
+def _steps_on_param_devices(optimizer: torch.optim.Optimizer, group: dict) -> None:
+    """The fused CUDA kernels take each parameter's ``step`` count on the parameter's device; torch keeps it on
+    the CPU for the other implementations (a state created or loaded while the group was not fused)."""
+    for param in group["params"]:
+        step = optimizer.state.get(param, {}).get("step")
+        if isinstance(step, torch.Tensor) and step.device != param.device:
+            optimizer.state[param]["step"] = step.to(device=param.device, dtype=torch.float32)
 
 
 @contextlib.contextmanager
 def multi_tensor_kernels(optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """For the duration, groups of CPU masters whose implementation the user did not choose step fused."""
+    """For the duration, groups of masters whose implementation the user did not choose step fused."""
     chosen = []
-    if isinstance(optimizer, FUSED_CPU) and "fused" in optimizer.defaults:
-        chosen = [group for group in optimizer.param_groups if _left_to_torch(group)]
+    if "fused" in optimizer.defaults:
+        chosen = [group for group in optimizer.param_groups if _left_to_torch(optimizer, group)]
     for group in chosen:
         group["fused"] = True
+        if group["params"][0].device.type != "cpu":
+            _steps_on_param_devices(optimizer, group)
     try:
         yield
     finally:

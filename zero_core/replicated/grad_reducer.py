@@ -23,6 +23,7 @@ from zero_core.planning import REPLICATED_IN_FLIGHT
 from zero_core.comm.communicator import Communicator
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 from zero_core.replicated.flat_param_group import FlatParamGroup
+from zero_core.weak_hooks import weakly
 
 
 @dataclass
@@ -102,7 +103,7 @@ class GradReducer:
             for index in group.layout.buckets[bucket].param_indices:
                 param = group.params[index]
                 if param.requires_grad:  # a frozen one is hooked when it becomes trainable (a new reducer)
-                    hook = functools.partial(self._on_grad_ready, position, index)
+                    hook = functools.partial(weakly(self._on_grad_ready), position, index)
                     self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def close(self) -> None:

@@ -10,7 +10,6 @@ trace is agreed, units are reduced in the fixed order of divergence.py (``launch
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
 from typing import Optional
 
@@ -25,6 +24,7 @@ from zero_core.stage3.param_unit import ParamUnit
 from zero_core.stage3.partitioned_param import unguarded
 from zero_core.stage3.phase import Phase
 from zero_core.stage3.prefetch import _Cursor
+from zero_core.weak_hooks import weakly
 
 
 class GradientReduction:
@@ -40,7 +40,7 @@ class GradientReduction:
             if self._module_of[unit] in self._blocks:
                 continue
             for param in unit.params:
-                param.register_post_accumulate_grad_hook(functools.partial(self._on_grad, unit))
+                param.register_post_accumulate_grad_hook(weakly(self._on_grad, unit))
 
     def _block_backward_done(self, block: nn.Module) -> None:
         """Every gradient this backward gives the block's own units has been accumulated by now (autograd runs
