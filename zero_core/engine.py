@@ -95,8 +95,12 @@ class ZeroEngine:
         if config.stage == 3 and topology.world_size > 1:
             sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
         registry.register(self.runtime.managed_params(), self)
+        # Stage 2's reducer hooks every trainable parameter already and calls the note from there: one Python
+        # hook per parameter and gradient instead of two. Otherwise the engine hooks them itself.
+        take_notes = getattr(self.runtime, "take_grad_notes", None)
+        self._runtime_notes_grads = take_notes is not None and take_notes(weakly(self._note_grad))
         for param in self.runtime.managed_params():
-            if param.requires_grad:
+            if param.requires_grad and not self._runtime_notes_grads:
                 param.register_post_accumulate_grad_hook(weakly(self._note_grad))
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
@@ -183,7 +187,7 @@ class ZeroEngine:
         adopt_offload(self.runtime, new_parts, self.config, self._offload)  # offload hook: they are offloaded too
         new_params = [p for params in fresh.values() for p in params]
         registry.register(new_params, self)
-        for param in new_params:
+        for param in new_params if not self._runtime_notes_grads else ():  # else the runtime's new hooks note them
             param.register_post_accumulate_grad_hook(weakly(self._note_grad))
         self._index_parts()
         for part in new_parts:

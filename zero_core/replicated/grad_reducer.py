@@ -50,6 +50,7 @@ class GradReducer:
     """Owns the bucket order, the stage 2 hooks and every gradient collective."""
 
     MAX_IN_FLIGHT = REPLICATED_IN_FLIGHT
+    note_grad = None  # called with each parameter whose gradient arrived (stage 2), set by the runtime
 
     def __init__(
         self,
@@ -112,6 +113,8 @@ class GradReducer:
             handle.remove()
 
     def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
+        if self.note_grad is not None:
+            self.note_grad(param)  # the engine's (ReplicatedParamsRuntime.take_grad_notes)
         session = self.session
         if not (session.open and session.sync) and not session.grad_arrived():
             return  # no_sync: autograd keeps accumulating in param.grad
