@@ -96,9 +96,10 @@ class ZeroEngine:
             sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
         registry.register(self.runtime.managed_params(), self)
         # Stage 2's reducer hooks every trainable parameter already and calls the note from there: one Python
-        # hook per parameter and gradient instead of two. Otherwise the engine hooks them itself.
+        # hook per parameter and gradient instead of two. Otherwise the engine hooks them itself. The runtime may
+        # hold the note strongly: its hooks hold it weakly (weak_hooks.py), so no parameter keeps the engine.
         take_notes = getattr(self.runtime, "take_grad_notes", None)
-        self._runtime_notes_grads = take_notes is not None and take_notes(weakly(self._note_grad))
+        self._runtime_notes_grads = take_notes is not None and take_notes(self._note_grad)
         for param in self.runtime.managed_params():
             if param.requires_grad and not self._runtime_notes_grads:
                 param.register_post_accumulate_grad_hook(weakly(self._note_grad))
