@@ -2,8 +2,10 @@
 
 What these cover (grad_reducer.py): stage 1 reduce-scatters each bucket in place into its gradient shard (no
 scratch from the pool); the 1/N average rides on the copy or add into the shard instead of a pass over the whole
-bucket; stage 2's hooks write into staging views made once per (bucket, pool buffer), and a second backward
-without no_sync adds into them. The DDP reference runs in the same processes on the same data.
+bucket; stage 2 lends each parameter its slot of the staging bucket (views made once per (bucket, pool buffer))
+as .grad during backward, so autograd accumulates there, and takes them back at the bucket's launch (no .grad is
+left after a backward); the step's first reduction overwrites the gradient shard and a second backward without
+no_sync adds into it. The DDP reference runs in the same processes on the same data.
 """
 
 from __future__ import annotations
@@ -38,7 +40,10 @@ def _worker(rank, world_size):
         result, engine, _ = train_zero(model_fn, data_fn, {"stage": stage, **options}, STEPS, accumulation, clip,
                                        no_sync)
         reducer = engine.runtime.reducer
-        out.append({
+        # Stage 2 lends each parameter its staging slot as .grad during backward only: none is left after it
+        engine.backward(engine.module(*data_fn(rank, STEPS, 0)))
+        grads_left = sum(p.grad is not None for p in engine.module.parameters()) if stage == 2 else 0
+        out.append({"grads_left": grads_left,
             "max_dw": max((result.params[n] - reference.params[n]).abs().max().item() for n in reference.params),
             "losses": (result.losses, reference.losses),
             "norms": (result.norms, reference.norms),
@@ -67,6 +72,8 @@ def test_reductions_match_ddp_at_three_ranks():
                 problems.append(f"{label}: clip norms {r['norms']}")
             if options and r["buckets"] < 3:
                 problems.append(f"{label}: only {r['buckets']} buckets; the case needs several")
+            if r["grads_left"]:
+                problems.append(f"{label}: {r['grads_left']} parameters kept a .grad after a stage 2 backward")
             if stage == 1 and r["scratch_bytes"]:
                 problems.append(f"{label}: stage 1 took {r['scratch_bytes']} scratch bytes; it reduces in place")
             # views are made once per (bucket, pool buffer): bounded, whatever the number of steps

@@ -95,8 +95,13 @@ class ZeroEngine:
         if config.stage == 3 and topology.world_size > 1:
             sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
         registry.register(self.runtime.managed_params(), self)
+        # Stage 2's reducer hooks every trainable parameter already and calls the note from there: one Python
+        # hook per parameter and gradient instead of two. Otherwise the engine hooks them itself. The runtime may
+        # hold the note strongly: its hooks hold it weakly (weak_hooks.py), so no parameter keeps the engine.
+        take_notes = getattr(self.runtime, "take_grad_notes", None)
+        self._runtime_notes_grads = take_notes is not None and take_notes(self._note_grad)
         for param in self.runtime.managed_params():
-            if param.requires_grad:
+            if param.requires_grad and not self._runtime_notes_grads:
                 param.register_post_accumulate_grad_hook(weakly(self._note_grad))
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
@@ -146,6 +151,9 @@ class ZeroEngine:
         # zero_grad clears these (frozen, in no group, or unfrozen but not adopted yet): listed once here, as
         # walking module.parameters() at every step is Python per module
         self._unmanaged = [p for p in self.module.parameters() if id(p) not in self._managed_ids]
+        # Each group's parameters without master shards (frozen when it was set up): the only ones
+        # _adopt_trainable has to look at, at every step
+        self._unadopted = [[p for p in params if id(p) not in self._managed_ids] for params in self.group_params]
 
     # -- the trainable set changes (docs/core-api.md, "When the trainable parameters change") --------------
     def add_param_group(self, optimizer: OptimizerRef, param_group: dict) -> None:
@@ -171,8 +179,7 @@ class ZeroEngine:
         get their master shards here (stage 3: their units become trainable). Every rank runs this at the same
         points (before reducing gradients, and in add_param_group), as requires_grad is the same everywhere."""
         with unguarded():  # metadata of every parameter, every step: not the user's code the guard watches
-            fresh = {i: [p for p in params if p.requires_grad and id(p) not in self._managed_ids]
-                     for i, params in enumerate(self.group_params)}
+            fresh = {i: [p for p in params if p.requires_grad] for i, params in enumerate(self._unadopted) if params}
         fresh = {i: params for i, params in fresh.items() if params}
         if not fresh:
             return
@@ -181,7 +188,7 @@ class ZeroEngine:
         adopt_offload(self.runtime, new_parts, self.config, self._offload)  # offload hook: they are offloaded too
         new_params = [p for params in fresh.values() for p in params]
         registry.register(new_params, self)
-        for param in new_params:
+        for param in new_params if not self._runtime_notes_grads else ():  # else the runtime's new hooks note them
             param.register_post_accumulate_grad_hook(weakly(self._note_grad))
         self._index_parts()
         for part in new_parts:
@@ -386,10 +393,14 @@ class ZeroEngine:
         optimizer ``k``'s parameters got a gradient on some rank (per part, in ``part.params`` order)."""
         parts = self._parts_of[k]
         count = sum(len(part.params) for part in parts)
-        flags = torch.zeros(count + 1, dtype=torch.uint8)
         used = self._pending[k].used
-        if used:
-            flags[torch.tensor([self._flag_slot[key] + 1 for key in used], dtype=torch.long)] = 1
+        if len(used) == count:  # every parameter got a gradient here (used holds only this optimizer's)
+            flags = torch.ones(count + 1, dtype=torch.uint8)
+            flags[0] = 0
+        else:
+            flags = torch.zeros(count + 1, dtype=torch.uint8)
+            if used:
+                flags[torch.tensor([self._flag_slot[key] + 1 for key in used], dtype=torch.long)] = 1
         flags = flags.to(self.device)
         if self._scaler is not None:  # one max-norm kernel per dtype, no host sync: inf and nan propagate
             flags[0] = ~torch.isfinite(_shard_norms(self._grad_shards([k]), math.inf, self.device).max())

@@ -18,6 +18,14 @@ from typing import Any, Callable
 def weakly(method: Callable[..., Any], *leading: Any) -> Callable[..., Any]:
     """``method`` (a bound method) called through a weak reference to its object, with ``leading`` objects
     (held weakly too) before the hook's own arguments; once any of them is gone the call does nothing."""
+    if not leading:  # the per-parameter gradient hooks' case: one dereference and a plain call, no bound method
+        owner, func = weakref.ref(method.__self__), method.__func__
+
+        def call_method(*args, **kwargs):
+            obj = owner()
+            return None if obj is None else func(obj, *args, **kwargs)
+
+        return call_method
     ref = weakref.WeakMethod(method)
     leading_refs = [weakref.ref(obj) for obj in leading]
 

@@ -5,8 +5,9 @@ unchanged), and this rank's optimizer steps over its slices of each bucket. What
 where gradients live, and that is chosen here by ``full_grads``:
 - stage 1 (``full_grads=True``): a flat gradient buffer as big as ``flat``; ``param.grad`` are views of it, so
   autograd accumulates in place and one reduce-scatter per bucket reads it directly.
-- stage 2 (``full_grads=False``): only this rank's reduced gradient shard is kept; ``param.grad`` exists only
-  between autograd producing it and the reducer copying it into a bucket.
+- stage 2 (``full_grads=False``): only this rank's reduced gradient shard is kept; during backward
+  ``param.grad`` is the parameter's slot in its bucket's staging buffer (from the bucket's first gradient to its
+  launch, grad_reducer.py), and None outside backward.
 """
 
 from __future__ import annotations
@@ -49,6 +50,9 @@ class FlatParamGroup:
         self.flat = self._adopt_params()
         self.flat_grad: Optional[torch.Tensor] = None
         self._grad_shards = self._allocate_grads()
+        # Stage 2: buckets whose gradient shard was cleared but not zeroed yet (zero_grads); the step's first
+        # reduction overwrites such a shard (take_grad_shard), any other access zeroes it first
+        self._stale: set[int] = set()
         if self.full_grads:
             for param, grad in zip(self.params, existing):
                 if grad is not None:
@@ -95,20 +99,38 @@ class FlatParamGroup:
     def fragments(self) -> list[Fragment]:
         """This rank's piece of every parameter, located in the master and gradient shards."""
         shapes = [p.shape for p in self.params]
-        return self.master_shards.fragments(self.names, shapes, self.dtype, self._grad_shards)
+        return self.master_shards.fragments(self.names, shapes, self.dtype, self.grad_shards())
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shard(self, bucket: int) -> torch.Tensor:
         """This rank's reduced gradient for ``bucket`` (scaled like the loss)."""
+        if self._stale:
+            self._zero_stale()
         return self._grad_shards[bucket]
 
     def grad_shards(self) -> list[torch.Tensor]:
+        if self._stale:
+            self._zero_stale()
         return list(self._grad_shards)
+
+    def take_grad_shard(self, bucket: int) -> tuple[torch.Tensor, bool]:
+        """The gradient shard of ``bucket`` for a reduction to write, and whether it is to be overwritten (it
+        holds no gradient yet, but was not zeroed) rather than added to."""
+        if bucket in self._stale:
+            self._stale.discard(bucket)
+            return self._grad_shards[bucket], True
+        return self._grad_shards[bucket], False
+
+    def _zero_stale(self) -> None:
+        for bucket in self._stale:
+            self._grad_shards[bucket].zero_()
+        self._stale.clear()
 
     def bucket_grad_input(self, bucket: BucketLayout) -> torch.Tensor:
         """Stage 1: the full local gradients of one bucket, gathered into the flat gradient buffer."""
+        params, views = self.params, self._grad_views
         for index in bucket.param_indices:
-            param, view = self.params[index], self._grad_views[index]
+            param, view = params[index], views[index]
             grad = param.grad
             if grad is view:
                 continue  # autograd accumulated into the view, as it should
@@ -124,8 +146,7 @@ class FlatParamGroup:
             self.flat_grad.zero_()
             self._point_grads_at_views()
         else:
-            for shard in self._grad_shards:
-                shard.zero_()
+            self._stale.update(range(len(self._grad_shards)))  # zeroed only if not overwritten first
             for param in self.params:
                 param.grad = None
 

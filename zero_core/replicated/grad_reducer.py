@@ -50,6 +50,7 @@ class GradReducer:
     """Owns the bucket order, the stage 2 hooks and every gradient collective."""
 
     MAX_IN_FLIGHT = REPLICATED_IN_FLIGHT
+    note_grad = None  # called with each parameter whose gradient arrived (stage 2), set by the runtime
 
     def __init__(
         self,
@@ -82,7 +83,6 @@ class GradReducer:
         self.session = BackwardSession(self.finish_backward, on_open=self._count_expected)
         self._inflight: ReductionQueue[_InFlight] = ReductionQueue(self._complete, self.MAX_IN_FLIGHT, overlap)
         self._views: dict = {}  # (position, staging buffer) -> each parameter's view of it, see _open_staging
-        self._gap_cache: dict = {}  # position -> the bucket's padding slices, see _gaps
         self._reset_backward_state()
         if partition_grads:
             self._register_hooks()
@@ -113,7 +113,10 @@ class GradReducer:
             handle.remove()
 
     def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
-        if not self.session.grad_arrived():
+        if self.note_grad is not None:
+            self.note_grad(param)  # the engine's (ReplicatedParamsRuntime.take_grad_notes)
+        session = self.session
+        if not (session.open and session.sync) and not session.grad_arrived():
             return  # no_sync: autograd keeps accumulating in param.grad
         if position > self._next:
             group = self.order[position][0]
@@ -123,9 +126,11 @@ class GradReducer:
             )
         state = self._states[position]
         seen = state.seen
-        target = (state.views or self._open_staging(position, state))[index]
-        target.add_(param.grad) if index in seen else target.copy_(param.grad)
-        param.grad = None
+        view = (state.views or self._open_staging(position, state))[index]
+        grad = param.grad
+        if grad is not view:  # not accumulated in its slot by autograd (see _open_staging)
+            view.add_(grad) if index in seen else view.copy_(grad)
+            param.grad = view  # a second gradient in this backward accumulates there in place
         seen.add(index)
         if len(seen) >= self._expected[position]:  # only a completed bucket can let the launches move on
             self._launch_ready()
@@ -135,12 +140,14 @@ class GradReducer:
         (state.views or self._open_staging(position, state))[index].copy_(grad)
 
     def _open_staging(self, position: int, state: _BucketState) -> dict:
-        """Acquire the bucket's staging buffer; returns each parameter's slot in it, shaped like the parameter.
-        The views are made once per (bucket, pool buffer), not per parameter per step. The buffer is not zeroed
-        here: every slot a gradient arrives in is written whole, and _zero_unwritten clears the rest at launch."""
+        """Acquire the bucket's (zeroed) staging buffer; returns each parameter's slot in it, shaped like the
+        parameter. The views are made once per (bucket, pool buffer), not per parameter per step. Every trainable
+        parameter of the bucket without a gradient yet gets its slot as ``.grad``, so that autograd accumulates
+        its gradient there in place (as into stage 1's flat gradients) and the hook copies nothing; the bucket's
+        launch takes the slots back (_release_slots)."""
         group, bucket = self.order[position]
         if state.staging is None:
-            state.staging = self.pool.acquire(group.layout.buckets[bucket].range.size, group.dtype, zeroed=False)
+            state.staging = self.pool.acquire(group.layout.buckets[bucket].range.size, group.dtype)
         key = (position, state.staging.data_ptr())
         views = self._views.get(key)
         if views is None:
@@ -149,34 +156,19 @@ class GradReducer:
                 i: state.staging[group.layout.slots[i].range.shift(-start).as_slice()].view_as(group.params[i])
                 for i in group.layout.buckets[bucket].param_indices}
         state.views = views
+        params = group.params
+        for index, view in views.items():
+            param = params[index]
+            if param.grad is None and param.requires_grad:
+                param.grad = view
         return views
 
-    def _zero_unwritten(self, position: int, state: _BucketState) -> None:
-        """Before a bucket is reduced: zero what no gradient was written to (padding, alignment gaps, the slots of
-        parameters without a gradient), so the pool buffer's previous contents never reach the sum."""
-        group, bucket = self.order[position]
-        for gap in self._gaps(position):
-            state.staging[gap].zero_()
-        for index in group.layout.buckets[bucket].param_indices:
-            if index not in state.seen:
-                state.views[index].zero_()
-
-    def _gaps(self, position: int) -> list[slice]:
-        """The bucket's elements outside every parameter slot (bucket offsets), computed once per bucket."""
-        gaps = self._gap_cache.get(position)
-        if gaps is None:
-            group, bucket = self.order[position]
-            layout = group.layout.buckets[bucket]
-            gaps, cursor = [], 0
-            for index in sorted(layout.param_indices, key=lambda i: group.layout.slots[i].range.start):
-                slot = group.layout.slots[index].range.shift(-layout.range.start)
-                if slot.start > cursor:
-                    gaps.append(slice(cursor, slot.start))
-                cursor = max(cursor, slot.end)
-            if cursor < layout.range.size:
-                gaps.append(slice(cursor, layout.range.size))
-            self._gap_cache[position] = gaps
-        return gaps
+    def _release_slots(self, position: int, state: _BucketState) -> None:
+        """Before a bucket is reduced (in place, over its staging buffer): no parameter keeps its slot as .grad."""
+        params = self.order[position][0].params
+        for index, view in state.views.items():
+            if params[index].grad is view:
+                params[index].grad = None
 
     def _active_indices(self, position: int) -> list[int]:
         """The bucket's parameters that take part in backward now (requires_grad is the same on every rank)."""
@@ -199,7 +191,7 @@ class GradReducer:
         if state.staging is None:
             state.staging = self.pool.acquire(size, group.dtype)  # nothing arrived here on this rank
         else:
-            self._zero_unwritten(position, state)
+            self._release_slots(position, state)
         job = self._reduce(group, bucket, state.staging[:size], accumulate=True)
         job.scratch.append(state.staging)
         state.staging = state.views = None
@@ -232,7 +224,7 @@ class GradReducer:
             param = group.params[index]
             if index in state.seen:
                 continue
-            if param.grad is None:
+            if param.grad is None or (state.views is not None and param.grad is state.views[index]):
                 if param.requires_grad:
                     unused.append(group.names[index])
                 continue
@@ -262,14 +254,14 @@ class GradReducer:
                 continue
             source = group.bucket_grad_input(group.layout.buckets[bucket])
             # in place: this rank's slice of the bucket is its gradient shard (torch's in-place convention)
-            self._inflight.push(self._reduce(group, bucket, source, accumulate=False, into=group.grad_shard(bucket)))
+            self._inflight.push(self._reduce(group, bucket, source, accumulate=False))
         self._inflight.drain()
 
     # -- the collectives -----------------------------------------------------------------------------------
-    def _reduce(self, group: FlatParamGroup, bucket: int, source: torch.Tensor, accumulate: bool,
-                into: Optional[torch.Tensor] = None) -> _InFlight:
-        """Average ``source`` (one bucket) over ranks; this rank's slice goes to its gradient shard. ``into``: that
-        shard when it is this rank's slice of ``source`` itself (stage 1), reduced in place, with no scratch."""
+    def _reduce(self, group: FlatParamGroup, bucket: int, source: torch.Tensor, accumulate: bool) -> _InFlight:
+        """Average ``source`` (one bucket) over ranks; this rank's slice goes to its gradient shard. ``source`` may
+        be overwritten (stage 1's flat gradients, whose slice is the gradient shard itself; stage 2's staging
+        buffer), so it is reduced in place (Communicator.reduce_scatter_in_place), with no scratch."""
         shard_size = group.layout.buckets[bucket].shard_size
         if not self.use_reduce_scatter:
             source.div_(self.world_size)  # every rank keeps the whole average (stage 1 leaves DDP's param.grad)
@@ -282,10 +274,11 @@ class GradReducer:
         if source.dtype == torch.float16 or self.comm.options.quantize_gradients:
             source.div_(self.world_size)
             post = 1.0
-        if into is not None and not self.comm.options.quantize_gradients and (  # qgZ's all-to-all needs its own
-                into.data_ptr() == source.data_ptr() + self.rank * shard_size * source.element_size()):
-            work = self.comm.reduce_scatter(into, source, async_op=self.overlap)
-            return _InFlight(group, bucket, work, into, [], accumulate, post)
+        if not self.comm.options.quantize_gradients:  # qgZ's all-to-all needs its own output
+            # this rank's slice of the bucket is its result (stage 1: its gradient shard itself)
+            work = self.comm.reduce_scatter_in_place(source, async_op=self.overlap)
+            own = source[self.rank * shard_size : (self.rank + 1) * shard_size]
+            return _InFlight(group, bucket, work, own, [], accumulate, post)
         scratch = self.pool.acquire(shard_size, group.dtype, zeroed=False)  # the collective writes all of it
         work = self.comm.reduce_scatter(scratch[:shard_size], source, async_op=self.overlap)
         return _InFlight(group, bucket, work, scratch[:shard_size], [scratch], accumulate, post)
@@ -294,9 +287,11 @@ class GradReducer:
         """Wait for one collective (the reduction queue's oldest) and add its result to the gradient shard."""
         if job.work is not None:
             job.work.wait()
-        target = job.group.grad_shard(job.bucket)
-        if job.accumulate:
+        target, overwrite = job.group.take_grad_shard(job.bucket)
+        if job.accumulate and not overwrite:
             target.add_(job.result, alpha=job.scale)
+        elif job.accumulate and job.scale == 1.0:
+            target.copy_(job.result)  # the step's first reduction: the shard held nothing (not even zeros)
         elif target.data_ptr() != job.result.data_ptr():
             torch.mul(job.result, job.scale, out=target)
         elif job.scale != 1.0:

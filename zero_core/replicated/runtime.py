@@ -4,7 +4,7 @@ gradients) are sharded. The engine drives this runtime through the same methods 
 
 from __future__ import annotations
 
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -22,6 +22,7 @@ class ReplicatedParamsRuntime:
     ``zero_core.contracts.Runtime``."""
 
     param_swap: Optional[object] = None  # parameters are never offloaded at stages 1-2
+    note_grad: Optional[Callable] = None  # the engine's note of each gradient, called by stage 2's hooks
 
     def __init__(
         self,
@@ -58,7 +59,16 @@ class ReplicatedParamsRuntime:
             model_position={p: i for i, p in enumerate(self.module.parameters())},
         )
         reducer.session.sync = sync
+        reducer.note_grad = self.note_grad
         return reducer
+
+    def take_grad_notes(self, note: Callable) -> bool:
+        """Stage 2 hooks every trainable parameter anyway: its hook calls ``note(param)`` first, and the engine
+        needs no hook of its own (True). Stage 1 has no per-parameter hook (False)."""
+        if self.config.stage < 2:
+            return False
+        self.note_grad = self.reducer.note_grad = note
+        return True
 
     def _build_groups(self, trainable_by_group, names) -> list[FlatParamGroup]:
         """The flat groups planning.py plans (``self.plan``, the estimator counts the same plan)."""
@@ -130,7 +140,7 @@ class ReplicatedParamsRuntime:
         if not self.config.allgather_partitions:
             pieces = [bucket.shard_range(r).shift(-bucket.range.start) for r in range(self.comm.topology.world_size)]
             return [self.comm.broadcast(full[p.as_slice()], src=r, async_op=True) for r, p in enumerate(pieces)]
-        return [self.comm.all_gather(full, group.shard_of_params(bucket.index), async_op=True)]
+        return [self.comm.all_gather_in_place(full, async_op=True)]  # this rank's slice of it is its shard
 
     def zero_grads(self, parts: list[FlatParamGroup]) -> None:
         for group in parts:

@@ -152,9 +152,8 @@ def bucket_note(estimates, config: ZeroConfig) -> str:
     lines = ["", "", "Bucket sizes, in elements: " + ", ".join(field(n) for n in (
         "reduce_bucket_size", "allgather_bucket_size", "sub_group_size")) + ".",
         f"- One bucket buffer holds up to min(bucket, Ψ) elements: {min(bucket, numel) * element:,} bytes here "
-        f"({e.precision}); at {bucket:,} elements a buffer can reach {bucket * element:,} bytes. Stages 1-2 hold "
-        "a reduce-scatter output per bucket in flight and, in stage 2, a staging copy of each bucket being "
-        "filled; stage 3 holds one or two reduction buffers. Those bytes are the `buffers` column (with a model; "
+        f"({e.precision}); at {bucket:,} elements a buffer can reach {bucket * element:,} bytes. Stages 1-2 reduce "
+        "each bucket in place; stage 2 holds a staging copy of each bucket being filled or reduced; stage 3 holds one or two reduction buffers. Those bytes are the `buffers` column (with a model; "
         "0 for a bare count).",
         f"- The step copies 16-bit gradients to fp32 in tiles of min(sub_group_size, reduce_bucket_size) = "
         f"{step_tile_numel(config):,} elements: the `step tile` column, a transient besides `buffers`."]

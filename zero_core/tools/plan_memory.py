@@ -257,8 +257,8 @@ class _PoolReplay:
 
 def _replicated_pool(plan, sizes: dict, positions: list, cfg: ZeroConfig, stage: int, overlap: bool) -> int:
     """Stages 1-2: replay the gradient reducer (replicated/grad_reducer.py) through the pool. Each reduction of
-    stage 2 takes a reduce-scatter output of one shard (stage 1's reduce in place); stage 2 also stages each bucket whole from its first gradient
-    to its launch. Buckets launch from the end of the reduction order, each once it and every later one are
+    stages 1-2 takes no scratch of its own (each bucket is reduced in place); stage 2 stages each bucket whole
+    from its first gradient to its launch. Buckets launch from the end of the reduction order, each once it and every later one are
     complete, keeping ``REPLICATED_IN_FLIGHT`` in flight with ``overlap_comm``."""
     entries = [(g, b.index, [positions[g.group_index][g.members[i]] for i in b.param_indices])
                for g in plan.groups for b in g.layout.buckets]
@@ -267,9 +267,9 @@ def _replicated_pool(plan, sizes: dict, positions: list, cfg: ZeroConfig, stage:
     keep = REPLICATED_IN_FLIGHT if overlap else 0
     inflight: list[list[tuple]] = []
 
-    # stage 1 reduce-scatters each bucket in place: this rank's slice of it is its gradient shard (no scratch);
-    # qgZ (stage 3 only) would need its own output
-    in_place = stage == 1 and not cfg.zero_quantized_gradients
+    # each bucket is reduced in place (stage 1: its full gradient buffer, whose slice is this rank's gradient
+    # shard; stage 2: its staging buffer), with no scratch; qgZ (stage 3 only) would need its own output
+    in_place = not cfg.zero_quantized_gradients
 
     def launch(group, bucket: int, staging: Optional[tuple]) -> None:
         layout = group.layout.buckets[bucket]
