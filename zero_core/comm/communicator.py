@@ -80,7 +80,6 @@ class Communicator:
         self._recent_works: deque = deque(maxlen=_RETAINED_WORKS)  # see _RETAINED_WORKS
         self._peers: dict = {}  # group -> (in-node peers, cross-node peers) of this rank
         self._backends: dict = {}  # group -> its backend's name (reduce_scatter_in_place)
-        self._sources: dict = {}  # group -> the global rank of each of its ranks (all_gather_in_place)
         self.paths = comm_paths.Paths(self)
         self._shard_group_only = False
         # No ZeRO++ gather path is configured: every stage-3 gather is plain (the hot path asks per unit).
@@ -234,24 +233,17 @@ class Communicator:
         """:meth:`all_gather` of this rank's own slice of ``output`` (``output.chunk(n)[rank]``) into ``output``;
         counted as that all-gather. gloo has no in-place all-gather: it allocates a temporary as big as
         ``output`` at every call, gathers into it and copies it out. There (up to
-        GLOO_BROADCAST_GATHER_MAX_RANKS ranks) each rank's slice is broadcast in place instead, so the same bytes
-        reach every rank with no temporary and no copy. Other backends all-gather in place."""
+        GLOO_BROADCAST_GATHER_MAX_RANKS ranks) each rank's slice is broadcast in place instead (gloo.py's
+        all-gather, the one stage 3 takes on gloo), so the same bytes reach every rank with no temporary and no
+        copy. Other backends all-gather in place."""
         group, world, rank = self.topology.group, self.topology.world_size, self.topology.rank
         shard = output.numel() // world
         if self.replicated or not self._gloo(group) or world > self.GLOO_BROADCAST_GATHER_MAX_RANKS:
             return self.all_gather(output, output[rank * shard : (rank + 1) * shard], async_op=async_op, label=label)
         call = self._count("all_gather", output, label)
         self.count_link("all_gather", group, shard * output.element_size())
-        sources = self._sources.get(group)
-        if sources is None:
-            sources = self._sources[group] = [self.topology.global_rank(r) for r in range(world)]
-        works = [self._issue(call, True, lambda a, r=r: dist.broadcast(
-            output[r * shard : (r + 1) * shard], src=sources[r], group=group, async_op=a)) for r in range(world)]
-        work = _Works([w for w in works if w is not None])
-        if async_op:
-            return work
-        work.wait()
-        return None
+        own = output[rank * shard : (rank + 1) * shard]
+        return self._issue(call, async_op, lambda a: gloo_paths.all_gather_into(output, own, group=group, async_op=a))
 
     def _gloo(self, group: Optional[dist.ProcessGroup]) -> bool:
         backend = self._backends.get(group)
@@ -361,23 +353,6 @@ class Communicator:
 
     def reset(self) -> None:
         self._stats.clear()
-
-
-class _Works:
-    """Several works waited for as one (Communicator.all_gather_in_place on gloo)."""
-
-    __slots__ = ("_works",)
-
-    def __init__(self, works: list) -> None:
-        self._works = works
-
-    def wait(self) -> bool:
-        for work in self._works:
-            work.wait()
-        return True
-
-    def is_completed(self) -> bool:
-        return all(work.is_completed() for work in self._works)
 
 
 class _GuardedWork:

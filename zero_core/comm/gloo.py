@@ -84,7 +84,8 @@ def all_gather_into(output: torch.Tensor, input: torch.Tensor, group=None, async
     ``output`` (this rank's shard is copied into its own slice first)."""
     world, rank = dist.get_world_size(group), dist.get_rank(group)
     slices = output.view(world, -1)
-    slices[rank].copy_(input.reshape(-1))
+    if slices[rank].data_ptr() != input.data_ptr():  # in place when the caller gathers from its own slice
+        slices[rank].copy_(input.reshape(-1))
     works = [dist.broadcast(slices[r], src=dist.get_global_rank(group or dist.group.WORLD, r), group=group,
                             async_op=True) for r in range(world)]
     return _finish(works, None, async_op)
