@@ -6,6 +6,7 @@ configurations inside one call of `run_distributed` rather than spawn once per c
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import socket
@@ -136,6 +137,9 @@ def _worker(fn, rank, world_size, port, timeout, sender, args, kwargs, nodes=1) 
     )
     torch.set_num_threads(1)
     torch.manual_seed(SEED)
+    # A rank still running shortly before the harness kills it prints every thread's stack first (to the test's
+    # captured stderr), so a hang says where it hangs.
+    faulthandler.dump_traceback_later(max(timeout - 5.0, 1.0), exit=False)
     try:
         # The group's own timeout outlasts the harness's, so a hang is reported by the harness.
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout + 60))

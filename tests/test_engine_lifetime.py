@@ -86,3 +86,27 @@ def test_the_collective_guard_watchdog_keeps_no_dropped_guard():
         time.sleep(0.05)
         gc.collect()
     assert ref() is None
+
+
+def _model_whose_engine_was_not_kept(rank: int, world_size: int) -> dict:
+    """setup()'s return value dropped, the collector run on rank 0 only (it runs at different moments on different
+    ranks), then the partitioned model's parameters gathered whole on every rank."""
+    from stage3_support import full_params
+
+    model = build_model("transformer")
+    zero_core.setup(model, make_optimizer(model),
+                    {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}})
+    if rank == 0:
+        gc.collect()
+    return full_params(model)
+
+
+@pytest.mark.timeout(120)
+def test_a_model_keeps_the_engine_it_needs_on_every_rank_whenever_the_collector_runs():
+    """The model holds its engine: had the collector freed it on one rank only, that rank would skip the gather
+    the others wait in."""
+    expected = {name: p.detach().float() for name, p in build_model("transformer").named_parameters()}
+    for weights in run_distributed(_model_whose_engine_was_not_kept, 2, timeout=90):
+        assert sorted(weights) == sorted(expected)
+        for name, value in expected.items():
+            assert torch.equal(weights[name], value), name

@@ -95,6 +95,10 @@ class ZeroEngine:
         if config.stage == 3 and topology.world_size > 1:
             sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
         registry.register(self.runtime.managed_params(), self)
+        # The model holds its engines, the registry only weakly: a partitioned model needs its engine for as long as
+        # it lives (lookups from its parameters must give every rank the same answer, whenever the cycle collector
+        # runs), and a dropped model and engine go together.
+        module.__dict__.setdefault("_zero_core_engines", []).append(self)
         # Stage 2's reducer hooks every trainable parameter already and calls the note from there: one Python
         # hook per parameter and gradient instead of two. Otherwise the engine hooks them itself. The runtime may
         # hold the note strongly: its hooks hold it weakly (weak_hooks.py), so no parameter keeps the engine.
