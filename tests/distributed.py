@@ -144,6 +144,7 @@ def _worker(fn, rank, world_size, port, timeout, sender, args, kwargs, nodes=1) 
         # The group's own timeout outlasts the harness's, so a hang is reported by the harness.
         dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout + 60))
         result = fn(rank, world_size, *args, **kwargs)
+        faulthandler.cancel_dump_traceback_later()
         # Plain pickle copies tensor data; torch's shared-memory pickling would need this process alive.
         message = ("ok", pickle.dumps(result))
     except BaseException:

@@ -17,8 +17,6 @@ import weakref
 import torch.distributed as dist
 
 _GROUP_CLOSER_REGISTERED = False
-_EXIT_MARK_REGISTERED = False
-_EXITING = False  # set by atexit, before the engines' finalisers run
 
 
 def quiesce(runtime, wait: bool = True) -> None:
@@ -39,30 +37,17 @@ def release_offload(offload, param_swap) -> None:
 def _quiesce_if_alive(runtime_ref: "weakref.ref") -> None:
     runtime = runtime_ref()
     if runtime is not None:
-        # At exit every rank gets here in program order, so it waits for the collectives in flight. When the
-        # cycle collector frees a dropped engine, the moment differs from rank to rank: a collective then (a
-        # reduce bucket flushed) would meet nothing on the other ranks and hang them, so the handles are
-        # forgotten instead.
-        quiesce(runtime, wait=_EXITING)
-
-
-def _mark_exiting() -> None:
-    global _EXITING
-    _EXITING = True
+        quiesce(runtime)
 
 
 def close_at_exit(engine, runtime) -> weakref.finalize:
-    """Quiesce ``runtime`` at interpreter exit (atexit), or forget its handles if ``engine`` is collected first.
+    """Quiesce ``runtime`` at interpreter exit (atexit) while ``engine`` lives.
 
-    Only a weak reference to the runtime is kept, so a dropped engine is not kept alive by its finaliser."""
-    global _EXIT_MARK_REGISTERED
-    finalizer = weakref.finalize(engine, _quiesce_if_alive, weakref.ref(runtime))
-    if not _EXIT_MARK_REGISTERED:
-        # Registered after weakref.finalize's own exit hook (made with the first finaliser), so atexit, last in
-        # first out, marks the exit before it runs the finalisers.
-        atexit.register(_mark_exiting)
-        _EXIT_MARK_REGISTERED = True
-    return finalizer
+    Only a weak reference to the runtime is kept, so a dropped engine is not kept alive by its finaliser. An
+    engine is dropped only with its model (the model holds it), and so with its runtime: by the time the
+    collector runs the finaliser the weak reference is cleared and nothing communicates, so no rank issues a
+    collective at a moment of its collector's choosing."""
+    return weakref.finalize(engine, _quiesce_if_alive, weakref.ref(runtime))
 
 
 def _destroy_default_group() -> None:

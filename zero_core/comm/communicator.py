@@ -224,25 +224,18 @@ class Communicator:
         self.count_link("reduce_scatter", group, input.numel() // self.topology.world_size * input.element_size())
         return self._issue(call, async_op, lambda a: dist.all_reduce(input, group=group, async_op=a))
 
-    # gloo: broadcasting each rank's slice measured cheaper than gloo's all-gather (CPU and wall time, 3.2 MB
-    # of fp32, at 1, 2 and 4 ranks: about half) but it is one operation per rank; beyond this many ranks the
-    # plain all-gather is kept
-    GLOO_BROADCAST_GATHER_MAX_RANKS = 8
-
     def all_gather_in_place(self, output: torch.Tensor, async_op: bool = False, label: str = "") -> Optional[dist.Work]:
         """:meth:`all_gather` of this rank's own slice of ``output`` (``output.chunk(n)[rank]``) into ``output``;
-        counted as that all-gather. gloo has no in-place all-gather: it allocates a temporary as big as
-        ``output`` at every call, gathers into it and copies it out. There (up to
-        GLOO_BROADCAST_GATHER_MAX_RANKS ranks) each rank's slice is broadcast in place instead (gloo.py's
-        all-gather, the one stage 3 takes on gloo), so the same bytes reach every rank with no temporary and no
-        copy. Other backends all-gather in place."""
+        counted as that all-gather. gloo has no in-place all-gather (it gathers into a temporary as big as
+        ``output`` and copies it out), so there, at any world size, each rank's slice is broadcast in place
+        (gloo.py's all-gather, the one stage 3 takes on gloo). Other backends all-gather in place."""
         group, world, rank = self.topology.group, self.topology.world_size, self.topology.rank
         shard = output.numel() // world
-        if self.replicated or not self._gloo(group) or world > self.GLOO_BROADCAST_GATHER_MAX_RANKS:
-            return self.all_gather(output, output[rank * shard : (rank + 1) * shard], async_op=async_op, label=label)
+        own = output[rank * shard : (rank + 1) * shard]
+        if self.replicated or not self._gloo(group):
+            return self.all_gather(output, own, async_op=async_op, label=label)
         call = self._count("all_gather", output, label)
         self.count_link("all_gather", group, shard * output.element_size())
-        own = output[rank * shard : (rank + 1) * shard]
         return self._issue(call, async_op, lambda a: gloo_paths.all_gather_into(output, own, group=group, async_op=a))
 
     def _gloo(self, group: Optional[dist.ProcessGroup]) -> bool:
