@@ -25,7 +25,7 @@ import torch
 from .gpt import GPTConfig, batch, build_gpt, num_params
 
 
-def worker(impl: str, config: GPTConfig, steps: int, warmup: int) -> dict:
+def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: bool = False) -> dict:
     import torch.distributed as dist
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -80,8 +80,19 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int) -> dict:
         if s >= warmup:
             times.append(time.perf_counter() - start)
             phases.append(middle - start)
+    profile = None
+    if profile_step:  # one more step under the profiler: where the host's step time goes
+        from torch.profiler import ProfilerActivity, profile as profiler
+
+        tokens, targets = (t.cuda() for t in batch(config, 0, warmup + steps))
+        forward_backward(tokens, targets)
+        torch.cuda.synchronize()
+        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            step()
+            torch.cuda.synchronize()
+        profile = prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60)
     dist.destroy_process_group()
-    return {"impl": impl, "params": psi, "setup_s": setup_s, "step_s": statistics.median(times),
+    return {"profile": profile, "impl": impl, "params": psi, "setup_s": setup_s, "step_s": statistics.median(times),
             "forward_backward_s": statistics.median(phases), "threads": torch.get_num_threads(),
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
@@ -98,19 +109,20 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=int, default=600, help="seconds per implementation's process")
+    p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per implementation")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
     config = GPTConfig(vocab=32000, d_model=args.width, n_layer=args.layers, n_head=args.width // 128,
                        seq_len=args.seq_len, batch_size=args.batch_size)
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, config, args.steps, args.warmup)), flush=True)
+        print("RESULT " + json.dumps(worker(args.worker, config, args.steps, args.warmup, args.profile)), flush=True)
         return
     rows = []
     for impl in args.impls:
         cmd = [sys.executable, "-m", "benchmarks.gpu_offload", "--worker", impl, "--layers", str(args.layers),
                "--width", str(args.width), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
@@ -130,6 +142,9 @@ def main(argv=None) -> None:
         print(f"| {r['impl']} | {r['params'] / 1e9:.2f}B | {r['step_s']:.2f} | {r['forward_backward_s']:.2f} | "
               f"{r['tokens_per_s']:,.0f} | {r['peak_gpu_gib']:.1f} | {r['peak_rss_gib']:.1f} | {r['setup_s']:.0f} | "
               f"{r['threads']} |")
+    for r in rows:
+        if r.get("profile"):
+            print(f"\n{r['impl']}: one step under torch.profiler\n{r['profile']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -4,6 +4,7 @@ and with its collectives' streams recorded."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import tempfile
@@ -43,16 +44,33 @@ class GPT(nn.Module):
         return F.cross_entropy(self.head(x).float().flatten(0, 1), tokens.roll(-1, 1).flatten())
 
 
+PINNED_CPU = {"device": "cpu", "pin_memory": True}
+OFFLOADS = (  # (result label, stage, offload blocks): each is compared with the same stage not offloaded
+    ("zero2_offload", 2, {"offload_optimizer": PINNED_CPU}),
+    ("zero3_offload", 3, {"offload_optimizer": PINNED_CPU}),
+    ("zero3_offload_param", 3, {"offload_optimizer": PINNED_CPU, "offload_param": PINNED_CPU}),
+    ("zero3_offload_pageable", 3, {"offload_optimizer": {"device": "cpu", "pin_memory": False}}),
+)
+
+
 def batches(device):
     g = torch.Generator().manual_seed(0)
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(STEPS)]
 
 
+def fresh_peak() -> None:
+    """Start a run's peak from what is live now, after freeing what earlier runs dropped: a model and its engine
+    refer to each other, so the cycle collector, not the last reference, frees them."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
 def plain(device) -> dict:
+    fresh_peak()
     torch.manual_seed(0)
     model = GPT().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    torch.cuda.reset_peak_memory_stats()
     losses = []
     for tokens in batches(device):
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -88,27 +106,28 @@ def without_side_streams(engine) -> None:
         unit.streams = streams.NONE
 
 
-def _engine(device, stage: int, reset_peak: bool = True):
+def _engine(device, stage: int, reset_peak: bool = True, offload: dict | None = None):
     import zero_core
 
+    if reset_peak:
+        fresh_peak()
     torch.manual_seed(0)
     model = GPT().to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)  # torch's choice of kernel: the engine's fused one
-    if reset_peak:
-        torch.cuda.reset_peak_memory_stats()
     return model, zero_core.setup(model, optimizer, {"stage": stage, "bf16": {"enabled": True},
-                                                     "stage3_param_persistence_threshold": 0})
+                                                     "stage3_param_persistence_threshold": 0, **(offload or {})})
 
 
-def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0) -> dict:
-    """``resume_at``: after that many steps, save a checkpoint, build a fresh engine and load it, then go on."""
-    model, engine = _engine(device, stage)
+def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0, offload: dict | None = None) -> dict:
+    """``resume_at``: after that many steps, save a checkpoint, build a fresh engine and load it, then go on.
+    ``offload``: the config's offload blocks (``offload_optimizer``, ``offload_param``)."""
+    model, engine = _engine(device, stage, offload=offload)
     issued = None
     if stage == 3 and side_streams:
         issued = spy_on_streams(engine)
     elif stage == 3:
         without_side_streams(engine)
-    losses = []
+    losses, written_back = [], []
     for index, tokens in enumerate(batches(device)):
         if resume_at and index == resume_at:
             with tempfile.TemporaryDirectory() as directory:
@@ -120,10 +139,23 @@ def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
+        if offload:  # what the next forward reads: every updated master, cast, in the model's parameters
+            masters = engine.full_state_dict(rank0_only=False)
+            params = engine.full_state_dict(rank0_only=False, masters=False)
+            written_back.append(all(torch.equal(params[n], masters[n].to(params[n].dtype)) for n in params))
     weights = engine.full_state_dict(rank0_only=False)
     return {"losses": losses, "peak": torch.cuda.max_memory_allocated(), "memory": engine.memory_stats(),
             "weights": {n: weights[n] for n, _ in model.named_parameters()},
-            "issued_on_side_stream": issued}
+            "issued_on_side_stream": issued, "written_back": written_back,
+            "host_pinned": [t.is_pinned() for t in _host_tensors(engine)]}
+
+
+def _host_tensors(engine) -> list:
+    """The offloaded optimizer's host master buckets and gradient buffers (empty without offload)."""
+    offload = engine._offload
+    if offload is None:
+        return []
+    return [b for part in offload.parts for b in part.master_shards.buckets] + list(offload._grads.values())
 
 
 def main(out: str) -> None:
@@ -137,6 +169,8 @@ def main(out: str) -> None:
         results[f"zero{stage}"] = engine_run(device, stage)
     results["zero3_in_order"] = engine_run(device, 3, side_streams=False)
     results["zero2_resumed"] = engine_run(device, 2, resume_at=STEPS // 2)
+    for label, stage, offload in OFFLOADS:
+        results[label] = engine_run(device, stage, offload=offload)
     dist.destroy_process_group()
     torch.save(results, out)
 

@@ -63,6 +63,26 @@ def test_a_checkpoint_resumes_on_the_gpu_as_if_never_stopped(gpu_runs):
         assert torch.equal(resumed["weights"][name], value), name
 
 
+@pytest.mark.parametrize("label, stage", [("zero2_offload", 2), ("zero3_offload", 3), ("zero3_offload_param", 3),
+                                          ("zero3_offload_pageable", 3)])  # gpu_workers.OFFLOADS
+def test_offloaded_step_trains_like_the_step_on_the_gpu(gpu_runs, label, stage):
+    """The optimizer on the host (gradients copied out during backward and cast on the GPU, updated masters
+    copied back and cast there, asynchronously): after every step the model's bf16 parameters are exactly the
+    updated masters, cast (the write-back arrived before the next forward), and the run follows the one that steps
+    on the GPU. The two fused kernels (CPU and CUDA) round differently in the last fp32 bit; once that flips a bf16
+    weight, Adam's normalised update can move near-zero gradients' weights apart by about the learning rate per
+    step (1e-3 here), so the weights are compared to within the steps taken."""
+    reference, offloaded = gpu_runs[f"zero{stage}"], gpu_runs[label]
+    assert offloaded["written_back"] == [True] * len(reference["losses"])
+    pinned = offloaded["host_pinned"]  # pin_memory: the host masters and gradient buffers are page-locked
+    assert pinned and all(pinned) == (label != "zero3_offload_pageable"), pinned
+    for a, b in zip(reference["losses"], offloaded["losses"]):
+        assert abs(a - b) <= 1e-3 * abs(a), (reference["losses"], offloaded["losses"])
+    steps = len(reference["losses"])
+    for name, value in reference["weights"].items():
+        assert (offloaded["weights"][name] - value).abs().max().item() <= steps * 1e-3, name
+
+
 def test_peak_memory_stays_within_the_engine_state_plus_one_model_of_activations(gpu_runs):
     plain_peak = gpu_runs["plain"]["peak"]
     for stage in (1, 2, 3):

@@ -28,7 +28,7 @@ from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps
 from zero_core.offload.host_masters import HostMasterShards
 from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
 from zero_core.offload.params import offload_param_shards
-from zero_core.offload.placement import copy_to_host, pinning, wait_for_copies
+from zero_core.offload.placement import copy_to_host, host_empty, pinning, wait_for_copies
 
 # Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
 _SWAP_BYTES_PER_ELEMENT = 4 * 3
@@ -196,7 +196,7 @@ class OptimizerOffload:
         key = (id(part), bucket)
         grad = self._grads.get(key)
         if grad is None:
-            grad = self._grads[key] = torch.empty(numel, dtype=torch.float32, pin_memory=self.pin)
+            grad = self._grads[key] = host_empty(numel, torch.float32, self.pin)
         return grad
 
     def grad_reduced(self, part, bucket: Optional[int]) -> None:
@@ -251,7 +251,19 @@ class OptimizerOffload:
 
     def step(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
              clip_coef: Optional[torch.Tensor]) -> None:
-        """Copy the gradients to the host, step ``optimizer`` tile by tile, write each tile back (NVMe: and out)."""
+        """Copy the gradients to the host, step ``optimizer`` tile by tile, write each tile back (NVMe: and out).
+        Starts once the copies made during backward have arrived; returns once every write-back reached the
+        model's parameter shards, so the next forward reads them and the next step may change the masters they
+        were copied from."""
+        on_accelerator = [shard for part in parts for shard in part.grad_shards()[:1]]
+        wait_for_copies(on_accelerator)  # the gradients copied out during backward (copy stream) have arrived
+        try:
+            self._step(optimizer, parts, used, inv_scale, clip_coef)
+        finally:
+            wait_for_copies(on_accelerator)
+
+    def _step(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
+              clip_coef: Optional[torch.Tensor]) -> None:
         self.use_fused(optimizer)
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
         tiles = master_tiles(parts, used, self.sub_group_size)

@@ -18,6 +18,7 @@ from typing import ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
+from zero_core import grad_memory
 from zero_core.fragments import Fragment
 from zero_core.layout import BucketLayout, FlatLayout
 from zero_core.optim.master_shards import MasterShards
@@ -78,7 +79,7 @@ class FlatParamGroup:
                                 for param, slot in zip(self.params, self.layout.slots)]
             self._point_grads_at_views()
             return [self.flat_grad[b.shard_range(self.rank).as_slice()] for b in self.layout.buckets]
-        storage = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        storage = self._grad_storage = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         offsets = self.layout.shard_offsets()
         return [storage[o : o + b.shard_size] for o, b in zip(offsets, self.layout.buckets)]
 
@@ -106,28 +107,46 @@ class FlatParamGroup:
         """This rank's reduced gradient for ``bucket`` (scaled like the loss)."""
         if self._stale:
             self._zero_stale()
+        self._restore_full_grads()
         return self._grad_shards[bucket]
 
     def grad_shards(self) -> list[torch.Tensor]:
         if self._stale:
             self._zero_stale()
+        self._restore_full_grads()
         return list(self._grad_shards)
+
+    def _restore_full_grads(self) -> None:
+        """Stage 1: the full gradient buffer again, zeroed, if its memory was given back after the step (the
+        parameters' ``.grad`` were set to None then; autograd's new ones are copied in at the reduction)."""
+        if self.full_grads and grad_memory.is_released(self.flat_grad):
+            grad_memory.restore(self.flat_grad)
+            self.flat_grad.zero_()
 
     def take_grad_shard(self, bucket: int) -> tuple[torch.Tensor, bool]:
         """The gradient shard of ``bucket`` for a reduction to write, and whether it is to be overwritten (it
         holds no gradient yet, but was not zeroed) rather than added to."""
         if bucket in self._stale:
+            self._restore_grads()
             self._stale.discard(bucket)
             return self._grad_shards[bucket], True
         return self._grad_shards[bucket], False
 
     def _zero_stale(self) -> None:
+        self._restore_grads()
         for bucket in self._stale:
             self._grad_shards[bucket].zero_()
         self._stale.clear()
 
+    def _restore_grads(self) -> None:
+        """Stage 2: memory for the gradient shards again, if it was given back after the step (every bucket is
+        stale then, so each is overwritten or zeroed before it is read)."""
+        if grad_memory.is_released(self._grad_storage):
+            grad_memory.restore(self._grad_storage)
+
     def bucket_grad_input(self, bucket: BucketLayout) -> torch.Tensor:
         """Stage 1: the full local gradients of one bucket, gathered into the flat gradient buffer."""
+        self._restore_full_grads()
         params, views = self.params, self._grad_views
         for index in bucket.param_indices:
             param, view = params[index], views[index]
@@ -142,11 +161,20 @@ class FlatParamGroup:
         return self.flat_grad[bucket.range.as_slice()]
 
     def zero_grads(self) -> None:
-        if self.full_grads:
+        if self.full_grads and grad_memory.releases(self.device):
+            # As zero_grad(set_to_none=True): autograd allocates this step's gradients as it makes them, and the
+            # buffer comes back at the first reduction (or read), so the end of forward holds neither.
+            if not grad_memory.is_released(self.flat_grad):
+                grad_memory.release(self.flat_grad)
+            for param in self.params:
+                param.grad = None
+        elif self.full_grads:
             self.flat_grad.zero_()
             self._point_grads_at_views()
         else:
             self._stale.update(range(len(self._grad_shards)))  # zeroed only if not overwritten first
+            if grad_memory.releases(self.device):  # nothing to keep: the memory goes back until a reduction
+                grad_memory.release(self._grad_storage)
             for param in self.params:
                 param.grad = None
 

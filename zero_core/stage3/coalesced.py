@@ -147,6 +147,11 @@ class CoalescedReduce:
     def finish(self) -> None:
         """Add the reduced parts into the gradient shards; on CUDA the current stream then waits for that (the
         shards are read and the staging buffer is reused after)."""
+        # A shard whose memory was given back after the last step (grad_memory.py) is allocated and zeroed here, on
+        # the compute stream, which the reduce stream then waits for (its first write must come after).
+        restored = [unit.grad_shard for unit in self.units if unit.grads_released()]
+        if restored and self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
         with complete(self._stream):
             if self._work is not None:
                 self._work.wait()

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
+from zero_core import grad_memory
 from zero_core.stage3 import streams as side_streams
 from zero_core.stage3.coalesced import CoalescedGather
 from zero_core.comm.communicator import Communicator
@@ -79,10 +80,23 @@ class ParamUnit:
         # Views of ``full`` stay valid while its storage is resized to zero and back.
         self.rank_views = [self.full[b.range.as_slice()].view(layout.world_size, b.shard_size)
                            for b in layout.buckets]
-        self.grad_shard = torch.zeros_like(self.shard) if self.trainable else None
+        self._grad_shard = torch.zeros_like(self.shard) if self.trainable else None
         self.master_shards: Optional[MasterShards] = None
         self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, None) after each reduction
         self.streams = side_streams.NONE  # the runtime's CUDA side streams (streams.py), none on the CPU
+
+    @property
+    def grad_shard(self) -> Optional[torch.Tensor]:
+        """This rank's reduced gradient of the unit (None if frozen); zeros after a step, even where its memory was
+        given back (grad_memory.py)."""
+        if self._grad_shard is not None and grad_memory.is_released(self._grad_shard):
+            grad_memory.restore(self._grad_shard)
+            self._grad_shard.zero_()
+        return self._grad_shard
+
+    def grads_released(self) -> bool:
+        """Whether the gradient shard's memory was given back since the last step (the next access zeroes it)."""
+        return self._grad_shard is not None and grad_memory.is_released(self._grad_shard)
 
     @property
     def trainable(self) -> bool:
@@ -266,8 +280,11 @@ class ParamUnit:
         return missing
 
     def zero_grads(self) -> None:
-        if self.grad_shard is not None:
-            self.grad_shard.zero_()
+        if self._grad_shard is not None and not self.grads_released():
+            if grad_memory.releases(self._grad_shard.device):
+                grad_memory.release(self._grad_shard)  # zeros again at its next access
+            else:
+                self._grad_shard.zero_()
         with unguarded():
             for param in self.params:
                 param.grad = None

@@ -1,0 +1,40 @@
+"""Gradients that give their memory back between steps, as ``zero_grad(set_to_none=True)`` does in plain
+PyTorch: after a step, stage 1's full gradient buffer and the gradient shards of stages 2 and 3 free their
+storage, and the next step allocates it again where a reduction first needs it (stage 1: the parameters' ``.grad``
+are None meanwhile and autograd allocates them, as in plain training). So the peak at the end of forward (every
+activation alive) does not also hold a gradient per parameter: 2 bytes per parameter in bf16, 1.7 GiB of a 873M
+model's peak on one GPU (docs/benchmarks.md).
+
+Only on CUDA, where the caching allocator hands the same blocks back at no cost. On a CPU a freed buffer goes back
+to the operating system and its pages fault in again every step, so there the storage is kept
+(``RELEASE_ON_CPU`` turns the release on anyway, for tests). Views of the storage stay valid while it is empty,
+and its owner restores it before anything reads or writes through them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Tests set this (also for the processes they start) to run the release where it is otherwise off.
+RELEASE_ON_CPU = os.environ.get("ZERO_CORE_RELEASE_GRADS_ON_CPU") == "1"
+
+
+def releases(device: torch.device) -> bool:
+    """Whether gradient shards on ``device`` are freed between steps."""
+    return device.type == "cuda" or RELEASE_ON_CPU
+
+
+def release(storage: torch.Tensor) -> None:
+    """Free ``storage``'s memory (a tensor that owns all of its storage); its views keep their shape."""
+    storage.untyped_storage().resize_(0)
+
+
+def is_released(storage: torch.Tensor) -> bool:
+    return storage.numel() > 0 and storage.untyped_storage().nbytes() == 0
+
+
+def restore(storage: torch.Tensor) -> None:
+    """Allocate ``storage``'s memory again (uninitialised), on the current stream."""
+    storage.untyped_storage().resize_(storage.numel() * storage.element_size())
