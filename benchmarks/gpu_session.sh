@@ -1,6 +1,7 @@
 #!/bin/bash
-# Every GPU check of issues 18 and 19 in one call of the device tool (about 150 s of run time on an H200):
-# the GPU tier, issue 18's table, offload against FSDP2, the live allocations at the peak. Results land in $OUT.
+# Every GPU check of issues 18 and 19 in one call of the device tool (about 250 s of run time on an H200):
+# the GPU tier, issue 18's table, where the memory goes, offload against FSDP2 at 1.75B and 6.58B parameters.
+# Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
 #   echo /.whl/ >> .git/info/exclude
@@ -14,7 +15,8 @@ OUT=${OUT:-gpu_session_out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
-{ step tests; nvidia-smi -L; timeout 100 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 95; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
-{ step table; timeout 75 python3 -m benchmarks.gpu --preset 873M 110M --steps 8 --warmup 3 --repeats 2; echo "rc=$?"; } 2>&1 | tee "$OUT/table.txt"
-{ step offload; timeout 100 python3 -m benchmarks.gpu_offload --layers 8 --steps 2 --warmup 1 --impls zero3 fsdp2 --timeout 48 --json "$OUT/offload.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/offload.txt"
-{ step memory; timeout 35 python3 -m benchmarks.gpu_memory "$OUT/memory_at_peak.txt" >/dev/null; echo "rc=$?"; step end; } 2>&1 | tee -a "$OUT/offload.txt"
+{ step tests; nvidia-smi -L; timeout 120 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 115; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
+{ step table; timeout 90 python3 -m benchmarks.gpu --preset 873M 110M --steps 8 --warmup 3 --repeats 2; echo "rc=$?"; } 2>&1 | tee "$OUT/table.txt"
+{ step memory; timeout 70 python3 -m benchmarks.gpu_memory "$OUT/memory_873M.txt" --preset 873M --steps 2 >/dev/null; echo "rc=$?"; } 2>&1
+{ step offload; timeout 130 python3 -m benchmarks.gpu_offload --layers 8 --steps 2 --warmup 1 --profile --timeout 42; echo "rc=$?"; } 2>&1 | tee "$OUT/offload.txt"
+{ step offload7B; timeout 400 python3 -m benchmarks.gpu_offload --layers 32 --steps 2 --warmup 1 --timeout 130; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_7B.txt"
