@@ -166,6 +166,11 @@ class CheckpointedEngine(Protocol):
     def offload_tiles(self, fragments: list["Fragment"], write: bool = False) -> Iterator[list["Fragment"]]:
         """Groups of ``fragments`` whose masters and state are in memory while held (NVMe: a few tiles)."""
 
+    def offload_resident(self, fragments: Optional[list["Fragment"]] = None, state: bool = True,
+                         write: bool = True) -> ContextManager:
+        """Masters (all, or those of ``fragments``) and, if ``state``, their optimizer state in memory while held;
+        written out to NVMe again afterwards if ``write``."""
+
     def shape_in_memory(self, master: torch.Tensor, key=None) -> torch.Size:
         """The in-memory shape of a master or of its state ``key``, also while swapped out to NVMe."""
 

@@ -580,10 +580,16 @@ class ZeroEngine:
         parameters are partitioned and get gathered (all of them at once) into copies."""
         return self.runtime.replicated_state()
 
-    def offload_resident(self):
+    def offload_resident(self, fragments: Optional[list[Fragment]] = None, state: bool = True, write: bool = True):
         """A context in which NVMe-offloaded masters and optimizer state are in memory (a no-op otherwise):
-        wrap direct reads of ``fragments()`` / ``optimizer_state_of`` with it."""
-        return self._offload.resident() if self._offload is not None else contextlib.nullcontext()
+        wrap direct reads of ``fragments()`` / ``optimizer_state_of`` with it. Given ``fragments``: only their
+        masters (and, if ``state``, their optimizer state), written out again afterwards if ``write``."""
+        if self._offload is None:
+            return contextlib.nullcontext()
+        if fragments is None:
+            return self._offload.resident()
+        masters = list({id(f.master): f.master for f in fragments}.values())
+        return self._offload.resident(masters, state=state, write=write)
 
     def offload_tiles(self, fragments: list[Fragment], write: bool = False) -> Iterator[list[Fragment]]:
         """``fragments`` in groups whose masters and optimizer state are in memory while the caller holds the
@@ -628,8 +634,7 @@ class ZeroEngine:
 
         if not masters:
             return live_state_dict(self, rank0_only=rank0_only)
-        with self.offload_resident():
-            return full_state_dict(self, rank0_only=rank0_only)
+        return full_state_dict(self, rank0_only=rank0_only)  # NVMe-offloaded masters: read one parameter at a time
 
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, whole, one at a time (stage 3 gathers each transiently). Call on every rank."""

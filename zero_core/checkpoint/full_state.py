@@ -73,8 +73,9 @@ def live_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict
 def _master_value(engine, param: nn.Parameter, fragments: list) -> torch.Tensor:
     """A trainable parameter's fp32 master, whole: each rank fills its fragments, one all-reduce sums them."""
     full = torch.zeros(param.shape.numel(), dtype=torch.float32, device=engine.device)
-    for fragment in fragments:
-        full[fragment.param_range.as_slice()] = fragment.master_values().float()
+    with engine.offload_resident(fragments, state=False, write=False):  # NVMe: only these masters, read in
+        for fragment in fragments:
+            full[fragment.param_range.as_slice()] = fragment.master_values().float()
     engine.comm.all_reduce(full)
     return full.view(param.shape).cpu()
 

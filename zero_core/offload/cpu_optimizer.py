@@ -381,10 +381,13 @@ class OptimizerOffload:
                 return optimizer.state[master]
         return {}
 
-    def _swap_items(self, masters) -> Iterator[tuple]:
-        """A master and every optimizer state tensor shaped like it (scalars such as ``step`` stay in memory)."""
+    def _swap_items(self, masters, state: bool = True) -> Iterator[tuple]:
+        """A master and (``state``) every optimizer state tensor shaped like it (scalars such as ``step`` stay in
+        memory)."""
         for master in masters:
             yield master, _MASTER, master
+            if not state:
+                continue
             for key, value in self._optimizers_state(master).items():
                 # master.shape: both resident; (0,): swapped out (the master may already be back in)
                 if torch.is_tensor(value) and value.dim() > 0 and value.shape in (master.shape, torch.Size([0])):
@@ -470,13 +473,26 @@ class OptimizerOffload:
                 writing.wait()
 
     @contextlib.contextmanager
-    def resident(self) -> Iterator[None]:
-        """Everything in memory for the duration (checkpoints, GatheredParameters, full state dicts)."""
-        if self.swapper is None:
+    def resident(self, masters: Optional[list] = None, state: bool = True, write: bool = True) -> Iterator[None]:
+        """Everything in memory for the duration (GatheredParameters). Or only ``masters`` (of this offload),
+        with their optimizer state if ``state``: what the debugging API and full state dicts read for one
+        parameter at a time, so the swapped state never comes in all at once; afterwards written out again if
+        ``write`` (the caller changed it), else dropped (the file holds the same values)."""
+        if self.swapper is None or self._resident_depth:
             yield
             return
-        if self._resident_depth == 0:
-            self.swapper.swap_in(self._swap_items(self.all_masters())).wait()
+        if masters is not None:
+            items = [item for item in self._swap_items(masters, state) if not item[2].numel()]  # swapped out
+            self.swapper.swap_in(items).wait()
+            try:
+                yield
+            finally:
+                if write:
+                    self.swapper.swap_out(items).wait()
+                else:
+                    self.swapper.drop(items)
+            return
+        self.swapper.swap_in(self._swap_items(self.all_masters())).wait()
         self._resident_depth += 1
         try:
             yield

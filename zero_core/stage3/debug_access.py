@@ -13,11 +13,13 @@ import torch
 from zero_core.registry import require_engine
 
 
-def _assemble(engine, param: torch.Tensor, pick) -> torch.Tensor:
+def _assemble(engine, param: torch.Tensor, pick, state: bool = False) -> torch.Tensor:
     """Sum each rank's fragments of ``param`` into one full fp32 tensor on every rank."""
     full = torch.zeros(param.shape.numel(), dtype=torch.float32, device=engine.device)
-    with engine.offload_resident():  # NVMe-offloaded masters and state are read in for the duration
-        for fragment in engine.fragments_of(engine.name_of(param)):
+    fragments = engine.fragments_of(engine.name_of(param))
+    # NVMe-offloaded: this parameter's masters (and optimizer state, if read) are read in for the duration
+    with engine.offload_resident(fragments, state=state, write=False):
+        for fragment in fragments:
             full[fragment.param_range.as_slice()] = pick(fragment).float()
     engine.comm.all_reduce(full)
     return full.view(param.shape)
@@ -56,17 +58,19 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     """The per-element optimizer state ``optim_state_key`` (e.g. ``exp_avg``) of ``param``, whole."""
     engine = require_engine(param)
     _require_state(engine, optim_state_key)
-    return _assemble(engine, param, lambda f: _state_slice(engine, f, optim_state_key))
+    return _assemble(engine, param, lambda f: _state_slice(engine, f, optim_state_key), state=True)
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the fp32 master of ``param`` (and the model's copy) from ``value``, given on every rank."""
     engine = require_engine(param)
     flat = value.detach().reshape(-1).to(torch.float32)
-    with engine.offload_resident():
-        for fragment in engine.fragments_of(engine.name_of(param)):
+    fragments = engine.fragments_of(engine.name_of(param))
+    with engine.offload_resident(fragments, state=False):
+        for fragment in fragments:
             fragment.master_values()[...] = flat[fragment.param_range.as_slice()]
-    engine.refresh_param(param, value)
+    with engine.offload_resident():  # stage 3 reads the masters of the whole unit back from its shards
+        engine.refresh_param(param, value)
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
@@ -74,7 +78,8 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     engine = require_engine(param)
     _require_state(engine, optim_state_key)
     flat = value.detach().reshape(-1).to(torch.float32)
-    with engine.offload_resident():
-        for fragment in engine.fragments_of(engine.name_of(param)):
+    fragments = engine.fragments_of(engine.name_of(param))
+    with engine.offload_resident(fragments):
+        for fragment in fragments:
             target = _state_slice(engine, fragment, optim_state_key)
             target[...] = flat[fragment.param_range.as_slice()]
