@@ -2,10 +2,10 @@
 during backward or at the step, over several tiles, with unscaling, clipping and a parameter that got no gradient,
 it gives bit for bit what the engine's step without offload gives (both run torch's fused AdamW), and the part's
 write-back after the step finds nothing left to do. With Adam or AdamW the steps after the first run in chunks
-smaller than a piece when the copies run on the thread (chunked_step.py): cut at 64-element boundaries, covering
-every stepped element once, and still bit for bit the step without offload, moments included, with an LR
-scheduler that sees the step; with inline copies the tiles step whole, with the same result. One
-process: a flat group needs no process group."""
+smaller than a piece where the shards are on an accelerator (forced here; chunked_step.py), with the copies on
+the thread or issued inline: cut at 64-element boundaries, covering every stepped element once, and still bit for
+bit the step without offload, moments included, with an LR scheduler that sees the step; on a CPU-only run the
+tiles step whole, with the same result. One process: a flat group needs no process group."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def chunk_group(sizes: list[int]) -> FlatParamGroup:
     return group
 
 
-def chunked_vs_reference(make_optimizer, copy_thread: bool, monkeypatch) -> None:
+def chunked_vs_reference(make_optimizer, mode: str, monkeypatch) -> None:
     """Five steps with a scheduler, clipping and unscaling: the offloaded step in 96-element chunks (pieces of
     130-300 elements are cut) gives bit for bit the engine's step without offload, and the scheduler sees the
     optimizer step (no 'lr_scheduler.step() before optimizer.step()' warning)."""
@@ -103,7 +103,10 @@ def chunked_vs_reference(make_optimizer, copy_thread: bool, monkeypatch) -> None
     group = chunk_group(CHUNK_SIZES)
     config = ZeroConfig(stage=2, offload_optimizer={"device": "cpu"}, sub_group_size=250)
     offload = OptimizerOffload([group], config, rank=0)
-    offload.copy_thread, offload.chunk_numel = copy_thread, 96
+    # "auto": what a CPU-only run does (whole tiles, inline); "thread": chunks with the copies on the copy thread
+    # (pageable memory beside an accelerator); "inline": chunks with the copies issued inline (pinned memory)
+    offload.chunked = None if mode == "auto" else True
+    offload.copy_thread, offload.chunk_numel = mode == "thread", 96
     optimizer = make_optimizer(group.masters)
     offload.bind([optimizer])
     chunks: list[tuple[int, int]] = []  # (lo, hi) of each chunk stepped, in the step's sequence of pieces
@@ -123,10 +126,10 @@ def chunked_vs_reference(make_optimizer, copy_thread: bool, monkeypatch) -> None
             group.write_back_masters()
             offload.forget_grads()
             scheduler.step()
-    label = f"{type(optimizer).__name__}, copy_thread={copy_thread}"
+    label = f"{type(optimizer).__name__}, {mode}"
     compare(label, group, reference, optimizer, reference_optimizer)
     offload.close()
-    if not copy_thread:  # inline copies (a CPU-only run): tiles step whole, as measured faster there
+    if mode == "auto":  # shards in host memory (a CPU-only run): tiles step whole, as measured faster there
         assert chunks == [] and offload.chunks_stepped == 0, f"{label}: chunks {chunks}"
         return
     # The first step creates the state through optimizer.step(); the four others go in chunks of <= 96 elements
@@ -153,11 +156,11 @@ def compare(label: str, group, reference, optimizer, reference_optimizer) -> Non
     assert not optimizer.state.get(group.masters[3]), f"{label}: the parameter without gradient got state"
 
 
-@pytest.mark.parametrize("copy_thread", [False, True])
+@pytest.mark.parametrize("mode", ["auto", "thread", "inline"])
 @pytest.mark.parametrize("make_optimizer", [
     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
     lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.9), maximize=True),
 ], ids=["adamw", "adam-l2-amsgrad", "adam-maximize"])
-def test_chunked_step_cuts_pieces_and_equals_the_step_without_offload(make_optimizer, copy_thread, monkeypatch):
-    chunked_vs_reference(make_optimizer, copy_thread, monkeypatch)
+def test_chunked_step_cuts_pieces_and_equals_the_step_without_offload(make_optimizer, mode, monkeypatch):
+    chunked_vs_reference(make_optimizer, mode, monkeypatch)

@@ -6,12 +6,12 @@ once streams every tensor through memory three times and leaves nothing for the 
 stepped pieces, in order, are cut into chunks of about ``numel`` elements (a piece may span chunks) and each
 chunk runs torch's fused CPU kernel (``torch._fused_adam_`` / ``_fused_adamw_``, what ``Adam(fused=True).step()``
 calls) on views of its pieces and their state: the chunk's gradient copy and its write-back touch memory that is
-still in cache, and on a copy thread they run while the neighbouring chunks step. The kernel is elementwise, so
+still in cache, and they overlap the neighbouring chunks' step (asynchronous copies to and from an accelerator,
+or blocking ones on a copy thread). The kernel is elementwise, so
 the result is bit for bit the whole-piece step, provided a cut inside a piece falls on a multiple of ``_ALIGN``
 elements from the piece's start (the kernel computes a tensor's last ``numel % vector width`` elements on a
 scalar path whose rounding differs). Used only where that kernel is what ``optimizer.step()`` would run (see
-:func:`steps_fused_adam`), and by the engine only where the copies run on the copy thread (shards on an
-accelerator): inline, on a CPU-only run, chunks measured no faster than whole tiles (docs/benchmarks.md). The
+:func:`steps_fused_adam`), and by the engine only where the shards are on an accelerator: on a CPU-only run, chunks measured no faster than whole tiles (docs/benchmarks.md). The
 step's hooks and the step counters LR schedulers patch in run once per step, by a step over no parameters after
 the chunks. docs/offload.md, "The CPU step".
 """

@@ -51,10 +51,13 @@ def _write_back(tile: list[tuple]) -> None:
                 part.master_shards.piece_shard(shards, index).copy_(piece.detach())
 
 
-def _copy_all(copies: list[tuple]) -> None:
+def _copy_all(copies: list[tuple], arrive: bool = False) -> None:
+    """``copies`` (dst, src) issued; with ``arrive``, also complete (gradients the step is about to read)."""
     with torch.no_grad():
         for dst, src in copies:
             copy_to_host(dst, src)
+    if arrive and copies:
+        wait_for_copies([src for _, src in copies])
 
 
 class _Pipeline:
@@ -68,11 +71,11 @@ class _Pipeline:
         self.pending: list[Future] = []
         self.parts: dict = {}
 
-    def submit(self, copies: list[tuple]) -> Optional[Future]:
+    def submit(self, copies: list[tuple], arrive: bool = False) -> Optional[Future]:
         if not copies or self.pool is None:
-            _copy_all(copies)
+            _copy_all(copies, arrive)
             return None
-        future = self.pool.submit(_copy_all, copies)
+        future = self.pool.submit(_copy_all, copies, arrive)
         self.pending.append(future)
         return future
 
@@ -111,7 +114,7 @@ class OptimizerOffload:
         # thread; 1M-element chunks on 16 threads made an H200 host step 3x slower than one whole fused step).
         self.chunk_numel = CHUNK * max(1, torch.get_num_threads() // 2)
         self.chunks_stepped = 0  # chunks stepped by the chunked Adam path so far (a counter)
-        # The chunked Adam path: None, with the copy thread only; True / False: always / never (benchmarks)
+        # The chunked Adam path: None, where the shards are on an accelerator; True / False: always / never
         self.chunked: Optional[bool] = None
         nvme = self.device == "nvme"
         numel = sum(m.numel() for part in parts for m in part.masters)
@@ -245,9 +248,9 @@ class OptimizerOffload:
         copies: list = []
         grads = self._host_grads(tile, copies)
         if pipe is None:
-            _copy_all(copies)
+            _copy_all(copies, arrive=True)
             return grads, None
-        return grads, pipe.submit(copies)
+        return grads, pipe.submit(copies, arrive=True)
 
     def step(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
              clip_coef: Optional[torch.Tensor]) -> None:
@@ -268,9 +271,10 @@ class OptimizerOffload:
         clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
         tiles = master_tiles(parts, used, self.sub_group_size)
         swap = self.swapper
-        # Chunks serve the copy thread (the copies overlap the neighbouring chunks' step); inline, on a CPU-only run,
-        # they were measured no faster at one thread and slower at two (docs/benchmarks.md), so tiles step whole.
-        chunked = self._copy_thread(parts) if self.chunked is None else self.chunked
+        # Chunks serve the copies to and from an accelerator (they overlap the neighbouring chunks' step, and the
+        # last chunk's write-back is all that is left after the kernel); on a CPU-only run they were measured no
+        # faster at one thread and slower at two (docs/benchmarks.md), so tiles step whole.
+        chunked = self._on_accelerator(parts) if self.chunked is None else self.chunked
         if swap is None and chunked and steps_fused_adam(optimizer) and self._step_chunked(optimizer, tiles,
                                                                                           inv_scale, clip):
             return
@@ -294,7 +298,6 @@ class OptimizerOffload:
                     grads = upcoming
                     if index + 1 < len(tiles):  # the next tile's gradients come in while this one steps
                         upcoming, arriving = self._fetch_grads(tiles[index + 1], pipe)
-                wait_for_copies([grad for _, grad, *_ in tile])
                 _scale(grads, inv_scale, clip)  # the same arithmetic as step_in_tiles
                 for (piece, *_), host in zip(tile, grads):
                     piece.grad = host.view(piece.shape)
@@ -324,8 +327,9 @@ class OptimizerOffload:
 
     def _step_chunked(self, optimizer: torch.optim.Optimizer, tiles: list[list[tuple]], inv_scale: float,
                       clip: Optional[torch.Tensor]) -> bool:
-        """Device 'cpu' with Adam/AdamW and the copy thread: every stepped piece in chunks smaller than a piece, the
-        gradient copies and the write-back on the thread beside them (chunked_step.py). False where a piece has no
+        """Device 'cpu' with Adam/AdamW, shards on an accelerator: every stepped piece in chunks smaller than a
+        piece, each chunk's gradient copies before it and its write-back after it, overlapping the next chunks
+        (asynchronous from pinned memory, else on the copy thread; chunked_step.py). False where a piece has no
         state yet (first step)."""
         entries = [entry for tile in tiles for entry in tile]
         grads, copies, writes, parts, offset = [], [], [], {}, 0
@@ -360,13 +364,20 @@ class OptimizerOffload:
         self._fresh.clear()
         return True
 
+    @staticmethod
+    def _on_accelerator(parts: list) -> bool:
+        return any(shard.device.type != "cpu" for part in parts for shard in part.grad_shards()[:1])
+
     def _copy_thread(self, parts: list) -> bool:
-        """Host <-> accelerator copies are DMA transfers: on a thread they overlap the CPU step. When the model's
-        shards are host memory too (a CPU-only run) the casts compete with the step for the same cores and
-        memory bandwidth, and a thread was measured no faster (docs/benchmarks.md), so they run inline."""
+        """Whether the copies around the step run on a thread. Host <-> accelerator copies from pinned memory are
+        asynchronous (placement.py): issued inline they overlap the step already, and a thread only adds GIL
+        hand-offs (12% of a fused step on an H200 host, benchmarks.gpu_host_step). From pageable memory they
+        block until done, and on a thread they overlap the step. When the model's shards are host memory too (a
+        CPU-only run) the casts compete with the step for the same cores and memory bandwidth, and a thread was
+        measured no faster (docs/benchmarks.md), so they run inline."""
         if self.copy_thread is not None:
             return self.copy_thread
-        return any(shard.device.type != "cpu" for part in parts for shard in part.grad_shards()[:1])
+        return self._on_accelerator(parts) and not self.pin
 
     def _writer(self) -> ThreadPoolExecutor:
         """One thread for the write-backs (torch's copies release the GIL, so they overlap the next tile)."""
