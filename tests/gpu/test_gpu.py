@@ -41,6 +41,13 @@ def test_stage_trains_like_plain_bf16_autocast(gpu_runs, stage):
         assert (zero["weights"][name] - value).abs().max().item() <= 2e-2, name
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_gradients_give_their_memory_back_after_the_step(gpu_runs, stage):
+    """On CUDA, after a step the engine holds no gradient memory until the next backward reduces into it
+    (zero_core/grad_memory.py), as plain training with zero_grad(set_to_none=True)."""
+    assert gpu_runs[f"zero{stage}"]["grads_held_after_step"] == 0
+
+
 def test_stage3_gathers_and_reduces_on_side_streams(gpu_runs):
     """Every all-gather stage 3 issued in training ran on its gather stream and every reduce-scatter on its reduce
     stream (zero_core/stage3/streams.py), and the events ordering them lose nothing: the same weights, bit for
