@@ -42,12 +42,14 @@ class FlatBucket:
         self.starts = starts
         self.state: Optional[dict] = None  # the flat state, while the pieces' state are views of it
         self._dicts: list = []  # the pieces' state dicts holding the views (a load makes new ones)
+        self._entries_held: tuple = ([], [], [])  # (state dict, key, view) of every piece entry, as three lists
         self._scalars: dict = {}  # key -> the vector whose 0-d views are the pieces' scalars
         self._entries: dict = {}  # key -> the flat tensor the pieces' views (or scalars) are made from
 
     def ready(self, optimizer: torch.optim.Optimizer) -> bool:
         """Whether the flat state is in place (adopting the pieces' state first if needed)."""
-        if self.state is not None and all(map(is_, map(optimizer.state.get, self.pieces), self._dicts)):
+        if self.state is not None and all(map(is_, map(optimizer.state.get, self.pieces), self._dicts)) and all(
+                map(is_, map(dict.get, *self._entries_held[:2]), self._entries_held[2])):
             return True
         return self._adopt(optimizer)
 
@@ -58,7 +60,7 @@ class FlatBucket:
         states = [optimizer.state.get(piece) for piece in self.pieces]
         if not states or not states[0] or any(not s or s.keys() != states[0].keys() for s in states):
             return False
-        flat, scalars = {}, {}
+        flat, scalars, held = {}, {}, ([], [], [])
         for key, first in states[0].items():
             values = [s[key] for s in states]
             if not all(isinstance(v, torch.Tensor) for v in values):
@@ -80,7 +82,9 @@ class FlatBucket:
                 return False
             for state, view in zip(states, pieces_views):
                 state[key] = view
-        self.state, self._scalars, self._dicts = flat, scalars, states
+                for values, value in zip(held, (state, key, view)):
+                    values.append(value)
+        self.state, self._scalars, self._dicts, self._entries_held = flat, scalars, states, held
         self._entries = dict(flat)
         return True
 
