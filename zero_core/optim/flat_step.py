@@ -41,14 +41,16 @@ class FlatBucket:
         self.pieces = pieces
         self.starts = starts
         self.state: Optional[dict] = None  # the flat state, while the pieces' state are views of it
-        self._dicts: list = []  # the pieces' state dicts holding the views (a load makes new ones)
+        self._dicts: list = []  # the pieces' state dicts holding the views (a load makes new ones); kept
+        self._dict_ids: set = set()  # referenced here, so that no other object can take one of these ids
         self._entries_held: tuple = ([], [], [])  # (state dict, key, view) of every piece entry, as three lists
         self._scalars: dict = {}  # key -> the vector whose 0-d views are the pieces' scalars
         self._entries: dict = {}  # key -> the flat tensor the pieces' views (or scalars) are made from
 
-    def ready(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether the flat state is in place (adopting the pieces' state first if needed)."""
-        if self.state is not None and all(map(is_, map(optimizer.state.get, self.pieces), self._dicts)) and all(
+    def ready(self, optimizer: torch.optim.Optimizer, live: set) -> bool:
+        """Whether the flat state is in place (adopting the pieces' state first if needed). ``live``: the ids of
+        the optimizer's state dicts (a load makes new ones; ids, as hashing a tensor is a Python call)."""
+        if self.state is not None and self._dict_ids <= live and all(
                 map(is_, map(dict.get, *self._entries_held[:2]), self._entries_held[2])):
             return True
         return self._adopt(optimizer)
@@ -85,6 +87,7 @@ class FlatBucket:
                 for values, value in zip(held, (state, key, view)):
                     values.append(value)
         self.state, self._scalars, self._dicts, self._entries_held = flat, scalars, states, held
+        self._dict_ids = set(map(id, states))
         self._entries = dict(flat)
         return True
 

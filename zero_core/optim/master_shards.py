@@ -162,6 +162,7 @@ def _step_in_place(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequ
     pieces all got a gradient is stepped as one tensor where the optimizer allows it (flat_step.py)."""
     stepped, shards, flat = [], [], []
     elementwise = type(optimizer) in ELEMENTWISE
+    live = set(map(id, optimizer.state.values())) if elementwise else set()
     for part, mask in zip(parts, used):
         masters = part.master_shards
         grad_shards = part.grad_shards()
@@ -169,7 +170,7 @@ def _step_in_place(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequ
         before = len(stepped) + len(flat)
         whole = elementwise and all(mask)
         for bucket, grad_shard in zip(flat_buckets(masters), grad_shards):
-            if whole and bucket.ready(optimizer):
+            if whole and bucket.ready(optimizer, live):
                 bucket.param.grad = grad_shard
                 flat.append(bucket)
                 continue
