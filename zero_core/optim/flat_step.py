@@ -12,7 +12,8 @@ the bucket shard is stepped as one tensor:
   views of one vector per key that the flat scalar is copied into after each flat step (scalars), so the
   per-piece state that checkpoints and ``state_dict()`` read stays exact;
 - the pieces' state is adopted (copied into flat buffers) at the first step after the optimizer created it,
-  and again whenever it was replaced (a load) or a step ran per piece (a parameter without a gradient);
+  and again whenever it was replaced (a load); after a step per piece (a parameter without a gradient) the
+  views are still exact and only the scalars are compared (pieces whose ``step`` differs stay per piece);
 - padding elements (no piece) have zero gradients and zero values on every rank: every elementwise optimizer
   leaves them zero.
 
@@ -35,9 +36,11 @@ ELEMENTWISE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 class FlatBucket:
     """One bucket shard of one MasterShards as a single optimizer parameter, with its flat state."""
 
-    def __init__(self, master: torch.Tensor, indices: list[int], pieces: list[nn.Parameter], starts: list[int]) -> None:
+    def __init__(self, master: torch.Tensor, indices: list[int], param_indices: list[int], pieces: list[nn.Parameter],
+                 starts: list[int]) -> None:
         self.param = nn.Parameter(master, requires_grad=True)  # shares the bucket master's storage
         self.indices = indices  # the pieces' positions in MasterShards.params
+        self.param_indices = param_indices  # the pieces' parameters' positions in their part
         self.pieces = pieces
         self.starts = starts
         self.state: Optional[dict] = None  # the flat state, while the pieces' state are views of it
@@ -46,14 +49,25 @@ class FlatBucket:
         self._entries_held: tuple = ([], [], [])  # (state dict, key, view) of every piece entry, as three lists
         self._scalars: dict = {}  # key -> the vector whose 0-d views are the pieces' scalars
         self._entries: dict = {}  # key -> the flat tensor the pieces' views (or scalars) are made from
+        self._synced = False  # the flat scalars are the pieces' (no step per piece since the last flat one)
 
     def ready(self, optimizer: torch.optim.Optimizer, live: set) -> bool:
         """Whether the flat state is in place (adopting the pieces' state first if needed). ``live``: the ids of
         the optimizer's state dicts (a load makes new ones; ids, as hashing a tensor is a Python call)."""
         if self.state is not None and self._dict_ids <= live and all(
                 map(is_, map(dict.get, *self._entries_held[:2]), self._entries_held[2])):
-            return True
+            return self._synced or self._resync()
         return self._adopt(optimizer)
+
+    def _resync(self) -> bool:
+        """After a step per piece the per-element views are still exact (updated in place); the scalars are
+        too if every piece was stepped. Else (Adam's ``step`` differs between pieces) the bucket stays per piece."""
+        if not all(bool((vector == vector[0]).all()) for vector in self._scalars.values()):
+            return False
+        for key, vector in self._scalars.items():
+            self.state[key].copy_(vector[0])
+        self._synced = True
+        return True
 
     def _adopt(self, optimizer: torch.optim.Optimizer) -> bool:
         """Copy the pieces' state into flat buffers and make the pieces' entries views of them; False (and no
@@ -88,6 +102,7 @@ class FlatBucket:
                     values.append(value)
         self.state, self._scalars, self._dicts, self._entries_held = flat, scalars, states, held
         self._dict_ids = set(map(id, states))
+        self._synced = True
         self._entries = dict(flat)
         return True
 
@@ -102,18 +117,19 @@ class FlatBucket:
             vector.copy_(self.state[key].expand_as(vector))
 
     def forget(self) -> None:
-        """A step ran per piece: their scalars may differ from the flat ones now (adopt again next time)."""
-        self.state = None
+        """A step ran per piece: their scalars may differ from the flat ones now (checked before the next flat one)."""
+        self._synced = False
 
 
 def flat_buckets(masters) -> list[FlatBucket]:
     """One FlatBucket per bucket of a MasterShards (made once, kept on it)."""
     buckets = getattr(masters, "flat_buckets", None)
     if buckets is None:
-        by_bucket = [([], [], []) for _ in masters.buckets]
+        by_bucket = [([], [], [], []) for _ in masters.buckets]
         for index, (piece, fragment) in enumerate(zip(masters.params, masters.pieces)):
-            for values, value in zip(by_bucket[fragment.bucket], (index, piece, fragment.shard_range.start)):
-                values.append(value)
+            values = (index, fragment.param_index, piece, fragment.shard_range.start)
+            for listed, value in zip(by_bucket[fragment.bucket], values):
+                listed.append(value)
         buckets = masters.flat_buckets = [FlatBucket(master, *lists) for master, lists in zip(masters.buckets, by_bucket)]
     return buckets
 

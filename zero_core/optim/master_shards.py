@@ -168,14 +168,15 @@ def _step_in_place(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequ
         grad_shards = part.grad_shards()
         grads = masters.grad_pieces(grad_shards)
         before = len(stepped) + len(flat)
-        whole = elementwise and all(mask)
+        whole = all(mask)
         for bucket, grad_shard in zip(flat_buckets(masters), grad_shards):
-            if whole and bucket.ready(optimizer, live):
+            every = whole or all(map(mask.__getitem__, bucket.param_indices))  # each piece got a gradient
+            if elementwise and every and bucket.ready(optimizer, live):
                 bucket.param.grad = grad_shard
                 flat.append(bucket)
                 continue
-            for index, piece in zip(bucket.indices, bucket.pieces):
-                if mask[masters.pieces[index].param_index]:
+            for index, param_index, piece in zip(bucket.indices, bucket.param_indices, bucket.pieces):
+                if mask[param_index]:
                     piece.grad = grads[index]
                     stepped.append(piece)
             bucket.forget()
