@@ -76,34 +76,34 @@ class FlatBucket:
         states = [optimizer.state.get(piece) for piece in self.pieces]
         if not states or not states[0] or any(not s or s.keys() != states[0].keys() for s in states):
             return False
-        flat, scalars, held = {}, {}, ([], [], [])
-        for key, first in states[0].items():
-            values = [s[key] for s in states]
+        columns = {key: [s[key] for s in states] for key in states[0]}
+        for values in columns.values():
             if not all(isinstance(v, torch.Tensor) for v in values):
                 return False
-            if all(v.shape == p.shape for v, p in zip(values, self.pieces)):
-                buffer = torch.zeros(self.param.shape, dtype=first.dtype, device=first.device)
-                for value, start in zip(values, self.starts):
-                    buffer[start : start + value.numel()] = value
-                flat[key] = buffer
-                pieces_views = [buffer[start : start + v.numel()] for v, start in zip(values, self.starts)]
-            elif all(v.dim() == 0 for v in values):
-                vector = torch.stack(values)
-                if not bool((vector == vector[0]).all()):
-                    return False  # pieces stepped different numbers of times: they keep stepping alone
-                flat[key] = vector[0].clone()
-                scalars[key] = vector
-                pieces_views = list(vector.unbind())
-            else:
+            elementwise = all(v.shape == p.shape for v, p in zip(values, self.pieces))
+            if not elementwise and not all(v.dim() == 0 for v in values):
                 return False
-            for state, view in zip(states, pieces_views):
+            if not elementwise and not bool((torch.stack(values) == values[0]).all()):
+                return False  # pieces stepped different numbers of times: they keep stepping alone
+        flat, scalars, held = {}, {}, ([], [], [])
+        for key, values in columns.items():
+            if values[0].dim() == 0:
+                vector = scalars[key] = torch.stack(values)
+                flat[key] = vector[0].clone()
+                views = list(vector.unbind())
+            else:
+                flat[key] = torch.zeros(self.param.shape, dtype=values[0].dtype, device=values[0].device)
+                views = [flat[key][start : start + v.numel()] for v, start in zip(values, self.starts)]
+                for view, value in zip(views, values):
+                    view.copy_(value)
+            for state, view in zip(states, views):
                 state[key] = view
-                for values, value in zip(held, (state, key, view)):
-                    values.append(value)
+                for listed, item in zip(held, (state, key, view)):
+                    listed.append(item)
         self.state, self._scalars, self._dicts, self._entries_held = flat, scalars, states, held
         self._dict_ids = set(map(id, states))
-        self._synced = True
         self._entries = dict(flat)
+        self._synced = True
         return True
 
     def after_step(self) -> None:

@@ -135,7 +135,7 @@ def step_in_tiles(optimizer: torch.optim.Optimizer, parts: Sequence, used: Seque
         if all(_grads_in_master_dtype(part) for part in parts):
             _step_in_place(optimizer, parts, used, inv_scale, clip_coef)
             return
-        for part in parts:  # pieces stepped alone: a flat state made before must be adopted again
+        for part in parts:  # pieces stepped alone: the flat scalars are compared again before a flat step
             for bucket in getattr(part.master_shards, "flat_buckets", ()):
                 bucket.forget()
         for tile in master_tiles(parts, used, tile_numel):
