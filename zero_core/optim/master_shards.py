@@ -17,6 +17,7 @@ from torch import nn
 
 from zero_core.fragments import Fragment
 from zero_core.layout import FlatLayout, Range
+from zero_core.optim.flat_step import ELEMENTWISE, flat_buckets, stepping_flat
 from zero_core.optim.kernels import multi_tensor_kernels, only_params
 
 
@@ -134,6 +135,9 @@ def step_in_tiles(optimizer: torch.optim.Optimizer, parts: Sequence, used: Seque
         if all(_grads_in_master_dtype(part) for part in parts):
             _step_in_place(optimizer, parts, used, inv_scale, clip_coef)
             return
+        for part in parts:  # pieces stepped alone: the flat scalars are compared again before a flat step
+            for bucket in getattr(part.master_shards, "flat_buckets", ()):
+                bucket.forget()
         for tile in master_tiles(parts, used, tile_numel):
             _step_tile(optimizer, tile, inv_scale, clip_coef, parts[0].master_shards)
 
@@ -154,20 +158,35 @@ def _scale(grads: list[torch.Tensor], inv_scale: float, clip_coef: Optional[torc
 def _step_in_place(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequence[Sequence[bool]],
                    inv_scale: float, clip_coef: Optional[torch.Tensor]) -> None:
     """fp32 gradients: the pieces' gradients are views of the gradient shards, scaled in place (whole shards:
-    a few large multiplications; what belongs to unused parameters is zero on every rank)."""
-    stepped, shards = [], []
+    a few large multiplications; what belongs to unused parameters is zero on every rank). A bucket whose
+    pieces all got a gradient is stepped as one tensor where the optimizer allows it (flat_step.py)."""
+    stepped, shards, flat = [], [], []
+    elementwise = type(optimizer) in ELEMENTWISE
+    live = set(map(id, optimizer.state.values())) if elementwise else set()
     for part, mask in zip(parts, used):
         masters = part.master_shards
         grad_shards = part.grad_shards()
-        before = len(stepped)
-        for piece, fragment, grad in zip(masters.params, masters.pieces, masters.grad_pieces(grad_shards)):
-            if mask[fragment.param_index]:
-                piece.grad = grad
-                stepped.append(piece)
-        if len(stepped) > before:
+        grads = masters.grad_pieces(grad_shards)
+        before = len(stepped) + len(flat)
+        whole = all(mask)
+        for bucket, grad_shard in zip(flat_buckets(masters), grad_shards):
+            every = whole or all(map(mask.__getitem__, bucket.param_indices))  # each piece got a gradient
+            if elementwise and every and bucket.ready(optimizer, live):
+                bucket.param.grad = grad_shard
+                flat.append(bucket)
+                continue
+            for index, param_index, piece in zip(bucket.indices, bucket.param_indices, bucket.pieces):
+                if mask[param_index]:
+                    piece.grad = grads[index]
+                    stepped.append(piece)
+            bucket.forget()
+        if len(stepped) + len(flat) > before:
             shards += grad_shards
     _scale(shards, inv_scale, clip_coef)
-    optimizer.step()
+    with stepping_flat(optimizer, flat):
+        optimizer.step()
+    for bucket in flat:
+        bucket.after_step()
     for piece in stepped:
         piece.grad = None
 
