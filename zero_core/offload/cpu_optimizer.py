@@ -21,7 +21,7 @@ from typing import Iterator, Optional
 import torch
 from torch import nn
 
-from zero_core.optim.kernels import FUSED_CPU, only_params
+from zero_core.optim.kernels import FUSED_CPU, fused_sgd_would_fail, only_params
 from zero_core.optim.master_shards import _scale, master_tiles, tile_runs
 from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
@@ -183,7 +183,9 @@ class OptimizerOffload:
             optimizer.defaults["fused"] = True
             for group in optimizer.param_groups:
                 if not group.get("differentiable"):
-                    group["fused"], group["foreach"] = True, False
+                    # this step only, while its parameters' momentum buffers are mixed (kernels.py)
+                    fused = not fused_sgd_would_fail(optimizer, group)
+                    group["fused"], group["foreach"] = fused, False
         elif type(optimizer) not in self._noted:
             self._noted.add(type(optimizer))
             warnings.warn(

@@ -23,11 +23,25 @@ FUSED_CPU = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.A
 FUSED_CUDA = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
+def fused_sgd_would_fail(optimizer: torch.optim.Optimizer, group: dict) -> bool:
+    """torch's fused SGD with momentum takes the momentum buffers of all of a group's parameters or of none: a
+    parameter stepped for the first time (no buffer yet) beside others that have one makes it raise a TypeError
+    (torch 2.13), where its other implementations take them one by one. A parameter that got no gradient in the
+    first steps (an unused expert, a frozen-then-unfrozen layer) leaves its group in that state."""
+    if not isinstance(optimizer, torch.optim.SGD) or not group.get("momentum"):
+        return False
+    state = optimizer.state
+    having = {state[p].get("momentum_buffer") is not None if p in state else False for p in group["params"]}
+    return len(having) > 1
+
+
 def _left_to_torch(optimizer: torch.optim.Optimizer, group: dict) -> bool:
     params = group["params"]
     if group.get("fused") is not None or group.get("foreach") is not None or group.get("differentiable") or not params:
         return False
     device = params[0].device.type
+    if fused_sgd_would_fail(optimizer, group):
+        return False
     return isinstance(optimizer, FUSED_CPU if device == "cpu" else FUSED_CUDA if device == "cuda" else ())
 
 
