@@ -15,7 +15,7 @@ def main() -> None:
     model = nn.Sequential(nn.Linear(6, 9), nn.Tanh(), nn.Linear(9, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = accelerator.prepare(model, optimizer)
-    x, y = torch.randn(16, 6), torch.randn(16, 1)
+    x, y = torch.randn(16, 6).to(accelerator.device), torch.randn(16, 1).to(accelerator.device)
     losses = []
     for _ in range(3):
         loss = nn.functional.mse_loss(model(x), y)
