@@ -1,4 +1,5 @@
-"""A bucket shard stepped as one tensor (zero_core/optim/flat_step.py) gives exactly the per-piece step: at 2 ranks,
+"""A bucket shard stepped as one tensor (zero_core/optim/flat_step.py) gives exactly the per-piece step on buckets
+small enough for torch to step on one thread (large ones differ in the last bit of fp32; flat_step.py): at 2 ranks,
 stages 1-3, Adam/AdamW/SGD, with a parameter that gets no gradient in some steps (those buckets step per piece and
 are adopted again after) and the optimizer's state replaced mid-run by ``load_state_dict``: weights and every
 piece's optimizer state are bit-identical to training with the flat step turned off, and the flat step did run."""

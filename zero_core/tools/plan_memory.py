@@ -86,10 +86,16 @@ def rank_bytes(info, cfg: ZeroConfig, n: int, stage: int, precision: str, k_byte
         params += sum(_final_size(p, cast) * p.numel for p in info.params if p.group is None or not p.trainable)
     grads = sum((p.layout.total if stage == 1 else p.layout.shard_numel) * p.element_size for p in trainable)
     master = sum(MASTER_BYTES * p.layout.shard_numel for p in trainable if p.dtype != FP32)
+    # Every trainable part fp32 (its own master), no offload: Adam, AdamW and SGD step whole bucket shards
+    # (optim/flat_step.py), so their per-element state covers each stepped shard's padding too (the estimate
+    # assumes such an optimizer and one optimizer over all parts, as the engine's step decides per optimizer)
+    offloaded = cfg.offload_optimizer is not None and cfg.offload_optimizer.device != "none"
+    flat = not offloaded and all(p.dtype == FP32 for p in trainable)
     state = tile = 0
     for r in range(n) if rank is None else [rank]:
         pieces = [_pieces(p.layout, r) for p in trainable]
-        state = max(state, sum(k_bytes * sum(sizes) + tensor_bytes * len(sizes) for sizes in pieces))
+        elements = [_flat_state_numel(p.layout, r) for p in trainable] if flat else [sum(s) for s in pieces]
+        state = max(state, sum(k_bytes * e + tensor_bytes * len(sizes) for e, sizes in zip(elements, pieces)))
         tile = max(tile, _step_tile_bytes(trainable, pieces, cfg))
     # overlap_comm as the engine resolves it (ZeroConfig.resolved_overlap_comm), for the stage estimated
     overlap = stage == 3 if cfg.overlap_comm is None else cfg.overlap_comm
@@ -175,6 +181,13 @@ def _unit_spec(p) -> ParamSpec:
 # -- per rank ----------------------------------------------------------------------------------------------
 
 @functools.lru_cache(maxsize=4096)
+def _flat_state_numel(layout: FlatLayout, rank: int) -> int:
+    """Elements of per-element optimizer state ``rank`` holds when each bucket shard with a piece is stepped
+    whole: the shard, padding included."""
+    buckets = {f.bucket for f in layout.fragments(rank)}
+    return sum(layout.buckets[b].shard_size for b in buckets)
+
+
 def _pieces(layout: FlatLayout, rank: int) -> tuple[int, ...]:
     """Sizes of the master pieces ``rank`` steps (one per parameter fragment it owns: padding has none)."""
     return tuple(f.param_range.size for f in layout.fragments(rank))
