@@ -1,6 +1,8 @@
 #!/bin/bash
-# Every GPU check of issues 18 and 19 in one call of the device tool (about 250 s of run time on an H200):
-# the GPU tier, issue 18's table, where the memory goes, offload against FSDP2 at 1.75B and 6.58B parameters.
+# Every GPU check of issues 18 and 19 in one call of the device tool (about 500 s of run time on an H200, so
+# split it over two calls when the session's device time is short): the GPU tier, the CPU tier's Accelerate
+# launches with a GPU visible, issue 18's table, where the memory goes, the host step alone, offload against FSDP2
+# at 1.75B and 6.58B parameters.
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
@@ -16,7 +18,11 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 { step tests; nvidia-smi -L; timeout 120 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 115; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
+# The CPU tier's Accelerate launches with a GPU visible (issue 18): the whole output, failures' messages included
+{ step accelerate_launch; timeout 200 python3 -m pytest tests/test_accelerate_launch.py -q -p no:cacheprovider -x; echo "rc=$?"; } > "$OUT/accelerate_launch.txt" 2>&1; tail -3 "$OUT/accelerate_launch.txt"
 { step table; timeout 90 python3 -m benchmarks.gpu --preset 873M 110M --steps 8 --warmup 3 --repeats 2; echo "rc=$?"; } 2>&1 | tee "$OUT/table.txt"
 { step memory; timeout 70 python3 -m benchmarks.gpu_memory "$OUT/memory_873M.txt" --preset 873M --steps 2 >/dev/null; echo "rc=$?"; } 2>&1
-{ step offload; timeout 130 python3 -m benchmarks.gpu_offload --layers 8 --steps 2 --warmup 1 --profile --timeout 42; echo "rc=$?"; } 2>&1 | tee "$OUT/offload.txt"
-{ step offload7B; timeout 400 python3 -m benchmarks.gpu_offload --layers 32 --steps 2 --warmup 1 --timeout 130; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_7B.txt"
+{ step host_step; timeout 60 python3 -m benchmarks.gpu_host_step --numel 1.75e9; echo "rc=$?"; } 2>&1 | tee "$OUT/host_step.txt"
+{ step offload; timeout 130 python3 -m benchmarks.gpu_offload --layers 8 --steps 2 --warmup 1 --profile --timeout 60; echo "rc=$?"; } 2>&1 | tee "$OUT/offload.txt"
+# 6.58B, ours and FSDP2 side by side (FSDP2's setup alone takes about 27 s): about 150 s
+{ step offload7B; timeout 260 python3 -m benchmarks.gpu_offload --layers 32 --steps 2 --warmup 1 --impls zero3 fsdp2 --timeout 120; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_7B.txt"
