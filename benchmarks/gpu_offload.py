@@ -2,8 +2,6 @@
 our stage 3 with ``offload_optimizer: {device: cpu, pin_memory: true}`` (``zero3``), with ``offload_param`` as
 well (``zero3_param``, what FSDP2's policy offloads), against FSDP2 with ``CPUOffloadPolicy``
 (bf16 ``MixedPrecisionPolicy``, torch's fused CPU AdamW), each in its own process, one after the other.
-``zero3_whole`` (a diagnosis, not a default) steps whole ``sub_group_size`` tiles instead of chunks, so each
-tile's write-back to the GPU follows its step instead of running beside the next chunks.
 
     python -m benchmarks.gpu_offload --layers 32                 # about 6.6B parameters
     python -m benchmarks.gpu_offload --layers 8 --impls zero3    # a quick look
@@ -63,8 +61,6 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), {
             "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, **offload}})
         del model
-        if impl == "zero3_whole":  # a diagnosis: whole tiles, each written back after it steps, not in chunks
-            engine._offload.chunked = False
 
         def forward_backward(tokens, targets):
             engine.backward(engine.module(tokens, targets))
@@ -109,7 +105,7 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--impls", nargs="+", default=["zero3", "zero3_param", "fsdp2"], choices=("zero3", "zero3_param", "zero3_whole", "fsdp2"))
+    p.add_argument("--impls", nargs="+", default=["zero3", "zero3_param", "fsdp2"], choices=("zero3", "zero3_param", "fsdp2"))
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=int, default=600, help="seconds per implementation's process")

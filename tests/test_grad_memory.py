@@ -22,15 +22,9 @@ CONFIGS = {
 }
 
 
-def _grad_storage(part) -> torch.Tensor:
-    """The tensor that owns a part's gradient memory: stage 1's full buffer, stage 2's shards, stage 3's shard."""
-    if hasattr(part, "full_grads"):
-        return part.flat_grad if part.full_grads else part._grad_storage
-    return part._grad_shard
-
-
 def _held_bytes(engine) -> int:
-    return sum(_grad_storage(part).untyped_storage().nbytes() for part in engine.runtime.parts)
+    """Gradient memory held now, as memory_stats() counts it (the call restores nothing)."""
+    return engine.memory_stats()["grads"]
 
 
 def _worker(rank: int, world_size: int) -> dict:

@@ -48,7 +48,7 @@ def _reference() -> dict:
 
 def _worker(rank: int, world_size: int) -> dict:
     out = {}
-    configs = {"stage1": {"stage": 1}, "stage2": {"stage": 2}, "stage3": {"stage": 3},
+    configs = {"stage1": {"stage": 1}, "stage2": {"stage": 2}, "stage3": {"stage": 3, "stage3_param_persistence_threshold": 0},
                "stage2_offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}
     for name, config in configs.items():
         model = LateBranch()

@@ -13,12 +13,9 @@ and its owner restores it before anything reads or writes through them.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-# Tests set this (also for the processes they start) to run the release where it is otherwise off.
-RELEASE_ON_CPU = os.environ.get("ZERO_CORE_RELEASE_GRADS_ON_CPU") == "1"
+RELEASE_ON_CPU = False  # tests set it (in their worker processes) to run the release where it is otherwise off
 
 
 def releases(device: torch.device) -> bool:

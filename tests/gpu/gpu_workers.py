@@ -143,19 +143,12 @@ def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0
             masters = engine.full_state_dict(rank0_only=False)
             params = engine.full_state_dict(rank0_only=False, masters=False)
             written_back.append(all(torch.equal(params[n], masters[n].to(params[n].dtype)) for n in params))
-    grads_held_after_step = sum(_grad_storage(part).untyped_storage().nbytes() for part in engine.runtime.parts)
+    grads_held_after_step = engine.memory_stats()["grads"]  # counting restores nothing
     weights = engine.full_state_dict(rank0_only=False)
     return {"grads_held_after_step": grads_held_after_step, "losses": losses, "peak": torch.cuda.max_memory_allocated(), "memory": engine.memory_stats(),
             "weights": {n: weights[n] for n, _ in model.named_parameters()},
             "issued_on_side_stream": issued, "written_back": written_back,
             "host_pinned": [t.is_pinned() for t in _host_tensors(engine)]}
-
-
-def _grad_storage(part) -> torch.Tensor:
-    """The tensor that owns a part's gradient memory: stage 1's full buffer, stage 2's shards, stage 3's shard."""
-    if hasattr(part, "full_grads"):
-        return part.flat_grad if part.full_grads else part._grad_storage
-    return part._grad_shard
 
 
 def _host_tensors(engine) -> list:

@@ -27,7 +27,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 from zero_core.optim.kernels import only_params
-from zero_core.offload.placement import copy_to_host, wait_for_copies
+from zero_core.offload.placement import copy_between, wait_for_copies
 
 # Elements per chunk: 4 MiB per fp32 tensor, so a chunk's gradient, master and moments (16 MiB) stay in the
 # last-level cache while the chunk is copied in, stepped and written back (docs/benchmarks.md, "Offloaded step").
@@ -124,14 +124,14 @@ def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tenso
         with torch.no_grad():
             pairs = _slices(copies, lo, hi)
             for dst, src in pairs:
-                copy_to_host(dst, src)
+                copy_between(dst, src)
             wait_for_copies([src for _, src in pairs])
             scale([g for g, *_ in _segments(grads, starts, sizes, lo, hi)])
 
     def send(lo: int, hi: int) -> None:  # chunk [lo, hi)'s updated masters into the model's parameter shards
         with torch.no_grad():  # from pinned masters: asynchronous, cast on the accelerator (the caller waits)
             for dst, src in _slices(writes, lo, hi):
-                copy_to_host(dst, src)
+                copy_between(dst, src)
 
     def run(fn, *args) -> Optional[Future]:
         if pool is None:

@@ -28,7 +28,7 @@ from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps
 from zero_core.offload.host_masters import HostMasterShards
 from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
 from zero_core.offload.params import offload_param_shards
-from zero_core.offload.placement import copy_to_host, host_empty, pinning, wait_for_copies
+from zero_core.offload.placement import copy_between, host_empty, pinning, wait_for_copies
 
 # Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
 _SWAP_BYTES_PER_ELEMENT = 4 * 3
@@ -55,7 +55,7 @@ def _copy_all(copies: list[tuple], arrive: bool = False) -> None:
     """``copies`` (dst, src) issued; with ``arrive``, also complete (gradients the step is about to read)."""
     with torch.no_grad():
         for dst, src in copies:
-            copy_to_host(dst, src)
+            copy_between(dst, src)
     if arrive and copies:
         wait_for_copies([src for _, src in copies])
 
@@ -212,7 +212,7 @@ class OptimizerOffload:
             grad = shards[index]
             if _in_host_fp32(grad) or grad.numel() == 0:
                 continue  # used in place at the step
-            copy_to_host(self._host_bucket(part, index, grad.numel()), grad)
+            copy_between(self._host_bucket(part, index, grad.numel()), grad)
             self._fresh.add((id(part), index))
             self.copied_during_backward += 1
 

@@ -55,7 +55,7 @@ def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
         return stream
 
 
-def copy_to_host(dst: torch.Tensor, src: torch.Tensor) -> None:
+def copy_between(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy between host memory and an accelerator (1-D tensors), either way, casting on the accelerator (slice by
     slice, so its temporary stays small), never on the CPU: device -> host casts, then copies; host -> device
     copies into a temporary, then casts. On a copy stream after what the compute stream has queued, and

@@ -103,6 +103,11 @@ class FlatParamGroup:
         return self.master_shards.fragments(self.names, shapes, self.dtype, self.grad_shards())
 
     # -- gradients -----------------------------------------------------------------------------------------
+    def grad_storage(self) -> torch.Tensor:
+        """The tensor that owns the gradient memory (stage 1's full buffer, stage 2's shards), as it is: empty
+        while released, and not restored or zeroed by this call."""
+        return self.flat_grad if self.full_grads else self._grad_storage
+
     def grad_shard(self, bucket: int) -> torch.Tensor:
         """This rank's reduced gradient for ``bucket`` (scaled like the loss)."""
         if self._stale:

@@ -191,5 +191,5 @@ class ReplicatedParamsRuntime:
         return self.pool.nbytes()
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        tensors = [s for g in self.parts for s in g.grad_shards()]
-        return tensors + [g.flat_grad for g in self.parts if g.flat_grad is not None]
+        """What holds gradient memory now (accounting: released memory counts nothing and stays released)."""
+        return [g.grad_storage() for g in self.parts]

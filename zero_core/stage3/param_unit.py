@@ -94,6 +94,10 @@ class ParamUnit:
             self._grad_shard.zero_()
         return self._grad_shard
 
+    def grad_storage(self) -> Optional[torch.Tensor]:
+        """The tensor that owns the gradient shard's memory, as it is (empty while released; not restored)."""
+        return self._grad_shard
+
     def grads_released(self) -> bool:
         """Whether the gradient shard's memory was given back since the last step (the next access zeroes it)."""
         return self._grad_shard is not None and grad_memory.is_released(self._grad_shard)

@@ -576,4 +576,5 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         return self.pool.nbytes()
 
     def grad_tensors(self) -> list[torch.Tensor]:
-        return [u.grad_shard for u in self.parts]
+        """What holds gradient memory now (accounting: a released shard counts nothing and stays released)."""
+        return [u.grad_storage() for u in self.parts]

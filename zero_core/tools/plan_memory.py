@@ -188,6 +188,7 @@ def _flat_state_numel(layout: FlatLayout, rank: int) -> int:
     return sum(layout.buckets[b].shard_size for b in buckets)
 
 
+@functools.lru_cache(maxsize=4096)
 def _pieces(layout: FlatLayout, rank: int) -> tuple[int, ...]:
     """Sizes of the master pieces ``rank`` steps (one per parameter fragment it owns: padding has none)."""
     return tuple(f.param_range.size for f in layout.fragments(rank))
