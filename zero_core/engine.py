@@ -401,7 +401,7 @@ class ZeroEngine:
         all_used = len(used) == count  # every parameter got a gradient here (used holds only this optimizer's)
         if all_used:  # made where it is used: a host-to-device copy would wait for the device
             flags = torch.ones(count + 1, dtype=torch.uint8, device=self.device)
-            flags[0] = 0
+            flags[:1].zero_()  # a kernel; `flags[0] = 0` copies the scalar in from the host and waits (measured)
         else:
             flags = torch.zeros(count + 1, dtype=torch.uint8)
             if used:
