@@ -57,11 +57,12 @@ def run(cmd: list, cwd: Path, env: dict, timeout: int = 240) -> str:
 def accelerate_launch(tmp: Path, script: str, *args, env: dict) -> None:
     """Plain ``accelerate launch`` of a MULTI_GPU config without GPUs: a script whose first Accelerator is a plain
     one (a DDP reference) would believe it is alone (DistributedType.NO) unless ACCELERATE_USE_CPU is set, as
-    ``accelerate-zero launch`` does itself."""
+    ``accelerate-zero launch`` does itself. The script runs through then_destroy_group.py, so that a DDP reference
+    run, with no engine to tear gloo down, cannot abort at exit."""
     config = tmp / "accelerate.yaml"
     config.write_text(ACCELERATE_YAML)
-    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, SCRIPTS / script, *args],
-        cwd=tmp, env={**env, "ACCELERATE_USE_CPU": "true"})
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
+         SCRIPTS / "then_destroy_group.py", SCRIPTS / script, *args], cwd=tmp, env={**env, "ACCELERATE_USE_CPU": "true"})
 
 
 def max_diff(a: dict, b: dict) -> float:
