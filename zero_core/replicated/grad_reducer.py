@@ -12,6 +12,7 @@ See docs/core-api.md for the full rules.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,7 +24,6 @@ from zero_core.planning import REPLICATED_IN_FLIGHT
 from zero_core.comm.communicator import Communicator
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 from zero_core.replicated.flat_param_group import FlatParamGroup
-from zero_core.weak_hooks import weakly
 
 
 @dataclass
@@ -50,7 +50,7 @@ class GradReducer:
     """Owns the bucket order, the stage 2 hooks and every gradient collective."""
 
     MAX_IN_FLIGHT = REPLICATED_IN_FLIGHT
-    note_grad = None  # called with each parameter whose gradient arrived (stage 2), set by the runtime
+    grad_notes = None  # the engine's GradNotes: each arriving gradient is recorded there (stage 2), set by the runtime
 
     def __init__(
         self,
@@ -100,40 +100,18 @@ class GradReducer:
 
     def _register_hooks(self) -> None:
         self._handles = []
+        reducer = weakref.ref(self)  # the hooks hold the reducer weakly (weak_hooks.py says why)
         for position, (group, bucket) in enumerate(self.order):
             for index in group.layout.buckets[bucket].param_indices:
                 param = group.params[index]
                 if param.requires_grad:  # a frozen one is hooked when it becomes trainable (a new reducer)
-                    hook = functools.partial(weakly(self._on_grad_ready), position, index)
+                    hook = functools.partial(_grad_ready, reducer, position, index)
                     self._handles.append(param.register_post_accumulate_grad_hook(hook))
 
     def close(self) -> None:
         """Remove the hooks: a new reducer (over more groups) replaces this one."""
         for handle in getattr(self, "_handles", []):
             handle.remove()
-
-    def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
-        if self.note_grad is not None:
-            self.note_grad(param)  # the engine's (ReplicatedParamsRuntime.take_grad_notes)
-        session = self.session
-        if not (session.open and session.sync) and not session.grad_arrived():
-            return  # no_sync: autograd keeps accumulating in param.grad
-        if position > self._next:
-            group = self.order[position][0]
-            raise RuntimeError(
-                f"parameter '{group.names[index]}' produced a second gradient in one backward after its bucket "
-                "was reduced; with torch.utils.checkpoint pass use_reentrant=False"
-            )
-        state = self._states[position]
-        seen = state.seen
-        view = (state.views or self._open_staging(position, state))[index]
-        grad = param.grad
-        if grad is not view:  # not accumulated in its slot by autograd (see _open_staging)
-            view.add_(grad) if index in seen else view.copy_(grad)
-            param.grad = view  # a second gradient in this backward accumulates there in place
-        seen.add(index)
-        if len(seen) >= self._expected[position]:  # only a completed bucket can let the launches move on
-            self._launch_ready()
 
     def _stage(self, position: int, index: int, grad: torch.Tensor) -> None:
         state = self._states[position]
@@ -300,3 +278,34 @@ class GradReducer:
             job.group.on_grad_reduced(job.group, job.bucket)
         for buffer in job.scratch:
             self.pool.release(buffer)
+
+
+def _grad_ready(reducer_ref: weakref.ref, position: int, index: int, param: torch.Tensor) -> None:
+    """Stage 2's hook on each parameter: stage its gradient in its bucket, and launch the buckets it completes.
+    A module function holding the reducer weakly, so that a gradient costs one Python call (this one): it runs
+    288 times per step on the CPU proxy (docs/benchmarks.md)."""
+    self = reducer_ref()
+    if self is None:
+        return
+    notes = self.grad_notes
+    if notes is not None:
+        notes.record(param)  # the engine's note (grad_notes.py): a builtin call unless armed
+    session = self.session
+    if not (session.open and session.sync) and not session.grad_arrived():
+        return  # no_sync: autograd keeps accumulating in param.grad
+    if position > self._next:
+        group = self.order[position][0]
+        raise RuntimeError(
+            f"parameter '{group.names[index]}' produced a second gradient in one backward after its bucket "
+            "was reduced; with torch.utils.checkpoint pass use_reentrant=False"
+        )
+    state = self._states[position]
+    seen = state.seen
+    view = (state.views or self._open_staging(position, state))[index]
+    grad = param.grad
+    if grad is not view:  # not accumulated in its slot by autograd (see GradReducer._open_staging)
+        view.add_(grad) if index in seen else view.copy_(grad)
+        param.grad = view  # a second gradient in this backward accumulates there in place
+    seen.add(index)
+    if len(seen) >= self._expected[position]:  # only a completed bucket can let the launches move on
+        self._launch_ready()
