@@ -40,6 +40,14 @@ class GradNotes:
             handle = param.register_post_accumulate_grad_hook(self.record)
             self._entries.append((handle.hooks_dict_ref(), handle.id))
 
+    def record_all(self, params: list[torch.Tensor]) -> None:
+        """``record`` each of ``params`` (noted elsewhere meanwhile: stage 2's last bucket, last_bucket.py)."""
+        if not self.armed:
+            self.arrivals.extend(params)
+            return
+        for param in params:
+            self.record(param)
+
     def take(self) -> list[torch.Tensor]:
         """The parameters noted since the last call (one entry per gradient), forgotten here."""
         if not self.arrivals:
