@@ -37,9 +37,9 @@ zero_optimization:
 
 def clean_env(**extra) -> dict:
     """The parent's environment without ZeRO/Accelerate settings that would change what is tested, and without
-    GPUs: this tier is the CPU one wherever it runs (tests/gpu/ launches on a GPU). With a GPU visible,
-    Accelerate's own test script adds an fp16 check that needs one, and a one-process script puts its model
-    there; measured on an H200 before this: 4 errors and 5 failures."""
+    GPUs: this tier is the CPU one wherever it runs (tests/gpu/ launches on a GPU). Its launches run two ranks,
+    and with a GPU visible Accelerate's own barrier names device ``local_rank``, which a one-GPU machine lacks for
+    rank 1 (on an H200: 11 of 32 tests failed, each with "invalid device ordinal"; docs/benchmarks.md)."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith(("ACCELERATE_ZERO_", "ACCELERATE_USE_", "ACCELERATE_MIXED_PRECISION"))}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),

@@ -427,17 +427,23 @@ class ZeroEngine:
         parts = self._parts_of[k]
         count = sum(len(part.params) for part in parts)
         used = self._pending[k].used
-        if len(used) == count:  # every parameter got a gradient here (used holds only this optimizer's)
-            flags = torch.ones(count + 1, dtype=torch.uint8)
-            flags[0] = 0
+        all_used = len(used) == count  # every parameter got a gradient here (used holds only this optimizer's)
+        if all_used:  # made where it is used: a host-to-device copy would wait for the device
+            flags = torch.ones(count + 1, dtype=torch.uint8, device=self.device)
+            flags[:1].zero_()  # a kernel; `flags[0] = 0` copies the scalar in from the host and waits (measured)
         else:
             flags = torch.zeros(count + 1, dtype=torch.uint8)
             if used:
                 flags[torch.tensor([self._flag_slot[key] + 1 for key in used], dtype=torch.long)] = 1
-        flags = flags.to(self.device)
+            flags = flags.to(self.device)
         if self._scaler is not None:  # one max-norm kernel per dtype, no host sync: inf and nan propagate
             flags[0] = ~torch.isfinite(_shard_norms(self._grad_shards([k]), math.inf, self.device).max())
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, over="world")  # MiCS: a gradient on any replica counts
+        if all_used and self._scaler is None:
+            # Known without reading the result: the MAX of all ones is all ones, and nothing can overflow. Every
+            # rank still joins the all-reduce (another may need it); reading it would stall the host until the
+            # device has finished backward, and the step's kernels could no longer be queued behind it.
+            return False, [[True] * len(part.params) for part in parts]
         agreed = flags.tolist()  # 0 or 1 per parameter: the masks are read as truth values
         masks, start = [], 1
         for part in parts:

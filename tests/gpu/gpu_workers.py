@@ -8,6 +8,8 @@ import gc
 import os
 import sys
 import tempfile
+import traceback
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -151,6 +153,55 @@ def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0
             "host_pinned": [t.is_pinned() for t in _host_tensors(engine)]}
 
 
+def host_syncs(device, stage: int | None, control: bool = False) -> list[str]:
+    """Every synchronising CUDA call (torch's sync debug mode) in two training steps after two warm-up steps, each
+    with the Python stack that made it. ``stage`` None: plain autocast training. ``control``: a deliberate
+    ``loss.item()`` inside the window, which must be caught (the detector works)."""
+    if stage is None:
+        torch.manual_seed(0)
+        model = GPT().to(device)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+
+        def train(tokens):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = model(tokens)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return loss
+    else:
+        model, engine = _engine(device, stage)
+
+        def train(tokens):
+            loss = engine.module(tokens)
+            engine.backward(loss)
+            engine.step()
+            return loss
+    data = batches(device)
+    for tokens in data[:2]:
+        train(tokens)
+    torch.cuda.synchronize()
+    seen: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing CUDA operation" in str(message):  # torch's own notes about the mode pass
+            seen.append(f"{message}\n" + "".join(traceback.format_stack(limit=14)[:-1]))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            for tokens in data[2:4]:
+                loss = train(tokens)
+                if control:
+                    loss.item()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    return seen
+
+
 def _host_tensors(engine) -> list:
     """The offloaded optimizer's host master buckets and gradient buffers (empty without offload)."""
     offload = engine._offload
@@ -172,6 +223,9 @@ def main(out: str) -> None:
     results["zero2_resumed"] = engine_run(device, 2, resume_at=STEPS // 2)
     for label, stage, offload in OFFLOADS:
         results[label] = engine_run(device, stage, offload=offload)
+    results["host_syncs"] = {f"zero{stage}": host_syncs(device, stage) for stage in (1, 2, 3)}
+    results["host_syncs"]["plain"] = host_syncs(device, None)
+    results["host_syncs"]["control"] = host_syncs(device, 3, control=True)
     dist.destroy_process_group()
     torch.save(results, out)
 

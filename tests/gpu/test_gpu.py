@@ -48,6 +48,19 @@ def test_gradients_give_their_memory_back_after_the_step(gpu_runs, stage):
     assert gpu_runs[f"zero{stage}"]["grads_held_after_step"] == 0
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_bf16_step_never_waits_for_the_gpu(gpu_runs, stage):
+    """Forward, backward and step of stages 1-3 in bf16 make no synchronising CUDA call (torch's sync debug mode),
+    as plain autocast training makes none: the host queues the next work while the GPU runs. The one place the
+    engine must read the GPU, fp16's overflow flag, is not in a bf16 run; the agreement on which parameters got
+    a gradient is read only where some did not (engine._agree_on_step). The control run's ``loss.item()`` is
+    caught, so the detector works."""
+    syncs = gpu_runs["host_syncs"]
+    assert syncs["control"], "the sync detector missed a deliberate loss.item()"
+    assert not syncs["plain"], "\n".join(syncs["plain"])
+    assert not syncs[f"zero{stage}"], "\n".join(syncs[f"zero{stage}"])
+
+
 def test_stage3_gathers_and_reduces_on_side_streams(gpu_runs):
     """Every all-gather stage 3 issued in training ran on its gather stream and every reduce-scatter on its reduce
     stream (zero_core/stage3/streams.py), and the events ordering them lose nothing: the same weights, bit for
