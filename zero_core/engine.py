@@ -389,13 +389,19 @@ class ZeroEngine:
     def reduce_gradients(self, optimizer: OptimizerRef = None) -> None:
         """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective.
         ``optimizer`` limits it to one optimizer's parameters (see :meth:`optimizer_indices`)."""
-        self._adopt_trainable()
-        indices = [k for k in self.optimizer_indices(optimizer) if not self._pending[k].reduced]
-        if indices:
-            self.runtime.reduce_gradients(self._parts(indices))
-            for k in indices:
-                self._pending[k].reduced = True
+        if self._reduce_pending(self.optimizer_indices(optimizer)):
             self._notes.arm()  # a later gradient before the step is noted in Python, and may raise there
+
+    def _reduce_pending(self, indices: list[int]) -> bool:
+        """Reduce the gradients of optimizers ``indices`` not reduced yet; whether there were any."""
+        self._adopt_trainable()
+        indices = [k for k in indices if not self._pending[k].reduced]
+        if not indices:
+            return False
+        self.runtime.reduce_gradients(self._parts(indices))
+        for k in indices:
+            self._pending[k].reduced = True
+        return True
 
     def _grad_shards(self, indices: list[int]) -> list[torch.Tensor]:
         return [s for part in self._parts(indices) for s in part.grad_shards()]
@@ -477,7 +483,7 @@ class ZeroEngine:
         if not pending.saw_grad:
             self._zero([k])  # nothing to apply: every rank ran the same (empty) step
             return
-        self.reduce_gradients(k)
+        self._reduce_pending([k])  # not armed: no backward can come before this step ends
         overflow, used = self._agree_on_step(k)
         if overflow:
             self.skipped_steps += 1
