@@ -500,8 +500,7 @@ class ZeroEngine:
             else:
                 step_in_tiles(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
                               self._pending[k].clip_coef, self.step_tile_numel)
-        for part in parts:
-            part.master_shards.clear_grads()
+        # each way of stepping sets the masters' .grad only around its own optimizer.step() and clears it there
         self.comm.forget_secondary()  # hpZ: the in-node copies hold the old values
         self.runtime.after_step(parts)
         self._record_overflow(False)
