@@ -5,7 +5,8 @@ the collectives match across ranks whatever the timing. A bucket none of whose p
 at the time (frozen for this backward, e.g. the other optimizer's under Lightning's toggle_optimizer) is left
 out of that backward; its step reduces whatever it holds. Stage 2 launches a bucket from a post-accumulate-grad
 hook as soon as its gradients are in and every later bucket has been launched; a callback queued on the
-autograd engine flushes the rest once backward ends. Stage 1 reduces once, when the step needs the gradients.
+autograd engine flushes the rest once backward ends (the bucket reduced last always goes then, so once its
+staging is open its hooks run no Python: last_bucket.py). Stage 1 reduces once, when the step needs the gradients.
 See docs/core-api.md for the full rules.
 """
 
