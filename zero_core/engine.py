@@ -13,6 +13,7 @@ import functools
 import os
 import math
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence, Union
 
@@ -26,6 +27,7 @@ from zero_core.checkpoint import shard_identity
 from zero_core.comm.communicator import CommOptions, Communicator
 from zero_core.config import ZeroConfig
 from zero_core.fragments import Fragment
+from zero_core.grad_notes import GradNotes
 from zero_core.stage3.generation import sync_generate_by_default
 from zero_core.stage3.leaf_modules import apply_leaf_config
 from zero_core.optim.loss_scaler import LossScaler
@@ -99,14 +101,15 @@ class ZeroEngine:
         # it lives (lookups from its parameters must give every rank the same answer, whenever the cycle collector
         # runs), and a dropped model and engine go together.
         module.__dict__.setdefault("_zero_core_engines", []).append(self)
-        # Stage 2's reducer hooks every trainable parameter already and calls the note from there: one Python
-        # hook per parameter and gradient instead of two. Otherwise the engine hooks them itself. The runtime may
-        # hold the note strongly: its hooks hold it weakly (weak_hooks.py), so no parameter keeps the engine.
+        # Which parameters got a gradient: each one's hook appends it to a list, with no Python per gradient
+        # (grad_notes.py). Stage 2's reducer hooks every trainable parameter already and records it from there;
+        # otherwise the engine hooks them itself. Neither the hooks nor the runtime hold the engine.
+        self._notes = GradNotes(weakly(self._note_grad))
+        weakref.finalize(self, self._notes.arrivals.clear)
         take_notes = getattr(self.runtime, "take_grad_notes", None)
-        self._runtime_notes_grads = take_notes is not None and take_notes(self._note_grad)
-        for param in self.runtime.managed_params():
-            if param.requires_grad and not self._runtime_notes_grads:
-                param.register_post_accumulate_grad_hook(weakly(self._note_grad))
+        self._runtime_notes_grads = take_notes is not None and take_notes(self._notes)
+        if not self._runtime_notes_grads:
+            self._notes.hook(p for p in self.runtime.managed_params() if p.requires_grad)
         self._bind_optimizers(optimizers)
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
         teardown.destroy_group_at_exit()  # a group left up at exit is closed while Python still runs
@@ -182,6 +185,7 @@ class ZeroEngine:
         """Parameters of an optimizer group that require a gradient now but did not when their group was set up
         get their master shards here (stage 3: their units become trainable). Every rank runs this at the same
         points (before reducing gradients, and in add_param_group), as requires_grad is the same everywhere."""
+        self._settle_notes()
         with unguarded():  # metadata of every parameter, every step: not the user's code the guard watches
             fresh = {i: [p for p in params if p.requires_grad] for i, params in enumerate(self._unadopted) if params}
         fresh = {i: params for i, params in fresh.items() if params}
@@ -192,8 +196,8 @@ class ZeroEngine:
         adopt_offload(self.runtime, new_parts, self.config, self._offload)  # offload hook: they are offloaded too
         new_params = [p for params in fresh.values() for p in params]
         registry.register(new_params, self)
-        for param in new_params if not self._runtime_notes_grads else ():  # else the runtime's new hooks note them
-            param.register_post_accumulate_grad_hook(weakly(self._note_grad))
+        if not self._runtime_notes_grads:  # else the runtime's new hooks record them
+            self._notes.hook(new_params)
         self._index_parts()
         for part in new_parts:
             k = self.group_optimizer[part.group_index]
@@ -312,11 +316,15 @@ class ZeroEngine:
 
     def backward(self, loss: torch.Tensor, **kwargs) -> None:
         """``loss.backward()``, with the fp16 loss scale applied."""
+        if self._scaler is not None:
+            self._settle_notes()  # fp16: what arrived so far came from backward passes outside this method
         self._engine_backward = True
         try:
             (loss * self.loss_scale if self._scaler is not None else loss).backward(**kwargs)
         finally:
             self._engine_backward = False
+            if self._scaler is not None:
+                self._settle_notes(scaled=True)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -343,7 +351,27 @@ class ZeroEngine:
 
         return attached_joinable(self)
 
+    def _settle_notes(self, scaled: bool = False) -> None:
+        """Move the gradients noted by the hooks (grad_notes.py) into each optimizer's pending record; ``scaled``:
+        they came from ``engine.backward`` (fp16: the loss was scaled). Called before anything reads the record."""
+        arrivals = self._notes.take()
+        if not arrivals:
+            return
+        keys = set(map(id, arrivals))
+        if len(self._pending) == 1:
+            by_optimizer = {0: keys}
+        else:
+            by_optimizer = {}
+            for key in keys:
+                by_optimizer.setdefault(self._optimizer_by_id[key], set()).add(key)
+        for k, used in by_optimizer.items():
+            pending = self._pending[k]
+            pending.used |= used
+            pending.saw_grad = True
+            pending.unscaled |= not scaled
+
     def _note_grad(self, param: torch.Tensor) -> None:
+        """A gradient's note while armed (``GradNotes.arm``: some optimizer's gradients were reduced already)."""
         key = id(param)
         pending = self._pending[self._optimizer_by_id[key]]
         pending.used.add(key)
@@ -361,12 +389,19 @@ class ZeroEngine:
     def reduce_gradients(self, optimizer: OptimizerRef = None) -> None:
         """Reduce pending gradients now (stage 1 otherwise waits for clipping or the step). A collective.
         ``optimizer`` limits it to one optimizer's parameters (see :meth:`optimizer_indices`)."""
+        if self._reduce_pending(self.optimizer_indices(optimizer)):
+            self._notes.arm()  # a later gradient before the step is noted in Python, and may raise there
+
+    def _reduce_pending(self, indices: list[int]) -> bool:
+        """Reduce the gradients of optimizers ``indices`` not reduced yet; whether there were any."""
         self._adopt_trainable()
-        indices = [k for k in self.optimizer_indices(optimizer) if not self._pending[k].reduced]
-        if indices:
-            self.runtime.reduce_gradients(self._parts(indices))
-            for k in indices:
-                self._pending[k].reduced = True
+        indices = [k for k in indices if not self._pending[k].reduced]
+        if not indices:
+            return False
+        self.runtime.reduce_gradients(self._parts(indices))
+        for k in indices:
+            self._pending[k].reduced = True
+        return True
 
     def _grad_shards(self, indices: list[int]) -> list[torch.Tensor]:
         return [s for part in self._parts(indices) for s in part.grad_shards()]
@@ -430,6 +465,7 @@ class ZeroEngine:
 
     def _user_step(self, k: int, closure=None):
         """The user's own optimizer.step() (the plain loop): the facade's step, after checking what can't work."""
+        self._settle_notes()
         if self._scaler is not None and self._pending[k].unscaled:
             raise RuntimeError(
                 "fp16 loss scaling is on (fp16.enabled), but this step's gradients come from loss.backward(), so "
@@ -447,7 +483,7 @@ class ZeroEngine:
         if not pending.saw_grad:
             self._zero([k])  # nothing to apply: every rank ran the same (empty) step
             return
-        self.reduce_gradients(k)
+        self._reduce_pending([k])  # not armed: no backward can come before this step ends
         overflow, used = self._agree_on_step(k)
         if overflow:
             self.skipped_steps += 1
@@ -464,8 +500,7 @@ class ZeroEngine:
             else:
                 step_in_tiles(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
                               self._pending[k].clip_coef, self.step_tile_numel)
-        for part in parts:
-            part.master_shards.clear_grads()
+        # each way of stepping sets the masters' .grad only around its own optimizer.step() and clears it there
         self.comm.forget_secondary()  # hpZ: the in-node copies hold the old values
         self.runtime.after_step(parts)
         self._record_overflow(False)
@@ -478,6 +513,7 @@ class ZeroEngine:
             self._scaler_overflow = bool(self._scaler_overflow) or overflow
 
     def _maybe_update_scale(self) -> None:
+        self._settle_notes()
         if self._scaler_overflow is not None and not any(p.saw_grad for p in self._pending):
             self._scaler.update(overflow=self._scaler_overflow)
             self._scaler_overflow = None
@@ -503,8 +539,15 @@ class ZeroEngine:
         if self.step_zeroes_grads:
             self._zero([k])
             return
+        self._settle_notes()
         self._pending[k] = _PendingGrads()
+        self._disarm_notes()
         self._maybe_update_scale()
+
+    def _disarm_notes(self) -> None:
+        """Back to the cheap hooks once no optimizer's gradients are reduced (pending a step) any more."""
+        if self._notes.armed and not any(p.reduced for p in self._pending):
+            self._notes.disarm()
 
     @property
     def step_tile_numel(self) -> int:
@@ -523,8 +566,10 @@ class ZeroEngine:
         if len(indices) == len(self.optimizers):
             for param in self._unmanaged:
                 param.grad = None
+        self._settle_notes()
         for k in indices:
             self._pending[k] = _PendingGrads()
+        self._disarm_notes()
         self._maybe_update_scale()
 
     # -- teardown ------------------------------------------------------------------------------------------

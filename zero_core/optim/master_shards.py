@@ -44,10 +44,6 @@ class MasterShards:
             self._grad_key = key
         return self._grad_views
 
-    def clear_grads(self) -> None:
-        for master in self.params:
-            master.grad = None
-
     def holds_values(self) -> bool:
         """Whether some master is in memory (NVMe-offloaded ones are swapped out between steps)."""
         return True

@@ -5,13 +5,16 @@ the collectives match across ranks whatever the timing. A bucket none of whose p
 at the time (frozen for this backward, e.g. the other optimizer's under Lightning's toggle_optimizer) is left
 out of that backward; its step reduces whatever it holds. Stage 2 launches a bucket from a post-accumulate-grad
 hook as soon as its gradients are in and every later bucket has been launched; a callback queued on the
-autograd engine flushes the rest once backward ends. Stage 1 reduces once, when the step needs the gradients.
+autograd engine flushes the rest once backward ends (the bucket reduced last always goes then, so once its
+staging is open its hooks run no Python: last_bucket.py). Stage 1 reduces once, when the step needs the gradients.
 See docs/core-api.md for the full rules.
 """
 
 from __future__ import annotations
 
 import functools
+import operator
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -23,7 +26,7 @@ from zero_core.planning import REPLICATED_IN_FLIGHT
 from zero_core.comm.communicator import Communicator
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 from zero_core.replicated.flat_param_group import FlatParamGroup
-from zero_core.weak_hooks import weakly
+from zero_core.replicated.last_bucket import LastBucketHooks
 
 
 @dataclass
@@ -33,6 +36,8 @@ class _BucketState:
     staging: Optional[torch.Tensor] = None
     views: Optional[dict] = None  # parameter index -> its slot in ``staging`` (GradReducer._open_staging)
     seen: set = field(default_factory=set)
+    swap_tried: bool = False  # position 0: whether its hooks were offered to LastBucketHooks.swap this backward
+    foreign: int = 0  # parameters whose .grad was another tensor than their slot when the staging opened
 
 
 @dataclass
@@ -50,7 +55,7 @@ class GradReducer:
     """Owns the bucket order, the stage 2 hooks and every gradient collective."""
 
     MAX_IN_FLIGHT = REPLICATED_IN_FLIGHT
-    note_grad = None  # called with each parameter whose gradient arrived (stage 2), set by the runtime
+    grad_notes = None  # the engine's GradNotes: each arriving gradient is recorded there (stage 2), set by the runtime
 
     def __init__(
         self,
@@ -65,6 +70,7 @@ class GradReducer:
         model_position: dict,
     ) -> None:
         self.groups = groups
+        self._params = [p for g in groups for p in g.params]
         self.comm = comm
         self.pool = pool
         self.partition_grads = partition_grads
@@ -79,16 +85,20 @@ class GradReducer:
         buckets = [(g, b.index) for g in groups for b in g.layout.buckets]
         self.order = sorted(buckets, key=lambda gb: min(
             (model_position[gb[0].params[i]] for i in gb[0].layout.buckets[gb[1]].param_indices), default=-1))
+        self._bucket_params = [[g.params[i] for i in g.layout.buckets[b].param_indices] for g, b in self.order]
         # no_sync, waiting gradients and the end-of-backward flush (zero_core/reduction.py, shared with stage 3)
         self.session = BackwardSession(self.finish_backward, on_open=self._count_expected)
         self._inflight: ReductionQueue[_InFlight] = ReductionQueue(self._complete, self.MAX_IN_FLIGHT, overlap)
         self._views: dict = {}  # (position, staging buffer) -> each parameter's view of it, see _open_staging
+        self._last = LastBucketHooks()  # the hooks of the bucket reduced last (last_bucket.py)
+        weakref.finalize(self, self._last.arrivals.clear)  # its list may hold parameters: not past the reducer
         self._reset_backward_state()
         if partition_grads:
             self._register_hooks()
 
     # -- stage 2: during backward --------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
+        self._restore_last_bucket(None)
         self._states = [_BucketState() for _ in self.order]
         self._next = len(self.order) - 1
         self._expected: list[int] = []  # per position: parameters taking part, counted when a backward starts
@@ -96,44 +106,40 @@ class GradReducer:
         self.session.unsynced_grads = False
 
     def _count_expected(self) -> None:
-        self._expected = [len(self._active_indices(position)) for position in range(len(self.order))]
+        self._expected = [_requires_grad(params).count(True) for params in self._bucket_params]
 
     def _register_hooks(self) -> None:
         self._handles = []
+        reducer = weakref.ref(self)  # the hooks hold the reducer weakly (weak_hooks.py says why)
         for position, (group, bucket) in enumerate(self.order):
             for index in group.layout.buckets[bucket].param_indices:
                 param = group.params[index]
                 if param.requires_grad:  # a frozen one is hooked when it becomes trainable (a new reducer)
-                    hook = functools.partial(weakly(self._on_grad_ready), position, index)
+                    hook = functools.partial(_grad_ready, reducer, position, index)
                     self._handles.append(param.register_post_accumulate_grad_hook(hook))
+                    if position == 0:
+                        self._last.add(param, index, hook, self._handles[-1])
+
+    def _swap_last_bucket(self, state: _BucketState) -> None:
+        """The last bucket's staging is open: its other gradients need no Python hook (last_bucket.py) if each
+        trainable parameter's ``.grad`` is its slot (no gradient left from no_sync, which the hook would have to
+        stage), autograd accumulates in place (no create_graph, under which it replaces ``.grad``), and no
+        gradient may raise (the engine's notes are not armed)."""
+        state.swap_tried = True
+        notes = self.grad_notes
+        # foreign: only the gradient that opened the staging (its hook has staged it) was not in its slot
+        if state.foreign <= 1 and not torch.is_grad_enabled() and (notes is None or not notes.armed):
+            self._last.swap()
+
+    def _restore_last_bucket(self, seen: Optional[set]) -> None:
+        self._last.restore(seen, self.grad_notes)
 
     def close(self) -> None:
         """Remove the hooks: a new reducer (over more groups) replaces this one."""
+        self._restore_last_bucket(None)
         for handle in getattr(self, "_handles", []):
             handle.remove()
-
-    def _on_grad_ready(self, position: int, index: int, param: torch.Tensor) -> None:
-        if self.note_grad is not None:
-            self.note_grad(param)  # the engine's (ReplicatedParamsRuntime.take_grad_notes)
-        session = self.session
-        if not (session.open and session.sync) and not session.grad_arrived():
-            return  # no_sync: autograd keeps accumulating in param.grad
-        if position > self._next:
-            group = self.order[position][0]
-            raise RuntimeError(
-                f"parameter '{group.names[index]}' produced a second gradient in one backward after its bucket "
-                "was reduced; with torch.utils.checkpoint pass use_reentrant=False"
-            )
-        state = self._states[position]
-        seen = state.seen
-        view = (state.views or self._open_staging(position, state))[index]
-        grad = param.grad
-        if grad is not view:  # not accumulated in its slot by autograd (see _open_staging)
-            view.add_(grad) if index in seen else view.copy_(grad)
-            param.grad = view  # a second gradient in this backward accumulates there in place
-        seen.add(index)
-        if len(seen) >= self._expected[position]:  # only a completed bucket can let the launches move on
-            self._launch_ready()
+        self._last = LastBucketHooks()  # the removed hooks are not swapped again
 
     def _stage(self, position: int, index: int, grad: torch.Tensor) -> None:
         state = self._states[position]
@@ -156,11 +162,16 @@ class GradReducer:
                 i: state.staging[group.layout.slots[i].range.shift(-start).as_slice()].view_as(group.params[i])
                 for i in group.layout.buckets[bucket].param_indices}
         state.views = views
-        params = group.params
+        params, foreign = group.params, 0
         for index, view in views.items():
             param = params[index]
-            if param.grad is None and param.requires_grad:
-                param.grad = view
+            grad = param.grad
+            if grad is None:
+                if param.requires_grad:
+                    param.grad = view
+            elif grad is not view:
+                foreign += 1  # the gradient that opened the staging, or one left from no_sync
+        state.foreign = foreign
         return views
 
     def _release_slots(self, position: int, state: _BucketState) -> None:
@@ -203,6 +214,7 @@ class GradReducer:
         ``only``: flush just these groups' buckets (one optimizer's step), whatever their requires_grad; the
         others keep their local gradients in ``param.grad``. Without it, buckets frozen for this backward wait.
         """
+        self._restore_last_bucket(self._states[0].seen if self._states else None)
         unused = []
         for position in range(self._next, -1, -1):
             if (only is not None and self.order[position][0] not in only) or \
@@ -212,7 +224,8 @@ class GradReducer:
             self._launch_staged(position)
         self._inflight.drain()
         self._reset_backward_state()
-        self.session.unsynced_grads = any(p.grad is not None for g in self.groups for p in g.params)
+        # any parameter still holding a gradient (frozen for this backward, or another optimizer's)
+        self.session.unsynced_grads = _grads_of(self._params).count(None) < len(self._params)
         if unused and not self.ignore_unused:
             raise RuntimeError(unused_parameters_message(unused))
 
@@ -220,6 +233,8 @@ class GradReducer:
         """Gradients still held by parameters (accumulated under no_sync); names of parameters with none."""
         group, bucket = self.order[position]
         state, unused = self._states[position], []
+        if len(state.seen) == len(group.layout.buckets[bucket].param_indices):
+            return unused  # every parameter's gradient arrived through its hook
         for index in group.layout.buckets[bucket].param_indices:
             param = group.params[index]
             if index in state.seen:
@@ -300,3 +315,47 @@ class GradReducer:
             job.group.on_grad_reduced(job.group, job.bucket)
         for buffer in job.scratch:
             self.pool.release(buffer)
+
+
+def _grads_of(params: list) -> list:
+    return list(map(_GRAD, params))  # map with a getter: no Python frame per parameter
+
+
+def _requires_grad(params: list) -> list:
+    return list(map(_REQUIRES_GRAD, params))
+
+
+_GRAD, _REQUIRES_GRAD = operator.attrgetter("grad"), operator.attrgetter("requires_grad")
+
+
+def _grad_ready(reducer_ref: weakref.ref, position: int, index: int, param: torch.Tensor) -> None:
+    """Stage 2's hook on each parameter: stage its gradient in its bucket, and launch the buckets it completes.
+    A module function holding the reducer weakly, so that a gradient costs one Python call (this one): it runs
+    288 times per step on the CPU proxy (docs/benchmarks.md)."""
+    self = reducer_ref()
+    if self is None:
+        return
+    notes = self.grad_notes
+    if notes is not None:
+        notes.record(param)  # the engine's note (grad_notes.py): a builtin call unless armed
+    session = self.session
+    if not (session.open and session.sync) and not session.grad_arrived():
+        return  # no_sync: autograd keeps accumulating in param.grad
+    if position > self._next:
+        group = self.order[position][0]
+        raise RuntimeError(
+            f"parameter '{group.names[index]}' produced a second gradient in one backward after its bucket "
+            "was reduced; with torch.utils.checkpoint pass use_reentrant=False"
+        )
+    state = self._states[position]
+    seen = state.seen
+    view = (state.views or self._open_staging(position, state))[index]
+    grad = param.grad
+    if grad is not view:  # not accumulated in its slot by autograd (see GradReducer._open_staging)
+        view.add_(grad) if index in seen else view.copy_(grad)
+        param.grad = view  # a second gradient in this backward accumulates there in place
+    seen.add(index)
+    if len(seen) >= self._expected[position]:  # only a completed bucket can let the launches move on
+        self._launch_ready()
+    elif not position and not state.swap_tried:  # the bucket reduced last: the rest of it without Python
+        self._swap_last_bucket(state)

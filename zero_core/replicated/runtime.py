@@ -4,7 +4,7 @@ gradients) are sharded. The engine drives this runtime through the same methods 
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -12,6 +12,7 @@ from torch import nn
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
+from zero_core.grad_notes import GradNotes
 from zero_core.replicated.flat_param_group import FlatParamGroup
 from zero_core.replicated.grad_reducer import GradReducer
 from zero_core.planning import FlatGroupPlan, ParamSpec, plan_flat_groups, plan_replicated
@@ -22,7 +23,7 @@ class ReplicatedParamsRuntime:
     ``zero_core.contracts.Runtime``."""
 
     param_swap: Optional[object] = None  # parameters are never offloaded at stages 1-2
-    note_grad: Optional[Callable] = None  # the engine's note of each gradient, called by stage 2's hooks
+    grad_notes: Optional[GradNotes] = None  # the engine's record of gradients, fed by stage 2's hooks
 
     def __init__(
         self,
@@ -59,15 +60,15 @@ class ReplicatedParamsRuntime:
             model_position={p: i for i, p in enumerate(self.module.parameters())},
         )
         reducer.session.sync = sync
-        reducer.note_grad = self.note_grad
+        reducer.grad_notes = self.grad_notes
         return reducer
 
-    def take_grad_notes(self, note: Callable) -> bool:
-        """Stage 2 hooks every trainable parameter anyway: its hook calls ``note(param)`` first, and the engine
-        needs no hook of its own (True). Stage 1 has no per-parameter hook (False)."""
+    def take_grad_notes(self, notes: GradNotes) -> bool:
+        """Stage 2 hooks every trainable parameter anyway: its hook records the parameter in ``notes`` first,
+        and the engine needs no hook of its own (True). Stage 1 has no per-parameter hook (False)."""
         if self.config.stage < 2:
             return False
-        self.note_grad = self.reducer.note_grad = note
+        self.grad_notes = self.reducer.grad_notes = notes
         return True
 
     def _build_groups(self, trainable_by_group, names) -> list[FlatParamGroup]:
