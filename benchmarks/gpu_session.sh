@@ -1,5 +1,5 @@
 #!/bin/bash
-# Every GPU check of issues 18 and 19 in one call of the device tool (about 500 s of run time on an H200, so
+# Every GPU check of issues 18 and 19 in one call of the device tool (about 560 s of run time on an H200, so
 # split it over two calls when the session's device time is short): the GPU tier, the CPU tier's Accelerate
 # launches with a GPU visible, issue 18's table, where the memory goes, the host step alone, offload against FSDP2
 # at 1.75B and 6.58B parameters.
@@ -24,5 +24,7 @@ step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 { step memory; timeout 70 python3 -m benchmarks.gpu_memory "$OUT/memory_873M.txt" --preset 873M --steps 2 >/dev/null; echo "rc=$?"; } 2>&1
 { step host_step; timeout 60 python3 -m benchmarks.gpu_host_step --numel 1.75e9; echo "rc=$?"; } 2>&1 | tee "$OUT/host_step.txt"
 { step offload; timeout 130 python3 -m benchmarks.gpu_offload --layers 8 --steps 2 --warmup 1 --profile --timeout 60; echo "rc=$?"; } 2>&1 | tee "$OUT/offload.txt"
+# The 6.58B host step under the profiler (where its 1.69 s go: the fused kernel's chunks, and the rest): about 60 s
+{ step offload7B_profile; timeout 90 python3 -m benchmarks.gpu_offload --layers 32 --steps 2 --warmup 1 --impls zero3 --profile --timeout 85; echo "rc=$?"; } 2>&1 | tee "$OUT/offload_7B_profile.txt"
 # 6.58B, ours and FSDP2 side by side (FSDP2's setup alone takes about 27 s): about 150 s
 { step offload7B; timeout 260 python3 -m benchmarks.gpu_offload --layers 32 --steps 2 --warmup 1 --impls zero3 fsdp2 --timeout 120; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_7B.txt"
