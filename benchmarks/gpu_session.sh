@@ -1,7 +1,6 @@
 #!/bin/bash
-# Every GPU check of issues 18 and 19 in one call of the device tool (about 560 s of run time on an H200, so
-# split it over two calls when the session's device time is short): the GPU tier, the CPU tier's Accelerate
-# launches with a GPU visible, issue 18's table, where the memory goes, the host step alone, offload against FSDP2
+# Every GPU check of issues 18 and 19 in one call of the device tool (about 460 s of run time on an H200, so
+# split it over two calls when the session's device time is short): the GPU tier, issue 18's table, where the memory goes, the host step alone, offload against FSDP2
 # at 1.75B and 6.58B parameters.
 # Results land in $OUT.
 #
@@ -18,8 +17,8 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 { step tests; nvidia-smi -L; timeout 120 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 115; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
-# The CPU tier's Accelerate launches with a GPU visible (issue 18): the whole output, failures' messages included
-{ step accelerate_launch; timeout 200 python3 -m pytest tests/test_accelerate_launch.py -q -p no:cacheprovider; echo "rc=$?"; } > "$OUT/accelerate_launch.txt" 2>&1; tail -3 "$OUT/accelerate_launch.txt"
+# (The CPU tier's Accelerate launches hide GPUs: with one visible, their two ranks fail in Accelerate's own barrier
+# on a one-GPU machine, measured 2026-11-26; docs/benchmarks.md. The GPU tier launches on the GPU itself.)
 { step table; timeout 90 python3 -m benchmarks.gpu --preset 873M 110M --steps 8 --warmup 3 --repeats 2; echo "rc=$?"; } 2>&1 | tee "$OUT/table.txt"
 { step memory; timeout 70 python3 -m benchmarks.gpu_memory "$OUT/memory_873M.txt" --preset 873M --steps 2 >/dev/null; echo "rc=$?"; } 2>&1
 { step host_step; timeout 60 python3 -m benchmarks.gpu_host_step --numel 1.75e9; echo "rc=$?"; } 2>&1 | tee "$OUT/host_step.txt"
