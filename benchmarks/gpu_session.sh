@@ -1,7 +1,7 @@
 #!/bin/bash
 # Every GPU check of issues 18 and 19 in one call of the device tool (about 460 s of run time on an H200, so
-# split it over two calls when the session's device time is short): the GPU tier, issue 18's table, where the memory goes, the host step alone, offload against FSDP2
-# at 1.75B and 6.58B parameters.
+# split it over two calls when the session's device time is short): the GPU tier, issue 18's table, where the
+# memory goes, the host step alone, offload against FSDP2 at 1.75B and 6.58B, the 6.58B host step profiled.
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
