@@ -63,7 +63,7 @@ def _compare(rank: int, world_size: int) -> dict:
     for case in SWAPPED:
         expected = _reference(rank, world_size, case)
         model = _model()
-        engine = zero_core.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), {"stage": 2})
+        engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1), {"stage": 2})
         last = engine.runtime.reducer._last
         swapped = []  # whether the hooks were swapped when the first layer's gradient (the last to come) arrived
         model[0].weight.register_post_accumulate_grad_hook(lambda p: swapped.append(last.swapped))
@@ -75,7 +75,7 @@ def _compare(rank: int, world_size: int) -> dict:
     # an unused parameter of the last bucket is still named
     model = _model()
     config = {"stage": 2, "ignore_unused_parameters": False}
-    engine = zero_core.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), config)
+    engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1), config)
     try:
         engine.backward(model[0](torch.randn(4, 5)).sum())
         out["unused"] = ""

@@ -77,7 +77,7 @@ class _ShadowStep(JoinHook):
 
 def _shadow_stage2_backward(reducer) -> None:
     """Stage 2 reduces every bucket in backward, last first: the same buckets, holding zeros."""
-    reducer._expected = [len(reducer._active_indices(position)) for position in range(len(reducer.order))]
+    reducer._count_expected()
     reducer.finish_backward()
 
 

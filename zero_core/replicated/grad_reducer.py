@@ -181,11 +181,6 @@ class GradReducer:
             if params[index].grad is view:
                 params[index].grad = None
 
-    def _active_indices(self, position: int) -> list[int]:
-        """The bucket's parameters that take part in backward now (requires_grad is the same on every rank)."""
-        group, bucket = self.order[position]
-        return [i for i in group.layout.buckets[bucket].param_indices if group.params[i].requires_grad]
-
     def _is_complete(self, position: int) -> bool:
         return len(self._states[position].seen) >= self._expected[position]
 
