@@ -129,7 +129,8 @@ def _record_fp32_copies(optimizer, engine_holder: list) -> list:
     largest = [0]
 
     def step(closure=None):
-        shards = {t.untyped_storage().data_ptr() for t in engine_holder[0].runtime.grad_tensors()}
+        runtime = engine_holder[0].runtime  # stage 2's last bucket: its shard is a slice of a scratch buffer
+        shards = {t.untyped_storage().data_ptr() for t in runtime.grad_tensors() + runtime.scratch_tensors()}
         copied = sum(p.grad.numel() for group in optimizer.param_groups for p in group["params"]
                      if p.grad is not None and p.grad.untyped_storage().data_ptr() not in shards)
         largest[0] = max(largest[0], copied)

@@ -40,6 +40,10 @@ class BufferPool:
     def release(self, buffer: torch.Tensor) -> None:
         self._free.setdefault((buffer.dtype, buffer.numel()), []).append(buffer)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """Every buffer the pool holds, in use or free."""
+        return list(self._all)
+
     def nbytes(self) -> int:
         """Bytes held by the pool, in use or free."""
         return sum(b.numel() * b.element_size() for b in self._all)

@@ -100,7 +100,8 @@ class Runtime(Protocol):
 
     def param_shards(self) -> list[torch.Tensor]: ...
 
-    def scratch_nbytes(self) -> int: ...
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        """The constant-size scratch buffers (the pool); stage 2 lends one to its last bucket's ``.grad``."""
 
     def grad_tensors(self) -> list[torch.Tensor]: ...
 

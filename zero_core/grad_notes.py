@@ -34,19 +34,14 @@ class GradNotes:
         self.armed = False
         self._entries: list[tuple[dict, int]] = []  # (a parameter's hook dict, our hook's key in it)
 
-    def hook(self, params: Iterable[torch.Tensor]) -> None:
-        """Note each gradient of ``params`` from now on."""
+    def hook(self, params: Iterable[torch.Tensor]) -> list:
+        """Note each gradient of ``params`` from now on; returns the hooks' handles."""
+        handles = []
         for param in params:
             handle = param.register_post_accumulate_grad_hook(self.record)
             self._entries.append((handle.hooks_dict_ref(), handle.id))
-
-    def record_all(self, params: list[torch.Tensor]) -> None:
-        """``record`` each of ``params`` (noted elsewhere meanwhile: stage 2's last bucket, last_bucket.py)."""
-        if not self.armed:
-            self.arrivals.extend(params)
-            return
-        for param in params:
-            self.record(param)
+            handles.append(handle)
+        return handles
 
     def take(self) -> list[torch.Tensor]:
         """The parameters noted since the last call (one entry per gradient), forgotten here."""

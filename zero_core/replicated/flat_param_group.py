@@ -7,7 +7,9 @@ where gradients live, and that is chosen here by ``full_grads``:
   autograd accumulates in place and one reduce-scatter per bucket reads it directly.
 - stage 2 (``full_grads=False``): only this rank's reduced gradient shard is kept; during backward
   ``param.grad`` is the parameter's slot in its bucket's staging buffer (from the bucket's first gradient to its
-  launch, grad_reducer.py), and None outside backward.
+  launch, grad_reducer.py), and None outside backward. Except in the bucket reduced last, which works as stage
+  1's: its slots stay its parameters' ``.grad``, and its gradient shard is lent (``lend_grad_shard``): this
+  rank's slice of its kept staging buffer, reduced in place (last_bucket.py).
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ class FlatParamGroup:
         # Stage 2: buckets whose gradient shard was cleared but not zeroed yet (zero_grads); the step's first
         # reduction overwrites such a shard (take_grad_shard), any other access zeroes it first
         self._stale: set[int] = set()
+        self._lent: dict[int, torch.Tensor] = {}  # bucket -> its own shard, while lend_grad_shard replaces it
+        self._lent_reduced: set[int] = set()  # lent shards holding a reduced gradient (not local ones)
         if self.full_grads:
             for param, grad in zip(self.params, existing):
                 if grad is not None:
@@ -128,9 +132,31 @@ class FlatParamGroup:
             grad_memory.restore(self.flat_grad)
             self.flat_grad.zero_()
 
+    def lend_grad_shard(self, bucket: int, shard: Optional[torch.Tensor]) -> None:
+        """Stage 2's last bucket: its gradient shard is ``shard`` (this rank's slice of its staging, reduced in
+        place there) from now on; ``None`` gives its own back, with the lent one's reduced gradient if it holds
+        one (else stale: the local gradients it held went back to ``param.grad``, last_bucket.py)."""
+        if shard is not None:
+            self._lent[bucket] = self._grad_shards[bucket]
+            self._grad_shards[bucket] = shard
+            self._stale.discard(bucket)
+            return
+        own, lent = self._lent.pop(bucket), self._grad_shards[bucket]
+        self._grad_shards[bucket] = own
+        if bucket in self._lent_reduced:
+            self._lent_reduced.discard(bucket)
+            self._restore_grads()
+            self._stale.discard(bucket)
+            own.copy_(lent)
+        else:
+            self._stale.add(bucket)
+
     def take_grad_shard(self, bucket: int) -> tuple[torch.Tensor, bool]:
         """The gradient shard of ``bucket`` for a reduction to write, and whether it is to be overwritten (it
         holds no gradient yet, but was not zeroed) rather than added to."""
+        if bucket in self._lent:
+            self._lent_reduced.add(bucket)
+            return self._grad_shards[bucket], False
         if bucket in self._stale:
             self._restore_grads()
             self._stale.discard(bucket)
@@ -165,7 +191,9 @@ class FlatParamGroup:
             param.grad = view
         return self.flat_grad[bucket.range.as_slice()]
 
-    def zero_grads(self) -> None:
+    def zero_grads(self, cleared: Optional[list] = None) -> None:
+        """Zero (or release) the gradients; stage 2 sets the ``.grad`` of ``cleared`` (default: every parameter)
+        to None."""
         if self.full_grads and grad_memory.releases(self.device):
             # As zero_grad(set_to_none=True): autograd allocates this step's gradients as it makes them, and the
             # buffer comes back at the first reduction (or read), so the end of forward holds neither.
@@ -177,10 +205,12 @@ class FlatParamGroup:
             self.flat_grad.zero_()
             self._point_grads_at_views()
         else:
-            self._stale.update(range(len(self._grad_shards)))  # zeroed only if not overwritten first
+            # zeroed only if not overwritten first; a lent shard is zeroed with its staging (last_bucket.py)
+            self._stale.update(b for b in range(len(self._grad_shards)) if b not in self._lent)
+            self._lent_reduced.clear()
             if grad_memory.releases(self.device):  # nothing to keep: the memory goes back until a reduction
                 grad_memory.release(self._grad_storage)
-            for param in self.params:
+            for param in self.params if cleared is None else cleared:
                 param.grad = None
 
     # -- parameters ----------------------------------------------------------------------------------------

@@ -5,8 +5,9 @@ the collectives match across ranks whatever the timing. A bucket none of whose p
 at the time (frozen for this backward, e.g. the other optimizer's under Lightning's toggle_optimizer) is left
 out of that backward; its step reduces whatever it holds. Stage 2 launches a bucket from a post-accumulate-grad
 hook as soon as its gradients are in and every later bucket has been launched; a callback queued on the
-autograd engine flushes the rest once backward ends (the bucket reduced last always goes then, so once its
-staging is open its hooks run no Python: last_bucket.py). Stage 1 reduces once, when the step needs the gradients.
+autograd engine flushes the rest once backward ends. The bucket reduced last is reduced when the step needs it,
+in place in a staging buffer it keeps, and its hooks run no Python (last_bucket.py). Stage 1 reduces every bucket
+that way, once, when the step needs the gradients.
 See docs/core-api.md for the full rules.
 """
 
@@ -26,7 +27,7 @@ from zero_core.planning import REPLICATED_IN_FLIGHT
 from zero_core.comm.communicator import Communicator
 from zero_core.reduction import BackwardSession, ReductionQueue, unused_parameters_message
 from zero_core.replicated.flat_param_group import FlatParamGroup
-from zero_core.replicated.last_bucket import LastBucketHooks
+from zero_core.replicated.last_bucket import LastBucketSlots
 
 
 @dataclass
@@ -36,8 +37,6 @@ class _BucketState:
     staging: Optional[torch.Tensor] = None
     views: Optional[dict] = None  # parameter index -> its slot in ``staging`` (GradReducer._open_staging)
     seen: set = field(default_factory=set)
-    swap_tried: bool = False  # position 0: whether its hooks were offered to LastBucketHooks.swap this backward
-    foreign: int = 0  # parameters whose .grad was another tensor than their slot when the staging opened
 
 
 @dataclass
@@ -55,7 +54,6 @@ class GradReducer:
     """Owns the bucket order, the stage 2 hooks and every gradient collective."""
 
     MAX_IN_FLIGHT = REPLICATED_IN_FLIGHT
-    grad_notes = None  # the engine's GradNotes: each arriving gradient is recorded there (stage 2), set by the runtime
 
     def __init__(
         self,
@@ -90,15 +88,44 @@ class GradReducer:
         self.session = BackwardSession(self.finish_backward, on_open=self._count_expected)
         self._inflight: ReductionQueue[_InFlight] = ReductionQueue(self._complete, self.MAX_IN_FLIGHT, overlap)
         self._views: dict = {}  # (position, staging buffer) -> each parameter's view of it, see _open_staging
-        self._last = LastBucketHooks()  # the hooks of the bucket reduced last (last_bucket.py)
-        weakref.finalize(self, self._last.arrivals.clear)  # its list may hold parameters: not past the reducer
+        self._grad_notes = None
+        self._notes_handles: list = []
+        # Stage 2: the bucket reduced last keeps its staging, its slots its parameters' .grad (last_bucket.py)
+        self._last = self._keep_last_staging() if partition_grads and self.order else None
+        last_params = set(self._last.params) if self._last is not None else set()
+        self._hooked_params = [p for p in self._params if p not in last_params]  # .grad None outside backward
+        self.cleared_on_zero = {g: [p for p in g.params if p not in last_params] for g in groups}
         self._reset_backward_state()
         if partition_grads:
             self._register_hooks()
 
+    @property
+    def grad_notes(self):
+        """The engine's GradNotes (stage 2, set by the runtime): each arriving gradient is recorded there, by
+        the hook of its parameter (the last bucket's: by hooks of the notes' own, GradNotes.hook)."""
+        return self._grad_notes
+
+    @grad_notes.setter
+    def grad_notes(self, notes) -> None:
+        self._grad_notes = notes
+        if notes is not None and self._last is not None:
+            self._notes_handles += notes.hook(self._last.params)
+
+    def _keep_last_staging(self) -> LastBucketSlots:
+        group, bucket = self.order[0]
+        layout = group.layout.buckets[bucket]
+        buffer = self.pool.acquire(layout.range.size, group.dtype)
+        indices = list(layout.param_indices)
+        start = layout.range.start
+        slots = [buffer[group.layout.slots[i].range.shift(-start).as_slice()].view_as(group.params[i]) for i in indices]
+        last = LastBucketSlots(indices, [group.params[i] for i in indices], slots, buffer)
+        # reduced in place, this rank's slice of the staging is the bucket's gradient shard
+        group.lend_grad_shard(bucket, buffer[layout.shard_range(self.rank).shift(-start).as_slice()])
+        weakref.finalize(self, last.arrivals.clear)  # the list may hold parameters: not past the reducer
+        return last
+
     # -- stage 2: during backward --------------------------------------------------------------------------
     def _reset_backward_state(self) -> None:
-        self._restore_last_bucket(None)
         self._states = [_BucketState() for _ in self.order]
         self._next = len(self.order) - 1
         self._expected: list[int] = []  # per position: parameters taking part, counted when a backward starts
@@ -112,34 +139,39 @@ class GradReducer:
         self._handles = []
         reducer = weakref.ref(self)  # the hooks hold the reducer weakly (weak_hooks.py says why)
         for position, (group, bucket) in enumerate(self.order):
+            if position == 0:
+                continue  # the bucket reduced last: builtin hooks (last_bucket.py)
             for index in group.layout.buckets[bucket].param_indices:
                 param = group.params[index]
                 if param.requires_grad:  # a frozen one is hooked when it becomes trainable (a new reducer)
                     hook = functools.partial(_grad_ready, reducer, position, index)
                     self._handles.append(param.register_post_accumulate_grad_hook(hook))
-                    if position == 0:
-                        self._last.add(param, index, hook, self._handles[-1])
+        if self._last is not None:
+            self._handles += self._last.hook()
 
-    def _swap_last_bucket(self, state: _BucketState) -> None:
-        """The last bucket's staging is open: its other gradients need no Python hook (last_bucket.py) if each
-        trainable parameter's ``.grad`` is its slot (no gradient left from no_sync, which the hook would have to
-        stage), autograd accumulates in place (no create_graph, under which it replaces ``.grad``), and no
-        gradient may raise (the engine's notes are not armed)."""
-        state.swap_tried = True
-        notes = self.grad_notes
-        # foreign: only the gradient that opened the staging (its hook has staged it) was not in its slot
-        if state.foreign <= 1 and not torch.is_grad_enabled() and (notes is None or not notes.armed):
-            self._last.swap()
+    def holds_unsynced(self) -> bool:
+        """Whether a parameter outside the last bucket holds a local gradient in ``.grad`` (the last bucket's
+        wait in its slots for the step's reduction anyway)."""
+        return _grads_of(self._hooked_params).count(None) < len(self._hooked_params)
 
-    def _restore_last_bucket(self, seen: Optional[set]) -> None:
-        self._last.restore(seen, self.grad_notes)
+    def zero_last_bucket(self, parts: list[FlatParamGroup]) -> None:
+        """zero_grad: the last bucket's slots (its gradient shard among them) are zeroed, if its group is in
+        ``parts``."""
+        if self._last is not None and self.order[0][0] in parts:
+            self._last.clear()
 
     def close(self) -> None:
-        """Remove the hooks: a new reducer (over more groups) replaces this one."""
-        self._restore_last_bucket(None)
-        for handle in getattr(self, "_handles", []):
+        """Remove the hooks: a new reducer (over more groups) replaces this one. The last bucket's parameters get
+        a ``.grad`` of their own (what waits in their slots, or None), and its staging goes back to the pool."""
+        for handle in getattr(self, "_handles", []) + self._notes_handles:
             handle.remove()
-        self._last = LastBucketHooks()  # the removed hooks are not swapped again
+        self._handles, self._notes_handles = [], []
+        if self._last is not None:
+            self._last.hand_back()
+            group, bucket = self.order[0]
+            group.lend_grad_shard(bucket, None)
+            self.pool.release(self._last.buffer)
+            self._last = None
 
     def _stage(self, position: int, index: int, grad: torch.Tensor) -> None:
         state = self._states[position]
@@ -209,20 +241,39 @@ class GradReducer:
         ``only``: flush just these groups' buckets (one optimizer's step), whatever their requires_grad; the
         others keep their local gradients in ``param.grad``. Without it, buckets frozen for this backward wait.
         """
-        self._restore_last_bucket(self._states[0].seen if self._states else None)
         unused = []
         for position in range(self._next, -1, -1):
             if (only is not None and self.order[position][0] not in only) or \
                     (only is None and not self._expected[position]):
                 continue
+            if position == 0 and self._last is not None:
+                continue  # reduced when the step needs it (reduce_last)
             unused += self._stage_leftovers(position)
             self._launch_staged(position)
         self._inflight.drain()
         self._reset_backward_state()
         # any parameter still holding a gradient (frozen for this backward, or another optimizer's)
-        self.session.unsynced_grads = _grads_of(self._params).count(None) < len(self._params)
+        self.session.unsynced_grads = self.holds_unsynced()
         if unused and not self.ignore_unused:
             raise RuntimeError(unused_parameters_message(unused))
+
+    def reduce_last(self, only: set) -> None:
+        """Stage 2: reduce the bucket reduced last (last_bucket.py) in place in its kept staging, whose slice is
+        this rank's gradient shard of it, if its group is in ``only``. Its parameters' gradients of every backward
+        since the last reduction are in their slots; the reduced ones stay there until zero_grad."""
+        last = self._last
+        if last is None or self.order[0][0] not in only:
+            return
+        group, bucket = self.order[0]
+        last.settle()
+        arrived = last.take_arrivals()
+        staging = last.buffer[: group.layout.buckets[bucket].range.size]
+        self._inflight.push(self._reduce(group, bucket, staging, accumulate=False))
+        self._inflight.drain()
+        if not self.ignore_unused and len(arrived) < len(last.indices):
+            unused = [group.names[i] for i, p in zip(last.indices, last.params) if p.requires_grad and i not in arrived]
+            if unused:
+                raise RuntimeError(unused_parameters_message(unused))
 
     def _stage_leftovers(self, position: int) -> list[str]:
         """Gradients still held by parameters (accumulated under no_sync); names of parameters with none."""
@@ -245,7 +296,7 @@ class GradReducer:
 
     def flush_unsynced(self, only: set) -> None:
         """Stage 2: reduce gradients of the groups ``only`` left in ``param.grad`` by backward passes run
-        entirely under no_sync (or while those parameters were frozen)."""
+        entirely under no_sync (or while those parameters were frozen); the last bucket is reduce_last's."""
         if self.partition_grads and self.session.unsynced_grads:
             self.finish_backward(only)
 
@@ -330,7 +381,7 @@ def _grad_ready(reducer_ref: weakref.ref, position: int, index: int, param: torc
     self = reducer_ref()
     if self is None:
         return
-    notes = self.grad_notes
+    notes = self._grad_notes
     if notes is not None:
         notes.record(param)  # the engine's note (grad_notes.py): a builtin call unless armed
     session = self.session
@@ -352,5 +403,3 @@ def _grad_ready(reducer_ref: weakref.ref, position: int, index: int, param: torc
     seen.add(index)
     if len(seen) >= self._expected[position]:  # only a completed bucket can let the launches move on
         self._launch_ready()
-    elif not position and not state.swap_tried:  # the bucket reduced last: the rest of it without Python
-        self._swap_last_bucket(state)

@@ -103,8 +103,9 @@ class ReplicatedParamsRuntime:
         sync = self.reducer.session.sync
         self.reducer.close()
         self.reducer = self._make_reducer(sync)
-        # A backward since the unfreezing left gradients in param.grad: the step reduces them.
-        self.reducer.session.unsynced_grads = any(p.grad is not None for g in new for p in g.params)
+        # A backward since the unfreezing left gradients in param.grad (or the old reducer's last bucket had
+        # some waiting): the step reduces them.
+        self.reducer.session.unsynced_grads = self.reducer.holds_unsynced()
         return new
 
     def managed_params(self) -> list[nn.Parameter]:
@@ -125,6 +126,7 @@ class ReplicatedParamsRuntime:
             self.reducer.reduce_full_grads(set(parts))
         else:
             self.reducer.flush_unsynced(set(parts))
+            self.reducer.reduce_last(set(parts))
 
     def after_step(self, parts: list[FlatParamGroup]) -> None:
         """Every rank updated its shards of ``parts``; all-gather them so each rank holds whole parameters again."""
@@ -144,8 +146,14 @@ class ReplicatedParamsRuntime:
         return [self.comm.all_gather_in_place(full, async_op=True)]  # this rank's slice of it is its shard
 
     def zero_grads(self, parts: list[FlatParamGroup]) -> None:
+        if self.config.stage == 1:
+            for group in parts:
+                group.zero_grads()
+            return
+        cleared = self.reducer.cleared_on_zero  # the last bucket's parameters keep their slots as .grad
         for group in parts:
-            group.zero_grads()
+            group.zero_grads(cleared.get(group, group.params))
+        self.reducer.zero_last_bucket(parts)
 
     def quiesce(self, communicate: bool) -> None:
         """Teardown (engine.close): finish the overlapped reduce-scatters still in flight, or, when the process
@@ -188,8 +196,8 @@ class ReplicatedParamsRuntime:
     def param_shards(self) -> list[torch.Tensor]:
         return []  # parameters are whole: module.parameters() already covers them
 
-    def scratch_nbytes(self) -> int:
-        return self.pool.nbytes()
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        return self.pool.tensors()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """What holds gradient memory now (accounting: released memory counts nothing and stays released)."""

@@ -572,8 +572,8 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
     def param_shards(self) -> list[torch.Tensor]:
         return [t for u in self.units for t in u.stored()] + [u.full for u in self.units]
 
-    def scratch_nbytes(self) -> int:
-        return self.pool.nbytes()
+    def scratch_tensors(self) -> list[torch.Tensor]:
+        return self.pool.tensors()
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """What holds gradient memory now (accounting: a released shard counts nothing and stays released)."""

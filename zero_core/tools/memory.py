@@ -50,10 +50,11 @@ def model_state_bytes(module, inner_optimizers, runtime) -> dict[str, int]:
     counter = _StorageCounter()
     params = counter.nbytes(module.parameters()) + counter.nbytes(runtime.param_shards())
     grads = counter.nbytes(runtime.grad_tensors())
+    scratch = counter.nbytes(runtime.scratch_tensors())  # before .grad: stage 2 lends a pool buffer to some
     grads += counter.nbytes([p.grad for p in module.parameters() if p.grad is not None])
     master = counter.nbytes(_master_tensors(runtime.parts))
     optimizer_state = counter.nbytes(_state_tensors(inner_optimizers))
-    buffers = counter.nbytes(module.buffers()) + runtime.scratch_nbytes()
+    buffers = counter.nbytes(module.buffers()) + scratch
     return {
         "params": params,
         "grads": grads,

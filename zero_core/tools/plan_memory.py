@@ -312,23 +312,28 @@ def _replay_backward(order, positions, pool: _PoolReplay, sizes: dict, launch) -
         for i in members:
             where[positions[group.group_index][group.members[i]]] = index
     staging: dict[int, tuple] = {}
+    if order:  # the bucket reduced last keeps its staging from setup on, never back to the pool (last_bucket.py)
+        group, bucket = order[0]
+        pool.acquire(group.layout.buckets[bucket].range.size, group.dtype, sizes[group.dtype])
     seen = Counter()
     cursor = len(order) - 1
     for model_position in sorted(where, reverse=True):
         index = where[model_position]
         group, bucket = order[index]
-        if index not in staging:
+        if index not in staging and index:
             staging[index] = pool.acquire(group.layout.buckets[bucket].range.size, group.dtype, sizes[group.dtype])
         seen[index] += 1
-        while cursor >= 0 and seen[cursor] >= expected[cursor]:
+        while cursor > 0 and seen[cursor] >= expected[cursor]:
             launch(*order[cursor], staging.pop(cursor))
             cursor -= 1
-    while cursor >= 0:  # nothing is left once every gradient arrived; kept for buckets without gradients
+    while cursor > 0:  # nothing is left once every gradient arrived; kept for buckets without gradients
         group, bucket = order[cursor]
         held = staging.pop(cursor, None) or pool.acquire(group.layout.buckets[bucket].range.size, group.dtype,
                                                           sizes[group.dtype])
         launch(group, bucket, held)
         cursor -= 1
+    if order:
+        launch(*order[0], None)  # the end-of-backward flush: in flight like the others, its staging kept
 
 
 def engine_plan(info, cfg: ZeroConfig, n: int, stage: int, precision: str, device=None):
