@@ -2,15 +2,19 @@
 
     python -m benchmarks.proxy                     # 48 blocks, 3 interleaved repeats, writes the table to stdout
     python -m benchmarks.proxy --blocks 48 --repeats 5 --json out.json
+    python -m benchmarks.proxy --fused --impls plain zero1 zero2 --per-step   # per-step medians, interleaved
 
 On a fast GPU the kernels of a block take microseconds, so what limits stage 3 there is the engine's own Python
 per unit (hooks, gathers, bookkeeping). This benchmark makes that cost visible on a CPU: residual blocks of
 LayerNorm + Linear 64->128->64 on a batch of 2x16, AdamW, one process (gloo, world size 1; there is no special
 path for world size 1, so the per-unit work is what any world size pays). Each implementation is built fresh
 on the same model, data and seed; the figure is process CPU time per step, the best of the interleaved
-repeats. It reports the overhead per block per step against plain training and the collectives per block and,
-for stage 3, per unit per step (a block holds three modules with parameters, each a unit; stage 3 hooks the
-block as a whole and coalesces the units' collectives).
+repeats. With ``--per-step`` every implementation is built once and they take turns in chunks of 5 steps
+(``--steps`` chunks each); the figure is the median of the steps' thread CPU times. On a shared machine that is
+the steadier comparison: every implementation steps in the same seconds, where the best of a few whole runs
+varies by 10% from run to run. It reports the overhead per block per step against plain training and the
+collectives per block and, for stage 3, per unit per step (a block holds three modules with parameters; stage 3 makes the block one unit,
+stage3/block_units.py, so 48 blocks are 48 units).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import time
 from typing import Callable
 
@@ -117,6 +122,37 @@ def measure(impl: str, args, zero_config: dict) -> dict:
     return result
 
 
+def measure_per_step(args, zero_config: dict, chunk: int = 5) -> dict[str, dict]:
+    """Every implementation built once; they take turns in chunks of ``chunk`` steps; the median step."""
+    x = torch.randn(args.batch, args.seq, args.width, generator=torch.Generator().manual_seed(1))
+    runs = {}
+    for impl in args.impls:
+        torch.manual_seed(0)
+        forward_backward, step, engine = build(impl, DeepNarrow(args.blocks, args.width, args.hidden), zero_config)
+        for _ in range(args.warmup):
+            forward_backward(x)
+            step()
+        if engine is not None:
+            engine.reset_comm_stats()
+        runs[impl] = (forward_backward, step, engine, [])
+    for _ in range(args.steps):
+        for forward_backward, step, _, times in runs.values():
+            for _ in range(chunk):
+                start = time.thread_time()
+                loss = forward_backward(x)
+                step()
+                times.append(time.thread_time() - start)
+    results = {}
+    for impl, (_, _, engine, times) in runs.items():
+        results[impl] = {"step_s": statistics.median(times), "loss": float(loss.detach())}
+        if engine is not None:
+            results[impl]["collectives_per_step"] = {k: v["calls"] / len(times) for k, v in engine.comm_stats().items()}
+            units = getattr(getattr(engine, "runtime", None), "units", None)
+            if units is not None and int(impl[-1]) == 3:
+                results[impl]["units"] = len(units)
+    return results
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.proxy", description=__doc__.splitlines()[0])
     p.add_argument("--blocks", type=int, default=48)
@@ -130,6 +166,8 @@ def main(argv=None) -> None:
     p.add_argument("--impls", nargs="+", default=list(IMPLS), choices=IMPLS)
     p.add_argument("--zero-config", type=json.loads, default={}, help="JSON merged into lightning-zero's config")
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--per-step", action="store_true", help="build each implementation once, step them in turns of "
+                   "5 steps (--steps turns each) and report the median step's thread CPU time")
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True) for every implementation, plain included "
                    "(without it plain runs torch's CPU default, the per-tensor loop; the stages pick fused anyway)")
     args = p.parse_args(argv)
@@ -141,8 +179,8 @@ def main(argv=None) -> None:
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(29000 + os.getpid() % 1000))
     dist.init_process_group("gloo", rank=0, world_size=1)
-    best: dict[str, dict] = {}
-    for repeat in range(args.repeats):
+    best: dict[str, dict] = measure_per_step(args, args.zero_config) if args.per_step else {}
+    for repeat in range(0 if args.per_step else args.repeats):
         order = args.impls[repeat % len(args.impls):] + args.impls[: repeat % len(args.impls)]  # rotate the order
         for impl in order:
             result = measure(impl, args, args.zero_config)
@@ -155,8 +193,9 @@ def main(argv=None) -> None:
 def report(best: dict, args) -> None:
     plain = best["plain"]["step_s"]
     print(f"CPU proxy: {args.blocks} blocks of LayerNorm + Linear {args.width}->{args.hidden}->{args.width}, batch "
-          f"{args.batch}x{args.seq}, AdamW{'(fused=True)' if args.fused else ''}, world size 1; process CPU time per "
-          f"step, best of {args.repeats}; load average {os.getloadavg()[0]:.1f}")
+          f"{args.batch}x{args.seq}, AdamW{'(fused=True)' if args.fused else ''}, world size 1; "
+          + (f"thread CPU time, median of {args.steps} turns of 5 steps each" if args.per_step else
+             f"process CPU time per step, best of {args.repeats}") + f"; load average {os.getloadavg()[0]:.1f}")
     print("| implementation | ms per step | × plain | overhead ms per block per step | collectives per block per step "
           "| collectives per unit per step |")
     print("| --- | --- | --- | --- | --- | --- |")
