@@ -105,3 +105,37 @@ def test_the_last_bucket_reduces_ddps_average():
             # no Python hook: the model's six parameters fit the one bucket, reduced last
             assert result[case + "_python_hooks"] == [0] * 6, (case, result)
         assert "2.weight" in result["unused"] and "4.bias" in result["unused"], result
+
+
+def _reduced_then_unfrozen(rank: int, world_size: int) -> dict:
+    """Clip (which reduces), then a parameter frozen at setup becomes trainable before the step: the engine builds
+    a new reducer at the step, and the last bucket's reduced gradient must survive the change of reducer."""
+    def run(zero: bool):
+        model = _model()
+        model[0].bias.requires_grad_(False)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        engine = zero_core.setup(model, optimizer, {"stage": 2}) if zero else None
+        x = torch.randn(4, 5, generator=torch.Generator().manual_seed(rank))
+        loss = model(x).square().mean()
+        if zero:
+            engine.backward(loss)
+            norm = engine.clip_grad_norm_(0.05)
+        else:
+            loss.backward()
+            for p in model.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world_size
+            norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], 0.05)
+        model[0].bias.requires_grad_(True)  # no gradient this step: not stepped
+        (engine or optimizer).step()
+        return float(norm), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+    (norm, zero), (ref_norm, reference) = run(True), run(False)
+    return {"norms": (norm, ref_norm), "max_dw": max((zero[n] - reference[n]).abs().max().item() for n in zero)}
+
+
+def test_a_reduced_gradient_survives_a_new_reducer():
+    for result in run_distributed(_reduced_then_unfrozen, 2, timeout=120):
+        assert abs(result["norms"][0] - result["norms"][1]) <= 1e-6 * result["norms"][1], result
+        assert result["max_dw"] < 1e-6, result

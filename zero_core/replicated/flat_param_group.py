@@ -137,7 +137,10 @@ class FlatParamGroup:
         place there) from now on; ``None`` gives its own back, with the lent one's reduced gradient if it holds
         one (else stale: the local gradients it held went back to ``param.grad``, last_bucket.py)."""
         if shard is not None:
-            self._lent[bucket] = self._grad_shards[bucket]
+            own = self._lent[bucket] = self._grad_shards[bucket]
+            if bucket not in self._stale and not grad_memory.is_released(self._grad_storage):
+                shard.copy_(own)  # what it holds (a gradient reduced before a new reducer took over) goes along
+                self._lent_reduced.add(bucket)
             self._grad_shards[bucket] = shard
             self._stale.discard(bucket)
             return
