@@ -5,7 +5,8 @@ gradients must be DDP's average in every case: a plain backward, gradients accum
 backward passes before the step, a gradient penalty (a backward through a backward), create_graph (autograd then
 replaces .grad instead of accumulating in place), .grad cleared by the user between backward passes, backward
 passes all under no_sync, and a backward in which the last layer got no gradient. zero_grad leaves zeros in the
-slots; an unused parameter is still named in the error (at the reduction)."""
+slots; after model.zero_grad() the slots are .grad again before the next forward; an unused parameter is still
+named in the error (at the reduction)."""
 
 from __future__ import annotations
 
@@ -83,6 +84,20 @@ def _compare(rank: int, world_size: int) -> dict:
         out[case + "_grads"] = [p.grad is not None and p.grad.untyped_storage().data_ptr() == buffer
                                 and not p.grad.any() for p in model.parameters()]
         engine.close()
+    # model.zero_grad() after the step (Hugging Face's Trainer calls it every step): before the next forward each
+    # .grad is its slot again, so the next backward accumulates there instead of allocating gradients of its own
+    model = _model()
+    engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=0.1), {"stage": 2})
+    slots = engine.runtime.reducer._last.slots
+    engine.backward(model(torch.randn(4, 5)).square().mean())
+    engine.step()
+    model.zero_grad()
+    out["after_model_zero_grad"] = [p.grad is None for p in model.parameters()]
+    loss = model(torch.randn(4, 5)).square().mean()
+    out["slots_before_backward"] = [p.grad is slot for p, slot in zip(model.parameters(), slots)]
+    engine.backward(loss)
+    out["slots_after_backward"] = [p.grad is slot and bool(p.grad.any()) for p, slot in zip(model.parameters(), slots)]
+    engine.close()
     # an unused parameter of the last bucket is still named
     model = _model()
     config = {"stage": 2, "ignore_unused_parameters": False}
@@ -105,6 +120,8 @@ def test_the_last_bucket_reduces_ddps_average():
             # no Python hook: the model's six parameters fit the one bucket, reduced last
             assert result[case + "_python_hooks"] == [0] * 6, (case, result)
         assert "2.weight" in result["unused"] and "4.bias" in result["unused"], result
+        assert all(result["after_model_zero_grad"]) and all(result["slots_before_backward"]), result
+        assert all(result["slots_after_backward"]), result
 
 
 def _reduced_then_unfrozen(rank: int, world_size: int) -> dict:

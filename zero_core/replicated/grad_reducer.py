@@ -154,6 +154,11 @@ class GradReducer:
         wait in its slots for the step's reduction anyway)."""
         return _grads_of(self._hooked_params).count(None) < len(self._hooked_params)
 
+    def before_forward(self) -> None:
+        """The last bucket's ``.grad`` are their slots again (LastBucketSlots.before_forward)."""
+        if self._last is not None:
+            self._last.before_forward()
+
     def zero_last_bucket(self, parts: list[FlatParamGroup]) -> None:
         """zero_grad: the last bucket's slots (its gradient shard among them) are zeroed, if its group is in
         ``parts``."""
@@ -262,7 +267,7 @@ class GradReducer:
         this rank's gradient shard of it, if its group is in ``only``. Its parameters' gradients of every backward
         since the last reduction are in their slots; the reduced ones stay there until zero_grad."""
         last = self._last
-        if last is None or self.order[0][0] not in only:
+        if last is None or last.reduced or self.order[0][0] not in only:
             return
         group, bucket = self.order[0]
         last.settle()
@@ -270,6 +275,7 @@ class GradReducer:
         staging = last.buffer[: group.layout.buckets[bucket].range.size]
         self._inflight.push(self._reduce(group, bucket, staging, accumulate=False))
         self._inflight.drain()
+        last.reduced = True
         if not self.ignore_unused and len(arrived) < len(last.indices):
             unused = [group.names[i] for i, p in zip(last.indices, last.params) if p.requires_grad and i not in arrived]
             if unused:

@@ -13,8 +13,9 @@ and whether a gradient waits when the reducer is replaced) and the engine's note
 parameters fit one bucket (the CPU proxy's 288, docs/benchmarks.md) runs no Python hook in backward.
 
 So these parameters' ``.grad`` are their slots, not None: local gradients from backward to the step, zeros
-after ``zero_grad``. A ``.grad`` the user replaced or set to None is taken into the slot at the reduction
-(``settle``), and the slot is its ``.grad`` again.
+after ``zero_grad``. A ``.grad`` the user replaced or set to None is taken into the slot (``settle``) before the
+next forward (``model.zero_grad()``, which Hugging Face's Trainer calls after every step, would otherwise leave
+autograd to allocate a gradient of its own for each) and at the reduction, and the slot is its ``.grad`` again.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class LastBucketSlots:
         self.slots = slots  # each parameter's view of ``buffer``, shaped like it
         self.buffer = buffer  # a pool buffer, held until the reducer closes
         self.arrivals: list[torch.Tensor] = []  # parameters whose gradient arrived since the last reduction
+        self.reduced = False  # reduced since the last zero_grad: this rank's slice is the gradient shard
         self._index_of = {id(p): i for p, i in zip(params, indices)}
         self._point_grads()
 
@@ -76,11 +78,18 @@ class LastBucketSlots:
         self.arrivals.clear()
         return indices
 
+    def before_forward(self) -> None:
+        """``settle`` before a forward, unless the buffer holds a reduced gradient (not to be touched until the
+        step consumes it)."""
+        if not self.reduced:
+            self.settle()
+
     def clear(self) -> None:
         """zero_grad: zeros in every slot, each its parameter's ``.grad``."""
         self.settle()
         self.buffer.zero_()
         self.arrivals.clear()
+        self.reduced = False
 
     def hand_back(self) -> None:
         """The reducer closes (a new one replaces it): each parameter's ``.grad`` becomes a tensor of its own,

@@ -4,6 +4,8 @@ gradients) are sharded. The engine drives this runtime through the same methods 
 
 from __future__ import annotations
 
+import functools
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -44,6 +46,9 @@ class ReplicatedParamsRuntime:
         device = self.parts[0].device if self.parts else torch.device("cpu")
         self.pool = BufferPool(device, self._largest_bucket())
         self.reducer = self._make_reducer(sync=True)
+        if config.stage >= 2:  # one Python call per forward (weakly: the module must not keep the runtime alive)
+            hook = functools.partial(_before_forward, weakref.ref(self))
+            self._forward_hook = module.register_forward_pre_hook(hook)
 
     def _largest_bucket(self) -> int:
         return max((b.range.size for g in self.parts for b in g.layout.buckets), default=1)
@@ -202,3 +207,14 @@ class ReplicatedParamsRuntime:
     def grad_tensors(self) -> list[torch.Tensor]:
         """What holds gradient memory now (accounting: released memory counts nothing and stays released)."""
         return [g.grad_storage() for g in self.parts]
+
+
+def _before_forward(runtime_ref: weakref.ref, module: nn.Module, args) -> None:
+    """Stage 2: a ``.grad`` of the last bucket cleared since the step (``model.zero_grad()``) is its slot again
+    before this forward's backward (replicated/last_bucket.py). Not inside torch.compile, which would break its
+    graph here: the reduction takes such a gradient into the slot anyway."""
+    if torch.compiler.is_compiling():
+        return
+    runtime = runtime_ref()
+    if runtime is not None:
+        runtime.reducer.before_forward()
