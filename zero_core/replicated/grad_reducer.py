@@ -118,9 +118,10 @@ class GradReducer:
         indices = list(layout.param_indices)
         start = layout.range.start
         slots = [buffer[group.layout.slots[i].range.shift(-start).as_slice()].view_as(group.params[i]) for i in indices]
-        last = LastBucketSlots(indices, [group.params[i] for i in indices], slots, buffer)
-        # reduced in place, this rank's slice of the staging is the bucket's gradient shard
+        # reduced in place, this rank's slice of the staging is the bucket's gradient shard; lent first, as what
+        # the shard holds goes along, then the slots take the parameters' waiting gradients (LastBucketSlots)
         group.lend_grad_shard(bucket, buffer[layout.shard_range(self.rank).shift(-start).as_slice()])
+        last = LastBucketSlots(indices, [group.params[i] for i in indices], slots, buffer)
         weakref.finalize(self, last.arrivals.clear)  # the list may hold parameters: not past the reducer
         return last
 
