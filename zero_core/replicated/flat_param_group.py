@@ -54,8 +54,10 @@ class FlatParamGroup:
         self.flat_grad: Optional[torch.Tensor] = None
         self._grad_shards = self._allocate_grads()
         # Stage 2: buckets whose gradient shard was cleared but not zeroed yet (zero_grads); the step's first
-        # reduction overwrites such a shard (take_grad_shard), any other access zeroes it first
-        self._stale: set[int] = set()
+        # reduction overwrites such a shard (take_grad_shard), any other access zeroes it first. A new shard holds
+        # no gradient either: were it not stale, lend_grad_shard would take its zeros for a reduced gradient, and
+        # give the lent slice's local gradients back as one when the reducer is replaced before the first step
+        self._stale: set[int] = set() if full_grads else set(range(len(self._grad_shards)))
         self._lent: dict[int, torch.Tensor] = {}  # bucket -> its own shard, while lend_grad_shard replaces it
         self._lent_reduced: set[int] = set()  # lent shards holding a reduced gradient (not local ones)
         if self.full_grads:
