@@ -53,7 +53,8 @@ def _two_optimizers(model):
     """The second optimizer owns the first layer: the bucket backward reaches last (position 0)."""
     rest = [*model[2].parameters(), *model[4].parameters()]
     first = list(model[0].parameters())
-    return [torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.1), torch.optim.SGD(first, lr=5e-2, momentum=0.9)], rest, first
+    return [torch.optim.AdamW(rest, lr=1e-2, weight_decay=0.1), torch.optim.AdamW(first, lr=5e-2, weight_decay=0.05)], \
+        rest, first
 
 
 def _gan_like(model, opts, rest, first, backward_of, clip, rank, world, step, toggle: bool, order=(0, 1)) -> None:
@@ -189,19 +190,23 @@ def _engine_accumulate(rank, world, micro_batches, unsynced, clip_norm, config, 
     return model
 
 
+ACCUMULATION_CONFIGS = {
+    "plain": {"stage": 2},
+    "many_overlap": {"stage": 2, "reduce_bucket_size": 24, "overlap_comm": True},
+    "many_no_overlap": {"stage": 2, "reduce_bucket_size": 24, "overlap_comm": False},
+    "offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+    "offload_many": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 24},
+    "no_reduce_scatter": {"stage": 2, "reduce_scatter": False},
+    "no_reduce_scatter_many": {"stage": 2, "reduce_scatter": False, "reduce_bucket_size": 24,
+                               "overlap_comm": True},
+}
+THREE_RANK_CONFIGS = ("plain", "many_overlap", "offload", "no_reduce_scatter")
+
+
 def _accumulation_probes(rank: int, world: int, directory: str) -> dict:
     out = {}
     ref = {clip: _reference_accumulate(world, 3, clip) for clip in (0.0, 0.05)}
-    configs = {
-        "plain": {"stage": 2},
-        "many_overlap": {"stage": 2, "reduce_bucket_size": 24, "overlap_comm": True},
-        "many_no_overlap": {"stage": 2, "reduce_bucket_size": 24, "overlap_comm": False},
-        "offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-        "offload_many": {"stage": 2, "offload_optimizer": {"device": "cpu"}, "reduce_bucket_size": 24},
-        "no_reduce_scatter": {"stage": 2, "reduce_scatter": False},
-        "no_reduce_scatter_many": {"stage": 2, "reduce_scatter": False, "reduce_bucket_size": 24,
-                                   "overlap_comm": True},
-    }
+    configs = ACCUMULATION_CONFIGS
     for name, config in configs.items():
         for unsynced in (False, True):
             for clip in (0.0, 0.05):
@@ -227,9 +232,8 @@ def test_accumulation_variants_match_one_process(tmp_path):
 def _three_ranks(rank: int, world: int, directory: str) -> dict:
     out = {}
     ref = _reference_accumulate(world, 2, 0.05)
-    for name, config in {"plain": {"stage": 2}, "many": {"stage": 2, "reduce_bucket_size": 24, "overlap_comm": True},
-                         "offload": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-                         "no_rs": {"stage": 2, "reduce_scatter": False}}.items():
+    for name in THREE_RANK_CONFIGS:
+        config = ACCUMULATION_CONFIGS[name]
         for unsynced in (False, True):
             got = _engine_accumulate(rank, world, 2, unsynced, 0.05, config)
             out[f"{name} unsynced={unsynced}"] = _diff(ref, got)
@@ -420,7 +424,7 @@ def _unfrozen_before_first_step(rank: int, world: int) -> dict:
     def run(zero: bool):
         model = _model()
         _set(model[0].parameters(), False)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # frozen ones in the group: torch accepts them
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)  # frozen ones in the group: accepted
         engine = zero_core.setup(model, opt, {"stage": 2}) if zero else None
         if zero:
             engine.backward(_loss(model, _batch(rank, 0, 0)))
@@ -440,14 +444,14 @@ def test_unfrozen_before_the_first_step_keeps_the_old_last_buckets_gradient():
 
 
 def _new_last_bucket_run(rank, world, zero: bool, at_step: int, clip_first: bool, config):
-    """Two optimizers: A (AdamW) the last layer, B (SGD) the middle one, which holds the last bucket at setup;
+    """Two optimizers: A (AdamW) the last layer, B (AdamW, its own settings) the middle one, which holds the last bucket at setup;
     the first layer, frozen and in no group, joins A with add_param_group (after a clip, or before the step),
     so that the new reducer's last bucket is the first layer's, and B's bucket becomes an ordinary one while
     its gradients wait."""
     model = _model()
     _set(model[0].parameters(), False)
     opts = [torch.optim.AdamW(model[4].parameters(), lr=1e-2, weight_decay=0.1),
-            torch.optim.SGD(model[2].parameters(), lr=5e-2, momentum=0.9)]
+            torch.optim.AdamW(model[2].parameters(), lr=5e-2, weight_decay=0.05)]
     engine = zero_core.setup(model, opts, config) if zero else None
     steppers = engine.optimizers if zero else opts
     for step in range(STEPS):

@@ -156,6 +156,10 @@ class FlatParamGroup:
         else:
             self._stale.add(bucket)
 
+    def holds_reduced(self, bucket: int) -> bool:
+        """Whether the lent shard of ``bucket`` holds a reduced gradient (since the last zero_grads)."""
+        return bucket in self._lent_reduced
+
     def take_grad_shard(self, bucket: int) -> tuple[torch.Tensor, bool]:
         """The gradient shard of ``bucket`` for a reduction to write, and whether it is to be overwritten (it
         holds no gradient yet, but was not zeroed) rather than added to."""

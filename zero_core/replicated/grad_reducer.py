@@ -116,8 +116,8 @@ class GradReducer:
         layout = group.layout.buckets[bucket]
         buffer = self.pool.acquire(layout.range.size, group.dtype)
         indices = list(layout.param_indices)
-        start = layout.range.start
-        slots = [buffer[group.layout.slots[i].range.shift(-start).as_slice()].view_as(group.params[i]) for i in indices]
+        start = layout.range.start  # the slots' and this rank's slice's offsets within the staging
+        slots = list(_bucket_slots(group, bucket, buffer).values())
         # reduced in place, this rank's slice of the staging is the bucket's gradient shard; lent first, as what
         # the shard holds goes along, then the slots take the parameters' waiting gradients (LastBucketSlots)
         group.lend_grad_shard(bucket, buffer[layout.shard_range(self.rank).shift(-start).as_slice()])
@@ -156,9 +156,10 @@ class GradReducer:
         return _grads_of(self._hooked_params).count(None) < len(self._hooked_params)
 
     def before_forward(self) -> None:
-        """The last bucket's ``.grad`` are their slots again (LastBucketSlots.before_forward)."""
-        if self._last is not None:
-            self._last.before_forward()
+        """The last bucket's ``.grad`` are their slots again (LastBucketSlots.settle), unless its staging holds a
+        reduced gradient, not to be touched until the step consumes it."""
+        if self._last is not None and not self.order[0][0].holds_reduced(self.order[0][1]):
+            self._last.settle()
 
     def zero_last_bucket(self, parts: list[FlatParamGroup]) -> None:
         """zero_grad: the last bucket's slots (its gradient shard among them) are zeroed, if its group is in
@@ -195,10 +196,7 @@ class GradReducer:
         key = (position, state.staging.data_ptr())
         views = self._views.get(key)
         if views is None:
-            start = group.layout.buckets[bucket].range.start
-            views = self._views[key] = {
-                i: state.staging[group.layout.slots[i].range.shift(-start).as_slice()].view_as(group.params[i])
-                for i in group.layout.buckets[bucket].param_indices}
+            views = self._views[key] = _bucket_slots(group, bucket, state.staging)
         state.views = views
         params, foreign = group.params, 0
         for index, view in views.items():
@@ -268,15 +266,16 @@ class GradReducer:
         this rank's gradient shard of it, if its group is in ``only``. Its parameters' gradients of every backward
         since the last reduction are in their slots; the reduced ones stay there until zero_grad."""
         last = self._last
-        if last is None or last.reduced or self.order[0][0] not in only:
+        if last is None or self.order[0][0] not in only:
             return
         group, bucket = self.order[0]
+        if group.holds_reduced(bucket):
+            return  # reduced already since zero_grad (a second reduction would add the average to itself)
         last.settle()
         arrived = last.take_arrivals()
         staging = last.buffer[: group.layout.buckets[bucket].range.size]
         self._inflight.push(self._reduce(group, bucket, staging, accumulate=False))
         self._inflight.drain()
-        last.reduced = True
         if not self.ignore_unused and len(arrived) < len(last.indices):
             unused = [group.names[i] for i, p in zip(last.indices, last.params) if p.requires_grad and i not in arrived]
             if unused:
@@ -368,6 +367,13 @@ class GradReducer:
             job.group.on_grad_reduced(job.group, job.bucket)
         for buffer in job.scratch:
             self.pool.release(buffer)
+
+
+def _bucket_slots(group: FlatParamGroup, bucket: int, staging: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Each parameter of ``bucket`` (by index in its group) -> its slot in ``staging``, shaped like it."""
+    start = group.layout.buckets[bucket].range.start
+    return {i: staging[group.layout.slots[i].range.shift(-start).as_slice()].view_as(group.params[i])
+            for i in group.layout.buckets[bucket].param_indices}
 
 
 def _grads_of(params: list) -> list:

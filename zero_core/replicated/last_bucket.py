@@ -37,7 +37,6 @@ class LastBucketSlots:
         self.slots = slots  # each parameter's view of ``buffer``, shaped like it
         self.buffer = buffer  # a pool buffer, held until the reducer closes
         self.arrivals: list[torch.Tensor] = []  # parameters whose gradient arrived since the last reduction
-        self.reduced = False  # reduced since the last zero_grad: this rank's slice is the gradient shard
         self._index_of = {id(p): i for p, i in zip(params, indices)}
         self._point_grads()
 
@@ -78,18 +77,11 @@ class LastBucketSlots:
         self.arrivals.clear()
         return indices
 
-    def before_forward(self) -> None:
-        """``settle`` before a forward, unless the buffer holds a reduced gradient (not to be touched until the
-        step consumes it)."""
-        if not self.reduced:
-            self.settle()
-
     def clear(self) -> None:
         """zero_grad: zeros in every slot, each its parameter's ``.grad``."""
         self.settle()
         self.buffer.zero_()
         self.arrivals.clear()
-        self.reduced = False
 
     def hand_back(self) -> None:
         """The reducer closes (a new one replaces it): each parameter's ``.grad`` becomes a tensor of its own,

@@ -333,7 +333,7 @@ def _replay_backward(order, positions, pool: _PoolReplay, sizes: dict, launch) -
         launch(group, bucket, held)
         cursor -= 1
     if order:
-        launch(*order[0], None)  # the end-of-backward flush: in flight like the others, its staging kept
+        launch(*order[0], None)  # reduced at the step, in place in the staging it keeps
 
 
 def engine_plan(info, cfg: ZeroConfig, n: int, stage: int, precision: str, device=None):
