@@ -5,7 +5,8 @@
 
 Before the script runs (as ``__main__``, through ``runpy``), the name ``Accelerator`` in ``accelerate`` and
 ``accelerate.accelerator`` is rebound to ``ZeroAccelerator``, a subclass, so ``from accelerate import
-Accelerator`` in the script (or in any module it imports) gets ZeRO. Nothing is written to the script or to
+Accelerator`` in the script (or in any module it imports) gets ZeRO. At stage 3, ``from_pretrained`` also
+builds the model already partitioned (pretrained.py), as ``HfDeepSpeedConfig`` does for DeepSpeed. Nothing is written to the script or to
 the installed accelerate package; the rebinding lives only in that worker process.
 """
 
@@ -22,9 +23,12 @@ def install() -> None:
     import accelerate.accelerator
 
     from .accelerator import ZeroAccelerator
+    from .plugin import ZeroPlugin
+    from .pretrained import install_if_stage3
 
     accelerate.Accelerator = ZeroAccelerator
     accelerate.accelerator.Accelerator = ZeroAccelerator
+    install_if_stage3(ZeroPlugin.from_env())  # stage 3: from_pretrained builds the model partitioned
 
 
 def main(argv=None) -> None:

@@ -38,6 +38,7 @@ from zero_core.engine import ZeroEngine, setup
 from zero_core.stage3.external_params import GatheredParameters, register_external_parameter, unregister_external_parameter
 from zero_core.fragments import Fragment
 from zero_core.stage3.init_context import Init
+from zero_core.pretrained.into_shards import load_pretrained
 from zero_core.layout import FlatLayout, Range, compute_layout
 from zero_core.stage3.leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
 from zero_core.optim.mixed_precision import cast_floating_inputs
@@ -51,6 +52,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "load_full_state_dict",
+    "load_pretrained",
     "save_16bit_model",
     "save_checkpoint",
     "ZeroConfig",

@@ -135,6 +135,9 @@ class PendingPartition(ParamOwner, Protocol):
     def take_whole_value(self, param: nn.Parameter) -> torch.Tensor:
         """Hand the parameter to stage 3's setup: its whole value; the partition forgets it."""
 
+    def copy_in(self, param: nn.Parameter, source: torch.Tensor) -> nn.Parameter:
+        """``param.copy_(source)`` (no grad) after the context: ``model.load_state_dict`` before setup."""
+
 
 @runtime_checkable
 class CheckpointedEngine(Protocol):

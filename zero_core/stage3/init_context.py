@@ -12,6 +12,11 @@ parameter gathers it, runs, and a change is broadcast from rank 0 and partitione
 operation on it gathers the parameter again (partitioned_param.PartitionedView), so a view never points at
 freed memory and at most one operation's parameters are whole at a time.
 ``zero_core.setup(model, optimizer, {"stage": 3})`` then takes the partitions over, one module at a time.
+
+Pretrained weights go straight into the shards: ``zero_core.load_pretrained`` (and ``from_pretrained`` of a
+Hugging Face model while the context is open, zero_core/pretrained/) has each rank read only its own elements of
+each tensor and hands them to :meth:`Init.adopt_shard` or :meth:`Init.fill_shard`, so no rank ever holds a
+whole model.
 """
 
 from __future__ import annotations
@@ -30,9 +35,10 @@ from torch.utils.weak import WeakIdKeyDictionary
 from zero_core import registry
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
-from zero_core.layout import compute_layout
+from zero_core.layout import Range, compute_layout
 from zero_core.stage3.partitioned_param import base_of, mark_partitioned, tensors_in, unmark_partitioned
 from zero_core.comm.topology import Topology
+from zero_core.pretrained import transformers_hook
 
 
 @dataclass
@@ -46,8 +52,19 @@ class Init:
     """Partition parameters at construction time. Every rank must build the same model inside it."""
 
     def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None, config_dict_or_path=None,
-                 config=None, enabled: bool = True, dtype: Optional[torch.dtype] = None) -> None:
+                 config=None, enabled: bool = True, dtype: Optional[torch.dtype] = None,
+                 rank0_reads: bool = False) -> None:
+        if module is not None and not isinstance(module, nn.Module):
+            raise TypeError(
+                f"zero_core.Init's first argument is the module to partition (or nothing); it got a "
+                f"{type(module).__name__}. Pass the configuration by keyword: zero_core.Init(config={module!r})"
+                if isinstance(module, dict) else
+                f"zero_core.Init's first argument is the module to partition (or nothing); it got a "
+                f"{type(module).__name__}. Pass the configuration as config=...")
         self.enabled = enabled
+        # Pretrained weights: rank 0 reads each tensor and broadcasts it, instead of every rank reading its own
+        # slices (for file systems where many readers are slow; Accelerate's cpu_ram_efficient_loading).
+        self.rank0_reads = rank0_reads
         self.group = data_parallel_group
         self.config = ZeroConfig.coerce(config if config is not None else config_dict_or_path)
         self.dtype = dtype
@@ -59,6 +76,7 @@ class Init:
         self.peak_gathered_elements = 0
         self._gathered_elements = 0
         self._module = module
+        self._transformers_hook = None
 
     # -- the context ---------------------------------------------------------------------------------------
     def __enter__(self) -> "Init":
@@ -70,6 +88,7 @@ class Init:
             register_module_parameter_registration_hook(self._on_parameter),
         ]
         self._open = True
+        self._transformers_hook = transformers_hook.install(self)
         if self._module is not None:
             self._partition_tree(self._module)
         return self
@@ -80,6 +99,7 @@ class Init:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        transformers_hook.uninstall(self._transformers_hook)
         for module in list(self._pending.values()):
             self._partition_own(module)
         self._pending.clear()
@@ -120,6 +140,31 @@ class Init:
         mark_partitioned(param)
         registry.register_pending([param], self)
 
+    # -- pretrained weights, straight into the shards (zero_core/pretrained/) -------------------------------
+    def shard_range(self, numel: int) -> tuple[Range, int]:
+        """This rank's elements of a parameter of ``numel`` elements, and its shard's padded size."""
+        world, rank = self.comm.topology.world_size, self.comm.topology.rank
+        size = compute_layout([numel], world, numel).shard_numel
+        return Range(min(rank * size, numel), min((rank + 1) * size, numel)), size
+
+    def adopt_shard(self, shape: torch.Size, shard: torch.Tensor, requires_grad: bool, label: str) -> nn.Parameter:
+        """A new partitioned parameter of ``shape`` whose only values on this rank are ``shard`` (padded to the
+        shard size); nothing of it was ever whole here."""
+        numel = shape.numel()
+        total = compute_layout([numel], self.comm.topology.world_size, numel).total
+        full = torch.empty(total, dtype=shard.dtype, device=shard.device)  # never touched: freed at once
+        param = nn.Parameter(full[:numel].view(shape), requires_grad=requires_grad)
+        full.untyped_storage().resize_(0)
+        self._shards[param] = _InitShard(label, full, shard)
+        mark_partitioned(param)
+        registry.register_pending([param], self)
+        return param
+
+    def fill_shard(self, param: nn.Parameter, values: torch.Tensor) -> None:
+        """Overwrite this rank's elements of a partitioned parameter (``values``: those of :meth:`shard_range`,
+        cast to the parameter's dtype); no collective."""
+        self._shards[param].shard[: values.numel()].copy_(values)
+
     def _gather(self, param: nn.Parameter) -> bool:
         entry = self._shards[param]
         if entry.full.untyped_storage().nbytes() > 0:
@@ -147,6 +192,13 @@ class Init:
 
     def handles_released(self, func) -> bool:
         return self._open and self.config.override_module_apply
+
+    def copy_in(self, param: nn.Parameter, source: torch.Tensor) -> nn.Parameter:
+        """``param.copy_(source)`` after the context, before setup: what ``model.load_state_dict`` does. Rank 0's
+        values are kept, as inside the context; one parameter is gathered at a time."""
+        with torch.no_grad():
+            self.run_on_released(torch.Tensor.copy_, (param, source), {})
+        return param
 
     def run_on_released(self, func, args, kwargs):
         """Gather the partitioned parameters ``func`` touches (directly or through views), run it, release them;

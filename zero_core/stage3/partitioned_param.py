@@ -34,7 +34,7 @@ _METADATA_ATTRIBUTES = frozenset(
 _METADATA_METHODS = frozenset(
     "size dim numel nelement element_size stride storage_offset is_contiguous is_floating_point is_complex "
     "requires_grad_ register_hook register_post_accumulate_grad_hook untyped_storage data_ptr get_device "
-    "__hash__ retain_grad is_shared __setstate__".split()
+    "__hash__ retain_grad is_shared __setstate__ _has_compatible_shallow_copy_type".split()
 )
 # Results that would share the storage outside any tensor, so no PartitionedView could guard them.
 _ARRAY_EXPORTS = frozenset({"numpy", "__array__"})
@@ -203,11 +203,38 @@ def _gathered_parameter(value) -> bool:
     return not isinstance(value, PartitionedView)
 
 
+def _moves_nowhere(func, args, kwargs) -> bool:
+    """``param.to(device, dtype)`` that would return ``param`` itself: same device, same dtype, no copy. A
+    Trainer's ``model.to(device)`` of a model built partitioned on that device does this (nothing to read)."""
+    if func is not torch.Tensor.to or not isinstance(args[0], PartitionedParameter) or (kwargs or {}).get("copy"):
+        return False
+    with _Disable():
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args[1:], **(kwargs or {}))
+        tensor = args[0]
+        return ((device is None or _same_device(torch.device(device), tensor.device))
+                and (dtype is None or dtype == tensor.dtype) and memory_format in (None, torch.preserve_format))
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    """"cpu:0" is "cpu" (a Trainer's device on CPU); an index left out means the current one."""
+    return a.type == b.type and (a.type == "cpu" or a.index is None or b.index is None or a.index == b.index)
+
+
+def _loads_into(func, args, released) -> bool:
+    """``param.copy_(tensor)`` without autograd into a whole parameter an Init partition still holds."""
+    return (func is torch.Tensor.copy_ and released is args[0] and isinstance(released, PartitionedParameter)
+            and len(args) > 1 and not isinstance(args[1], (PartitionedParameter, PartitionedView))
+            and not (torch.is_grad_enabled() and released.requires_grad)
+            and registry.pending_partition_of(released) is not None)
+
+
 def _dispatch(func, args, kwargs):
     """The guard shared by partitioned parameters and their views."""
     if torch.compiler.is_compiling():  # compiled code runs between the eager hooks, on gathered parameters
         with _Disable():
             return func(*args, **(kwargs or {}))
+    if _moves_nowhere(func, args, kwargs):
+        return args[0]
     kind = _kind(func)
     if kind is _DATA_SET and isinstance(args[0], PartitionedParameter):
         owner = registry.pending_partition_of(args[0])
@@ -230,6 +257,8 @@ def _dispatch(func, args, kwargs):
             f"'{name}' of parameter {describe(next(iter(bases.values())))} would share storage that ZeRO stage 3 "
             "frees while the tensor still exists: export a copy instead (`param.detach().clone()`)"
         )
+    if _loads_into(func, args, released):  # model.load_state_dict after zero_core.Init, before setup
+        return registry.pending_partition_of(released).copy_in(released, args[1])
     owner = _handled_by_owner(released, func) if released is not None else None
     if name in _ARRAY_EXPORTS:  # a read-only copy: reads work, writes fail loudly instead of being lost
         copy = func(torch.Tensor.clone(args[0]), *args[1:], **kwargs)
