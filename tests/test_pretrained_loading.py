@@ -26,15 +26,15 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def count_reads(monkeypatch_target=WeightFiles) -> dict:
-    """Elements this rank reads from weight files (WeightFiles.read is the one place that reads values)."""
+    """Elements this rank reads from weight files (WeightFiles.read_into is the one place that reads values)."""
     counter = {"elements": 0}
-    original = monkeypatch_target.read
+    original = monkeypatch_target.read_into
 
-    def read(self, key, rng):
+    def read_into(self, key, rng, out):
         counter["elements"] += rng.size
-        return original(self, key, rng)
+        return original(self, key, rng, out)
 
-    monkeypatch_target.read = read
+    monkeypatch_target.read_into = read_into
     return counter
 
 

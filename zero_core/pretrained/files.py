@@ -2,7 +2,8 @@
 
 A Hugging Face model directory (``model.safetensors``, ``model.safetensors.index.json`` with its shards,
 ``pytorch_model.bin`` or its index), one such file, or a list of them (what ``from_pretrained`` resolves).
-Safetensors files are read through ``safe_open(...).get_slice``, which reads only the rows asked for; torch
+Safetensors files are read with ``os.preadv`` straight into the destination, at the byte range of the
+elements asked for (the header, a small JSON, says where each tensor sits), so nothing is mapped or copied twice; torch
 files through ``torch.load(..., weights_only=True, mmap=True)``, so only the pages of the rows used are read and
 no code from the file runs. Only headers are read up front.
 """
@@ -12,13 +13,12 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence, Union
+from typing import Sequence, Union
 
 import torch
-from safetensors import safe_open
-
 from zero_core.layout import Range
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -31,6 +31,7 @@ _SAFETENSORS_DTYPES = {
 }
 
 PathLike = Union[str, Path]
+READ_CHUNK_BYTES = 16 << 20
 
 
 @dataclass(frozen=True)
@@ -76,12 +77,38 @@ def _from_index(index: Path) -> list[Path]:
     return [index.parent / name for name in sorted(set(weight_map.values()))]
 
 
+@dataclass(frozen=True)
+class _Located:
+    """Where a safetensors tensor's bytes sit: the file's byte offset of its first element."""
+
+    fd: int
+    offset: int
+
+
+def _read_safetensors_header(file: Path) -> tuple[dict, int]:
+    """The header (name -> dtype, shape, data_offsets) and where the data starts. The format is a little-endian
+    u64 header length, that many bytes of JSON, then the data (safetensors' documented layout)."""
+    with open(file, "rb") as handle:
+        prefix = handle.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"'{file}' is too short to be a safetensors file")
+        length = int.from_bytes(prefix, "little")
+        if length > min(file.stat().st_size - 8, 100 << 20):
+            raise ValueError(f"'{file}' is not a safetensors file (its header length {length} is impossible)")
+        try:
+            header = json.loads(handle.read(length))
+        except ValueError as error:
+            raise ValueError(f"'{file}' is not a safetensors file (its header is not JSON: {error})") from None
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
 class WeightFiles:
     """Every tensor of a set of weight files by name: its header, a flat range of it, or all of it."""
 
     def __init__(self, files: Sequence[Path]):
         self._stack = contextlib.ExitStack()
-        self._safetensors: dict[Path, Any] = {}
+        self._located: dict[str, _Located] = {}
         self._torch: dict[Path, dict] = {}
         self.info: dict[str, TensorInfo] = {}
         try:
@@ -103,21 +130,25 @@ class WeightFiles:
 
     def close(self) -> None:
         self._stack.close()
-        self._safetensors.clear()
+        self._located.clear()
         self._torch.clear()
 
     def _read_header(self, file: Path) -> None:
         if not file.is_file():
             raise FileNotFoundError(f"weight file '{file}' is missing (named by the index, or given)")
         if file.suffix == ".safetensors":
-            try:
-                handle = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
-            except Exception as error:
-                raise ValueError(f"cannot read '{file}' as safetensors: {error}") from None
-            self._safetensors[file] = handle
-            for key in handle.keys():
-                piece = handle.get_slice(key)
-                self.info[key] = TensorInfo(tuple(piece.get_shape()), _SAFETENSORS_DTYPES[piece.get_dtype()], file)
+            header, data_start = _read_safetensors_header(file)
+            fd = os.open(file, os.O_RDONLY)
+            self._stack.callback(os.close, fd)
+            size = file.stat().st_size
+            for key, entry in header.items():
+                dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
+                begin, end = entry.get("data_offsets", (0, -1))
+                shape = tuple(entry.get("shape", ()))
+                if dtype is None or end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
+                    raise ValueError(f"tensor '{key}' in '{file}' has a damaged or unsupported header entry {entry}")
+                self.info[key] = TensorInfo(shape, dtype, file)
+                self._located[key] = _Located(fd, data_start + begin)
             return
         # a torch file: weights_only never runs code from it; mmap reads only the pages that are used
         state = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
@@ -129,17 +160,37 @@ class WeightFiles:
                 self.info[key] = TensorInfo(tuple(value.shape), value.dtype, file)
 
     def read(self, key: str, rng: Range) -> torch.Tensor:
-        """Elements ``rng`` of tensor ``key`` flattened (1-d, the file's dtype), reading only the rows holding them."""
+        """Elements ``rng`` of tensor ``key`` flattened (1-d, the file's dtype)."""
+        out = torch.empty(rng.size, dtype=self.info[key].dtype)
+        self.read_into(key, rng, out)
+        return out
+
+    def read_into(self, key: str, rng: Range, out: torch.Tensor) -> None:
+        """Elements ``rng`` of ``key`` into ``out`` (1-d, any dtype on any device). From safetensors the bytes go
+        straight into ``out`` when it is a CPU tensor of the file's dtype (one ``preadv``: nothing else is
+        allocated or mapped), else through a bounded staging buffer."""
         info = self.info[key]
         if info.file in self._torch:
-            return self._torch[info.file][key].reshape(-1)[rng.as_slice()].clone()
-        piece = self._safetensors[info.file].get_slice(key)
-        if len(info.shape) == 0:
-            return piece[...].reshape(-1)[rng.as_slice()]
-        row = math.prod(info.shape[1:]) or 1
-        first, last = rng.start // row, -(-rng.end // row)
-        block = piece[first:last].reshape(-1)
-        return block[rng.start - first * row: rng.end - first * row]
+            out.copy_(self._torch[info.file][key].reshape(-1)[rng.as_slice()])
+            return
+        direct = out.device.type == "cpu" and out.dtype == info.dtype and out.is_contiguous()
+        step = rng.size if direct else max(1, READ_CHUNK_BYTES // info.dtype.itemsize)
+        for first in range(rng.start, rng.end, step):
+            last = min(rng.end, first + step)
+            target = out[first - rng.start: last - rng.start] if direct else torch.empty(last - first, dtype=info.dtype)
+            self._pread(key, first, target)
+            if not direct:
+                out[first - rng.start: last - rng.start].copy_(target)
+
+    def _pread(self, key: str, first: int, target: torch.Tensor) -> None:
+        located, itemsize = self._located[key], target.element_size()
+        view = memoryview(target.view(torch.uint8).numpy()) if target.numel() else memoryview(b"")
+        done, offset = 0, located.offset + first * itemsize
+        while done < len(view):  # preadv may return short counts on large reads
+            got = os.preadv(located.fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise ValueError(f"'{self.info[key].file}' ends inside tensor '{key}': the file is truncated")
+            done += got
 
     def read_whole(self, key: str) -> torch.Tensor:
         info = self.info[key]

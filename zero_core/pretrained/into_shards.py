@@ -167,7 +167,7 @@ def fill(model: nn.Module, targets: list[Target], files: WeightFiles, init: Opti
         if target.is_param and registry.pending_partition_of(tensor) is init and init is not None \
                 and not tensor.is_meta:
             mine, _ = init.shard_range(tensor.numel())
-            init.fill_shard(tensor, reader.read(target.file_key, mine))
+            reader.read_into(target.file_key, mine, init.shard_of(tensor)[: mine.size])
             after_set(tensor)
         elif target.is_param and tensor.is_meta:
             if init is None:
@@ -176,7 +176,7 @@ def fill(model: nn.Module, targets: list[Target], files: WeightFiles, init: Opti
             dtype = dtype_of(target.keys[0], tensor)
             mine, size = init.shard_range(tensor.numel())
             shard = torch.zeros(size, dtype=dtype, device=_device())
-            shard[: mine.size].copy_(reader.read(target.file_key, mine))
+            reader.read_into(target.file_key, mine, shard[: mine.size])
             new = init.adopt_shard(tensor.shape, shard, tensor.requires_grad, target.keys[0])
             _set_everywhere(model, target.keys, new)
             after_set(new)
@@ -214,5 +214,5 @@ class _Rank0Reader:
         self.comm.broadcast(value, src=0)
         return value
 
-    def read(self, key: str, rng) -> torch.Tensor:
-        return self.read_whole(key).reshape(-1)[rng.as_slice()]
+    def read_into(self, key: str, rng, out: torch.Tensor) -> None:
+        out.copy_(self.read_whole(key).reshape(-1)[rng.as_slice()])

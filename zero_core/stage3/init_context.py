@@ -160,10 +160,10 @@ class Init:
         registry.register_pending([param], self)
         return param
 
-    def fill_shard(self, param: nn.Parameter, values: torch.Tensor) -> None:
-        """Overwrite this rank's elements of a partitioned parameter (``values``: those of :meth:`shard_range`,
-        cast to the parameter's dtype); no collective."""
-        self._shards[param].shard[: values.numel()].copy_(values)
+    def shard_of(self, param: nn.Parameter) -> torch.Tensor:
+        """This rank's part of a partitioned parameter (padded), to be written in place: its first
+        ``shard_range(numel).size`` elements are the parameter's elements of :meth:`shard_range`."""
+        return self._shards[param].shard
 
     def _gather(self, param: nn.Parameter) -> bool:
         entry = self._shards[param]
