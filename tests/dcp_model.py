@@ -38,6 +38,21 @@ def optimizer(model: torch.nn.Module, **overrides) -> torch.optim.AdamW:
     return torch.optim.AdamW(model.parameters(), **{**ADAMW, **overrides})
 
 
+def build_fsdp2(seed: int = 0, **optimizer_overrides):
+    """The model under FSDP2 (each Linear and the LayerNorm a unit, then the root) on this process group's
+    ranks (CPU, gloo), and its AdamW."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    model = build(seed)
+    for module in (model.inp, model.mid, model.norm, model.out):
+        fully_shard(module, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, optimizer(model, **optimizer_overrides)
+
+
 def batch(step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     """This rank's rows of step ``step``'s global batch."""
     generator = torch.Generator().manual_seed(1000 + step)

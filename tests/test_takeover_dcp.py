@@ -102,3 +102,50 @@ def test_take_over_fsdp2_and_torchtitan(world_size):
                 if not d <= TOLERANCE or lrs != [dcp_model.ADAMW["lr"]]]
     assert len(per_rank[0]) == 4
     assert not problems, "\n".join(problems)
+
+
+def handback_worker(rank: int, world_size: int, directory: str) -> dict:
+    """Our engine trains 4 steps from the reference's start and saves; the checkpoint is converted to DCP; real
+    FSDP2 (built with another init and learning rate) dcp.loads it, set_state_dicts it and trains 4 more."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+    import zero_core
+    from zero_core.checkpoint import save_checkpoint
+    from zero_core.checkpoint.convert import convert
+
+    reference, _ = dcp_model.reference(8)
+    results = {}
+    for stage, layout in ((2, "fsdp2"), (3, "torchtitan")):
+        model = dcp_model.build()
+        engine = zero_core.setup(model, dcp_model.optimizer(model), {"stage": stage})
+        _train_engine(engine, 0, 4)
+        ours, theirs = f"{directory}/stage{stage}", f"{directory}/stage{stage}-{layout}"
+        save_checkpoint(engine, ours)
+        if rank == 0:
+            convert(ours, theirs, "dcp", layout=layout, progress=False)
+        dist.barrier()
+        fsdp, adamw = dcp_model.build_fsdp2(seed=9, **WRONG_LR)
+        options = StateDictOptions(flatten_optimizer_state_dict=layout == "torchtitan")
+        msd, osd = get_state_dict(fsdp, adamw, options=options)
+        state = {"model": msd, "optim": osd} if layout == "fsdp2" else {**msd, "optimizer": osd}
+        dcp.load(state, checkpoint_id=theirs)
+        loaded_osd = state["optim"] if layout == "fsdp2" else state["optimizer"]
+        set_state_dict(fsdp, adamw, model_state_dict=msd, optim_state_dict=loaded_osd, options=options)
+        for step in range(4, 8):
+            dcp_model.loss_of(fsdp, step, rank, world_size).backward()
+            adamw.step()
+            adamw.zero_grad()
+        params = {n: p.full_tensor().detach() for n, p in fsdp.named_parameters()}
+        results[f"stage {stage} -> DCP ({layout}) -> FSDP2"] = (_difference(params, reference),
+                                                              [g["lr"] for g in adamw.param_groups])
+    return results
+
+
+@pytest.mark.timeout(240)
+def test_hand_back_to_fsdp2(tmp_path):
+    per_rank = run_distributed(handback_worker, 2, str(tmp_path), timeout=200)
+    problems = [f"rank {rank}, {case}: differs from the 8-step reference by {d:.3g}; lrs {lrs}"
+                for rank, results in enumerate(per_rank) for case, (d, lrs) in results.items()
+                if not d <= TOLERANCE or lrs != [dcp_model.ADAMW["lr"]]]
+    assert len(per_rank[0]) == 2
+    assert not problems, "\n".join(problems)
