@@ -4,7 +4,8 @@ optimizer (``get_state_dict``'s keys, so ``set_state_dict`` takes the result), w
 Streaming: the state dict given to ``dcp.save`` holds meta tensors (shapes and dtypes for DCP's plan), and the
 planner reads each tensor from our shard files only when torch's writer asks for it (``resolve_data``).
 torch's ``FileSystemWriter`` keeps every tensor of a data file until that file is complete, so each tensor gets
-a file of its own (``single_file_per_rank=False``): at most one whole tensor is in memory at a time.
+a file of its own (``single_file_per_rank=False``): at most two whole tensors are in memory at a time, the one
+being written and, until the next read returns, the one before (torch's loop variable still holds it).
 """
 
 from __future__ import annotations
