@@ -243,3 +243,78 @@ def test_hand_back_streams_one_tensor_at_a_time(tmp_path, monkeypatch):
     convert(tmp_path / "ours", tmp_path / "theirs", "dcp", progress=False)
     assert len(alive_at_each_read) == 8 * 3  # weights and both moments of 8 parameters
     assert max(alive_at_each_read) <= 1, alive_at_each_read
+
+
+class Odd:
+    """Pickled into a DCP entry by a user's state: loading it would run this module's code."""
+
+
+def _save_dcp(state: dict, path: Path) -> str:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=str(path), no_dist=True)
+    return str(path)
+
+
+def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
+    """case -> (DCP directory, what its error must say)."""
+    weights, _ = dcp_model.reference(0)
+    names = list(weights)
+    groups = [{"lr": 0.1, "params": names}]
+    missing = tmp_path / "missing-file"
+    shutil.copytree(FIXTURES / "fsdp2", missing)
+    (missing / "__1_0.distcp").unlink()
+    return {
+        "bytes entry in the model": (_save_dcp({"model": {**weights, "inp.extra": "hello"}}, tmp_path / "bytes"),
+                                     ["'model.inp.extra' is not a tensor", "bytes entry"]),
+        "shapes": (_save_dcp({"model": {**weights, "inp.weight": torch.zeros(45, 12), "out.bias": torch.zeros(8)}},
+                             tmp_path / "shapes"),
+                   ["shape mismatch", "'inp.weight': checkpoint (45, 12), model (45, 11)",
+                    "'out.bias': checkpoint (8,), model (7,)"]),
+        "missing data file": (str(missing), ["missing its data file '__1_0.distcp'"]),
+        "state of another shape": (_save_dcp({"model": weights, "optim": {
+            "state": {"inp.weight": {"exp_avg_row": torch.zeros(45), "step": torch.tensor(1.0)}},
+            "param_groups": groups}}, tmp_path / "factored"),
+            ["'optim.state.inp.weight.exp_avg_row' has shape (45,)", "cannot be sharded"]),
+        "pickled object": (_save_dcp({"model": weights, "optim": {"state": {}, "param_groups": [{**groups[0],
+                                                                                                   "lr": Odd()}]}},
+                                     tmp_path / "pickled"),
+                           ["'optim.param_groups.0.lr'", "not a plain value", "test_takeover_dcp.Odd"]),
+    }
+
+
+def bad_input_worker(rank: int, world_size: int, cases: dict) -> dict:
+    """Each bad directory fails to load with its message, on every rank, and leaves the engine as it was."""
+    from zero_core.checkpoint import load_checkpoint
+
+    results = {}
+    for case, (path, _) in cases.items():
+        engine = _engine(3)
+        before = _engine_params(engine)
+        try:
+            load_checkpoint(engine, path)
+            message = None
+        except Exception as error:  # the message is what the test checks
+            message = f"{type(error).__name__}: {error}"
+        results[case] = (message, _difference(_engine_params(engine), before))
+    return results
+
+
+@pytest.mark.timeout(240)
+def test_bad_input_is_refused_before_anything_loads(tmp_path):
+    cases = _bad_directories(tmp_path)
+    per_rank = run_distributed(bad_input_worker, 2, cases, timeout=200)
+    problems = []
+    for rank, results in enumerate(per_rank):
+        for case, (message, changed) in results.items():
+            expected = cases[case][1]
+            if message is None or not all(part in message for part in expected):
+                problems.append(f"rank {rank}, {case}: expected {expected} in the error, got {message!r}")
+            if changed != 0.0:
+                problems.append(f"rank {rank}, {case}: the failed load changed the weights by {changed:.3g}")
+    assert len(per_rank[0]) == len(cases)
+    assert not problems, "\n".join(problems)
