@@ -8,9 +8,8 @@ another learning rate, which only the loaded hyper-parameters undo).
 
 from __future__ import annotations
 
+import pickle
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -262,9 +261,17 @@ def _save_dcp(state: dict, path: Path) -> str:
 
 def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
     """case -> (DCP directory, what its error must say)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
     weights, _ = dcp_model.reference(0)
     names = list(weights)
     groups = [{"lr": 0.1, "params": names}]
+    gap = tmp_path / "lost-chunk"
+    shutil.copytree(FIXTURES / "fsdp2", gap)
+    metadata = FileSystemReader(str(gap)).read_metadata()
+    del metadata.state_dict_metadata["model.mid.weight"].chunks[1]  # rank 1's rows, as if never saved
+    with open(gap / ".metadata", "wb") as file:
+        pickle.dump(metadata, file)
     missing = tmp_path / "missing-file"
     shutil.copytree(FIXTURES / "fsdp2", missing)
     (missing / "__1_0.distcp").unlink()
@@ -276,6 +283,8 @@ def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
                    ["shape mismatch", "'inp.weight': checkpoint (45, 12), model (45, 11)",
                     "'out.bias': checkpoint (8,), model (7,)"]),
         "missing data file": (str(missing), ["missing its data file '__1_0.distcp'"]),
+        "lost chunk": (str(gap), ["'model.mid.weight' of shape (31, 45) is stored in 1 chunks of 720 elements in "
+                                  "all, not 1395"]),
         "state of another shape": (_save_dcp({"model": weights, "optim": {
             "state": {"inp.weight": {"exp_avg_row": torch.zeros(45), "step": torch.tensor(1.0)}},
             "param_groups": groups}}, tmp_path / "factored"),

@@ -33,6 +33,8 @@ class DCPSource:
                  group_param_names: Optional[list[list[str]]] = None):
         self.files = DCPFiles(Path(directory))
         self.layout = read_layout({k: self.files.is_tensor(k) for k in self.files.entries}, model_names)
+        for key in [*self.layout.model.values(), *(k for e in self.layout.state.values() for k in e.values())]:
+            self.files.check_chunks(key)
         self._per_element, self._scalar_keys = self._split_state()
         self._groups = self._read_groups()
         self._engine_groups = group_param_names

@@ -71,6 +71,17 @@ class DCPFiles:
     def dtype(self, key: str) -> torch.dtype:
         return self.entries[key].properties.dtype
 
+    def check_chunks(self, key: str) -> None:
+        """The stored chunks of tensor ``key`` hold each element once (no gap: a rank's shard lost from the
+        metadata; no overlap: a layout this reader does not take, e.g. replicas saved without deduplication)."""
+        entry = self.entries[key]
+        numel = math.prod(entry.size)
+        stored = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
+        if stored != numel:
+            raise CheckpointError(f"the DCP entry '{key}' of shape {tuple(entry.size)} is stored in {len(entry.chunks)} "
+                                  f"chunks of {stored} elements in all, not {numel}: a chunk layout this reader does "
+                                  "not support, or damaged metadata")
+
     def read_rows(self, key: str, first: int, last: int) -> torch.Tensor:
         """Rows ``[first, last)`` (along dim 0) of tensor ``key``; the whole tensor if it is 0-d."""
         from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
