@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Literal
 
 from zero_core.checkpoint.format import MANIFEST, CheckpointError, PathLike
 from zero_core.checkpoint.foreign import detect

@@ -78,8 +78,8 @@ class DCPFiles:
         numel = math.prod(entry.size)
         stored = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
         if stored != numel:
-            raise CheckpointError(f"the DCP entry '{key}' of shape {tuple(entry.size)} is stored in {len(entry.chunks)} "
-                                  f"chunks of {stored} elements in all, not {numel}: a chunk layout this reader does "
+            raise CheckpointError(f"the DCP entry '{key}' of shape {tuple(entry.size)} is stored in "
+                                  f"{len(entry.chunks)} chunks of {stored} elements in all, not {numel}: a chunk layout this reader does "
                                   "not support, or damaged metadata")
 
     def read_rows(self, key: str, first: int, last: int) -> torch.Tensor:

@@ -36,9 +36,10 @@ class DCPLayout:
 def read_layout(keys: dict[str, bool], model_names: Optional[set] = None) -> DCPLayout:
     """``keys``: every DCP key -> whether it holds a tensor. ``model_names``, when known, settles whether a
     leading ``model.`` is DCP's wrapper key or part of the model's own names."""
-    optimizer_prefix = next((p for p in OPTIMIZER_PREFIXES if any(k.startswith(p + "state.") or
-                                                                  k.startswith(p + "param_groups.") for k in keys)), None)
-    rest = [k for k in keys if not (optimizer_prefix and k.startswith(optimizer_prefix)) and not k.startswith(OTHER_STATE)]
+    optimizer_prefix = next((p for p in OPTIMIZER_PREFIXES
+                             if any(k.startswith((p + "state.", p + "param_groups.")) for k in keys)), None)
+    rest = [k for k in keys
+            if not (optimizer_prefix and k.startswith(optimizer_prefix)) and not k.startswith(OTHER_STATE)]
     strip = _model_prefix(rest, model_names)
     layout = DCPLayout()
     for key in rest:

@@ -25,7 +25,6 @@ from zero_core.checkpoint.format import CheckpointError, PathLike, optimizer_cla
 from zero_core.checkpoint.foreign.dcp_files import METADATA
 from zero_core.checkpoint.node_local import require_whole
 from zero_core.checkpoint.sources import ShardedSource
-from zero_core.checkpoint.values import decode_value
 from zero_core.checkpoint.verify import verify_files
 
 Layout = Literal["fsdp2", "torchtitan"]
@@ -59,7 +58,7 @@ def _state_dict(source: ShardedSource, manifest: dict, layout: Layout) -> tuple[
     lazy: dict[str, Callable] = {}
     model = {}
     names = [p["name"] for p in manifest["parameters"]] + [r["name"] for r in manifest["replicated"]]
-    stored = {**{a: c for a, c in manifest["aliases"].items()}, **{n: n for n in names}}
+    stored = {**{n: n for n in names}, **manifest["aliases"]}
     shapes = source.shapes()
     for name, canonical in stored.items():  # a tied weight under each of its names, as state_dict() has it
         model[name] = _meta(shapes[canonical], _model_dtype(manifest, canonical))
@@ -93,7 +92,8 @@ def _optimizer(source: ShardedSource, manifest: dict, layout: Layout, lazy: dict
     if layout == "fsdp2":
         return {"state": state, "param_groups": [{**h, "params": list(n)} for n, h in groups]}
     flat = {f"state.{name}.{key}": value for name, values in state.items() for key, value in values.items()}
-    flat.update({f"param_groups.{name}.{hp}": value for names, h in groups for name in names for hp, value in h.items()})
+    flat.update({f"param_groups.{name}.{hp}": value
+                 for names, h in groups for name in names for hp, value in h.items()})
     return flat
 
 
