@@ -262,8 +262,10 @@ def _save_dcp(state: dict, path: Path) -> str:
 
 
 def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
-    """case -> (DCP directory, what its error must say)."""
+    """case -> (DCP directory, what its error must say; None: it loads, the weights of ``build(0)``)."""
     from torch.distributed.checkpoint import FileSystemReader
+
+    from zero_core.checkpoint.convert import convert
 
     weights = dict(dcp_model.build().state_dict())
     names = [n for n, _ in dcp_model.build().named_parameters()]
@@ -277,7 +279,11 @@ def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
     missing = tmp_path / "missing-file"
     shutil.copytree(FIXTURES / "fsdp2", missing)
     (missing / "__1_0.distcp").unlink()
+    model_only = _save_dcp({"model": weights}, tmp_path / "model-only")
     return {
+        "model only": (model_only, None),  # the positive controls: a good directory loads, its weights arrive
+        "model only, converted to ours": (str(convert(model_only, tmp_path / "model-only-ours", "zero",
+                                                      progress=False)), None),
         "bytes entry in the model": (_save_dcp({"model": {**weights, "inp.extra": "hello"}}, tmp_path / "bytes"),
                                      ["'model.inp.extra' is not a tensor", "bytes entry"]),
         "shapes": (_save_dcp({"model": {**weights, "inp.weight": torch.zeros(45, 12), "out.bias": torch.zeros(8)}},
@@ -303,7 +309,8 @@ def bad_input_worker(rank: int, world_size: int, cases: dict) -> dict:
     from zero_core.checkpoint import load_checkpoint
 
     results = {}
-    for case, (path, _) in cases.items():
+    saved = {n: p.detach() for n, p in dcp_model.build().named_parameters()}
+    for case, (path, expected) in cases.items():
         engine = _engine(3)
         before = _engine_params(engine)
         try:
@@ -311,21 +318,26 @@ def bad_input_worker(rank: int, world_size: int, cases: dict) -> dict:
             message = None
         except Exception as error:  # the message is what the test checks
             message = f"{type(error).__name__}: {error}"
-        results[case] = (message, _difference(_engine_params(engine), before))
+        results[case] = (message, _difference(_engine_params(engine), before if expected else saved))
     return results
 
 
 @pytest.mark.timeout(240)
 def test_bad_input_is_refused_before_anything_loads(tmp_path):
+    """Beside the bad directories, a model-only one (torchtitan's model_weights_only export) and its conversion
+    to ours load, so the worker's "unchanged" check is not vacuous."""
     cases = _bad_directories(tmp_path)
     per_rank = run_distributed(bad_input_worker, 2, cases, timeout=200)
     problems = []
     for rank, results in enumerate(per_rank):
         for case, (message, changed) in results.items():
             expected = cases[case][1]
-            if message is None or not all(part in message for part in expected):
+            if expected is None and message is not None:
+                problems.append(f"rank {rank}, {case}: expected to load, got {message!r}")
+            if expected is not None and (message is None or not all(part in message for part in expected)):
                 problems.append(f"rank {rank}, {case}: expected {expected} in the error, got {message!r}")
             if changed != 0.0:
-                problems.append(f"rank {rank}, {case}: the failed load changed the weights by {changed:.3g}")
+                what = "the failed load changed the weights" if expected else "the loaded weights differ"
+                problems.append(f"rank {rank}, {case}: {what} by {changed:.3g}")
     assert len(per_rank[0]) == len(cases)
     assert not problems, "\n".join(problems)
