@@ -297,6 +297,9 @@ def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
             "state": {"inp.weight": {"exp_avg_row": torch.zeros(45), "step": torch.tensor(1.0)}},
             "param_groups": groups}}, tmp_path / "factored"),
             ["'optim.state.inp.weight.exp_avg_row' has shape (45,)", "cannot be sharded"]),
+        "groups of other parameters": (_save_dcp({"model": weights, "optim": {"state": {}, "param_groups": [
+            {**groups[0], "params": ["elsewhere.weight"]}]}}, tmp_path / "other-groups"),
+            ["no optimizer hyper-parameters for the engine's group of ['inp.weight', 'inp.bias', 'mid.weight']"]),
         "pickled object": (_save_dcp({"model": weights, "optim": {"state": {}, "param_groups": [{**groups[0],
                                                                                                    "lr": Odd()}]}},
                                      tmp_path / "pickled"),
@@ -304,21 +307,30 @@ def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
     }
 
 
+def _masters(engine) -> torch.Tensor:
+    """This rank's fp32 masters, which a load fills before it rebuilds the model's weights from them."""
+    return torch.cat([fragment.master_values().clone().reshape(-1) for fragment in engine.fragments()])
+
+
 def bad_input_worker(rank: int, world_size: int, cases: dict) -> dict:
-    """Each bad directory fails to load with its message, on every rank, and leaves the engine as it was."""
+    """Each bad directory fails to load with its message, on every rank, and leaves the engine as it was (its
+    weights and its fp32 masters)."""
     from zero_core.checkpoint import load_checkpoint
 
     results = {}
     saved = {n: p.detach() for n, p in dcp_model.build().named_parameters()}
     for case, (path, expected) in cases.items():
         engine = _engine(3)
-        before = _engine_params(engine)
+        before, masters = _engine_params(engine), _masters(engine)
         try:
             load_checkpoint(engine, path)
             message = None
         except Exception as error:  # the message is what the test checks
             message = f"{type(error).__name__}: {error}"
-        results[case] = (message, _difference(_engine_params(engine), before if expected else saved))
+        changed = _difference(_engine_params(engine), before if expected else saved)
+        if expected:
+            changed = max(changed, (_masters(engine) - masters).abs().max().item())
+        results[case] = (message, changed)
     return results
 
 

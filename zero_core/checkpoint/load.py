@@ -91,6 +91,8 @@ def load_foreign(engine: CheckpointedEngine, path: Path, factory, strict: bool =
     source = run_agreed(engine, factory, path, model_names, [list(names) for names in engine.group_param_names])
     with source:
         optimizer = source if load_optimizer_states and source.has_optimizer() else None
+        if optimizer is not None:  # every group's hyper-parameters found, before anything is loaded
+            run_agreed(engine, optimizer.hyperparameters)
         _load(engine, source, optimizer, strict)
 
 

@@ -113,15 +113,16 @@ class DCPSource:
     def _read_groups(self) -> list[tuple[list[str], dict]]:
         """The stored groups as (parameter names, hyper-parameters); flattened layouts: one per parameter."""
         layout = self.layout
-        scalar_bytes = [k for entries in layout.state.values() for k in entries.values() if not self.files.is_tensor(k)]
-        hp_keys = [k for _, entries in layout.groups for k in entries.values()]
+        scalar_bytes = [k for entries in layout.state.values() for k in entries.values()
+                        if not self.files.is_tensor(k)]
+        hp_keys = [k for entries in layout.groups for k in entries.values()]
         hp_keys += [k for entries in layout.per_param_hyperparameters.values() for k in entries.values()]
         wanted = layout.params_keys + hp_keys + scalar_bytes
         self._bytes = self.files.read_all_bytes([k for k in wanted if not self.files.is_tensor(k)])
         self._bytes.update({k: self.files.read_rows(k, 0, 0) for k in hp_keys if self.files.is_tensor(k)
                             and not self.files.shape(k)})  # a 0-d tensor lr (capturable optimizers)
         groups = []
-        for params_key, (_, entries) in zip(layout.params_keys, layout.groups):
+        for params_key, entries in zip(layout.params_keys, layout.groups):
             names = self._bytes[params_key]
             if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
                 raise CheckpointError(f"the DCP entry '{params_key}' does not list parameter names (it holds "
@@ -147,13 +148,15 @@ class DCPSource:
         return out
 
     def stored_groups(self) -> tuple[list[list[str]], list[dict]]:
-        """The checkpoint's own groups: as stored, or (flattened layouts) parameters with equal values
-        together, in order."""
+        """The checkpoint's own groups (parameter names, hyper-parameters): as stored; a flattened layout
+        stores values per parameter, so parameters with equal values make one group, in order."""
+        if self.layout.groups:
+            return [list(n) for n, _ in self._groups], [dict(v) for _, v in self._groups]
         merged: list[tuple[list[str], dict]] = []
-        for names, values in self._groups:
-            same = next((g for g in merged if len(self.layout.groups) == 0 and g[1] == values), None)
+        for (name,), values in self._groups:
+            same = next((group for group in merged if group[1] == values), None)
             if same is None:
-                merged.append((list(names), dict(values)))
+                merged.append(([name], dict(values)))
             else:
-                same[0].extend(names)
+                same[0].append(name)
         return [n for n, _ in merged], [v for _, v in merged]

@@ -28,7 +28,7 @@ OTHER_STATE = ("train_state.", "lr_scheduler.", "dataloader.")
 class DCPLayout:
     model: dict[str, str] = field(default_factory=dict)            # parameter/buffer name -> key
     state: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> optimizer state key -> DCP key
-    groups: list[tuple[list[str], dict[str, str]]] = field(default_factory=list)  # stored groups: names, hp -> key
+    groups: list[dict[str, str]] = field(default_factory=list)  # nested groups: hyper-parameter -> key
     per_param_hyperparameters: dict[str, dict[str, str]] = field(default_factory=dict)  # flattened: name -> hp -> key
     params_keys: list[str] = field(default_factory=list)  # nested groups: the key listing each group's names
 
@@ -85,7 +85,7 @@ def _optimizer(layout: DCPLayout, keys: list[str], prefix: str, is_tensor: dict[
             raise CheckpointError(f"the DCP optimizer group '{groups}{index}' has no 'params' entry naming its "
                                   "parameters: the group cannot be matched to the model")
         layout.params_keys.append(entries.pop("params"))
-        layout.groups.append(([], entries))
+        layout.groups.append(entries)
 
 
 def _known(name: str, names: set, key: str) -> None:
