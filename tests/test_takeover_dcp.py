@@ -276,6 +276,9 @@ def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
     del metadata.state_dict_metadata["model.mid.weight"].chunks[1]  # rank 1's rows, as if never saved
     with open(gap / ".metadata", "wb") as file:
         pickle.dump(metadata, file)
+    unfinished = tmp_path / "unfinished"
+    shutil.copytree(FIXTURES / "fsdp2", unfinished)
+    (unfinished / ".metadata").unlink()
     missing = tmp_path / "missing-file"
     shutil.copytree(FIXTURES / "fsdp2", missing)
     (missing / "__1_0.distcp").unlink()
@@ -291,6 +294,7 @@ def _bad_directories(tmp_path: Path) -> dict[str, tuple[str, list[str]]]:
                    ["shape mismatch", "'inp.weight': checkpoint (45, 12), model (45, 11)",
                     "'out.bias': checkpoint (8,), model (7,)"]),
         "missing data file": (str(missing), ["missing its data file '__1_0.distcp'"]),
+        "unfinished save": (str(unfinished), ["holds DCP data files (.distcp) but no .metadata", "did not finish"]),
         "lost chunk": (str(gap), ["'model.mid.weight' of shape (31, 45) is stored in 1 chunks of 720 elements in "
                                   "all, not 1395"]),
         "state of another shape": (_save_dcp({"model": weights, "optim": {

@@ -25,7 +25,16 @@ METADATA = ".metadata"
 
 
 def is_dcp_directory(path: Path) -> bool:
-    return path.is_dir() and (path / METADATA).is_file()
+    """A DCP directory; one with data files but no metadata is refused here (dcp.save writes the metadata
+    last, so the save did not finish), rather than reported as a checkpoint without our manifest."""
+    if not path.is_dir():
+        return False
+    if (path / METADATA).is_file():
+        return True
+    if any(path.glob("__*.distcp")):
+        raise CheckpointError(f"'{path}' holds DCP data files (.distcp) but no {METADATA}: dcp.save writes it last, "
+                              "so that save did not finish; load an earlier checkpoint")
+    return False
 
 
 class DCPFiles:
@@ -79,8 +88,8 @@ class DCPFiles:
         stored = sum(math.prod(chunk.sizes) for chunk in entry.chunks)
         if stored != numel:
             raise CheckpointError(f"the DCP entry '{key}' of shape {tuple(entry.size)} is stored in "
-                                  f"{len(entry.chunks)} chunks of {stored} elements in all, not {numel}: a chunk layout this reader does "
-                                  "not support, or damaged metadata")
+                                  f"{len(entry.chunks)} chunks of {stored} elements in all, not {numel}: a chunk "
+                                  "layout this reader does not support, or damaged metadata")
 
     def read_rows(self, key: str, first: int, last: int) -> torch.Tensor:
         """Rows ``[first, last)`` (along dim 0) of tensor ``key``; the whole tensor if it is 0-d."""
