@@ -357,3 +357,29 @@ def test_bad_input_is_refused_before_anything_loads(tmp_path):
                 problems.append(f"rank {rank}, {case}: {what} by {changed:.3g}")
     assert len(per_rank[0]) == len(cases)
     assert not problems, "\n".join(problems)
+
+
+def test_a_read_touches_only_the_chunks_it_overlaps(monkeypatch):
+    """Rows held by the saving rank 0 are read from its chunk alone; rows across the cut from both."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from zero_core.checkpoint.foreign.dcp import DCPSource
+    from zero_core.layout import Range
+
+    read = []
+    original = FileSystemReader.read_data
+
+    def recording(self, plan, planner):
+        read.extend((item.storage_index.fqn, tuple(item.storage_index.offset or ())) for item in plan.items)
+        return original(self, plan, planner)
+
+    monkeypatch.setattr(FileSystemReader, "read_data", recording)
+    source = DCPSource(FIXTURES / "fsdp2")  # model.mid.weight (31, 45): rows 0-15 on rank 0, 16-30 on rank 1
+    read.clear()
+    first_rows = source.read("mid.weight", Range(45, 45 * 3))
+    assert read == [("model.mid.weight", (0, 0))]
+    read.clear()
+    across = source.read("mid.weight", Range(45 * 15 + 7, 45 * 17))
+    assert sorted(read) == [("model.mid.weight", (0, 0)), ("model.mid.weight", (16, 0))]
+    whole = source.read_whole("mid.weight").reshape(-1)
+    assert torch.equal(first_rows, whole[45:45 * 3]) and torch.equal(across, whole[45 * 15 + 7:45 * 17])
