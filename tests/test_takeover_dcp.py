@@ -383,3 +383,28 @@ def test_a_read_touches_only_the_chunks_it_overlaps(monkeypatch):
     assert sorted(read) == [("model.mid.weight", (0, 0)), ("model.mid.weight", (16, 0))]
     whole = source.read_whole("mid.weight").reshape(-1)
     assert torch.equal(first_rows, whole[45:45 * 3]) and torch.equal(across, whole[45 * 15 + 7:45 * 17])
+
+
+def test_hyper_parameters_follow_the_parameters_not_the_group_order(tmp_path):
+    """Two groups (weight decay on matrices only), stored nested and flattened: each of the engine's groups gets
+    the values stored for its parameters, whatever order the groups were stored in."""
+    from zero_core.checkpoint.foreign.dcp import DCPSource
+
+    model = dcp_model.build()
+    weights = dict(model.state_dict())
+    matrices = [n for n, p in model.named_parameters() if p.ndim >= 2]
+    vectors = [n for n, p in model.named_parameters() if p.ndim < 2]
+    decay = {n: 0.1 if n in matrices else 0.0 for n in matrices + vectors}
+    state = {n: {"exp_avg": torch.zeros_like(weights[n]), "step": torch.tensor(1.0)} for n in decay}
+    nested = _save_dcp({"model": weights, "optim": {"state": state, "param_groups": [
+        {"lr": 0.1, "weight_decay": 0.1, "params": matrices}, {"lr": 0.1, "weight_decay": 0.0, "params": vectors}]}},
+        tmp_path / "nested")
+    flat = {f"state.{n}.{k}": v for n, values in state.items() for k, v in values.items()}
+    flat.update({f"param_groups.{n}.{hp}": v for n in decay for hp, v in (("lr", 0.1), ("weight_decay", decay[n]))})
+    flattened = _save_dcp({**weights, "optimizer": flat}, tmp_path / "flattened")
+    for path in (nested, flattened):
+        source = DCPSource(Path(path), group_param_names=[vectors, matrices])
+        assert [g["weight_decay"] for g in source.hyperparameters()] == [0.0, 0.1], path
+        names, values = source.stored_groups()
+        assert [sorted(n) for n in names] == [sorted(matrices), sorted(vectors)], path
+        assert [v["weight_decay"] for v in values] == [0.1, 0.0], path
