@@ -4,6 +4,7 @@
     zero-checkpoint inspect CKPT [--verify true] [--tensors true]
     zero-checkpoint export-optimizer CKPT OUT.pt
     zero-checkpoint gather NODE_DIR... --out CKPT      (node-local checkpoints: checkpoint.use_node_local_storage)
+    zero-checkpoint convert SRC DST --to dcp|deepspeed|zero
 """
 
 from __future__ import annotations
@@ -60,6 +61,31 @@ def export_optimizer(checkpoint: str, out: str, verify: bool = True) -> None:
     print(f"wrote {export_optimizer_state(checkpoint, out, verify=verify)}")
 
 
+def convert(src: str, dst: str, *, to: Literal["dcp", "deepspeed", "zero"],
+            layout: Literal["fsdp2", "torchtitan"] = "fsdp2", optimizer_class: Optional[str] = None,
+            verify: bool = True, progress: bool = True) -> None:
+    """Convert between our checkpoints and other libraries' formats, one tensor at a time, without a process group.
+
+    Args:
+        src: The checkpoint to convert: one of ours (for --to dcp or deepspeed) or a DCP directory (--to zero).
+        dst: Output directory (appears only when complete).
+        to: dcp: a DCP directory that dcp.load reads into an FSDP2 model and optimizer; deepspeed: a DeepSpeed
+            universal checkpoint; zero: our sharded format (world size 1; loads at any world size and stage).
+        layout: --to dcp: fsdp2 ({"model", "optim"} of get_state_dict) or torchtitan (model keys at the top
+            level, the optimizer flattened under "optimizer").
+        optimizer_class: --to zero: the optimizer's class, e.g. torch.optim.adamw.AdamW, when it cannot be
+            inferred from the saved state.
+        verify: --to dcp: check every file's SHA-256 first.
+        progress: Show a progress bar.
+    """
+    from zero_core.checkpoint.convert import convert as run
+
+    options = {"layout": layout, "verify": verify} if to == "dcp" else {}
+    if to == "zero" and optimizer_class is not None:
+        options["optimizer_class"] = optimizer_class
+    print(f"wrote {run(src, dst, to, progress=progress, **options)}")
+
+
 def gather(args: list[str]) -> None:
     """``gather NODE_DIR... --out DIR`` (argparse: jsonargparse has no positional list of paths)."""
     parser = argparse.ArgumentParser(
@@ -90,7 +116,8 @@ def main(args: Optional[list[str]] = None) -> None:
         if args[:1] == ["gather"]:
             gather(args[1:])
             return
-        auto_cli({"consolidate": consolidate, "inspect": inspect, "export-optimizer": export_optimizer}, args=args)
+        auto_cli({"consolidate": consolidate, "inspect": inspect, "export-optimizer": export_optimizer,
+                  "convert": convert}, args=args)
     except (CheckpointError, FileNotFoundError) as error:  # a bad checkpoint is the user's news, not a bug
         sys.exit(f"zero-checkpoint: error: {error}")
 

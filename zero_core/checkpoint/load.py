@@ -16,6 +16,7 @@ import torch
 
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import agree, gather_json, run_agreed
+from zero_core.checkpoint.foreign import detect
 from zero_core.checkpoint.format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
 from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases, trainable_shapes
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
@@ -32,12 +33,17 @@ def load_checkpoint(engine: CheckpointedEngine, path: PathLike, strict: bool = T
 
     Returns the ``client_state`` saved with it (None if there was none). A collective. ``path`` may also be a
     plain model state dict (``.safetensors``/``.pt`` file, or a consolidated directory): see
-    :func:`load_full_state_dict`. ``strict=False`` loads what matches and warns about missing and unexpected
+    :func:`load_full_state_dict`; or another library's checkpoint (a DCP directory from FSDP2 or torchtitan):
+    see :func:`load_foreign`. ``strict=False`` loads what matches and warns about missing and unexpected
     names; shape mismatches are always errors. ``verify="size"`` skips the SHA-256 pass over the files.
     """
     path = Path(path)
     if path.is_file() or (path / HF_INDEX).is_file():
         load_full_state_dict(engine, path, strict=strict)
+        return None
+    foreign = detect(path)
+    if foreign is not None:
+        load_foreign(engine, path, foreign[1], strict, load_optimizer_states)
         return None
     manifest = run_agreed(engine, read_manifest, path)
     place = node_place(engine) if any(gather_json(engine, NODE_LOCAL in manifest)) else None
@@ -76,6 +82,20 @@ def load_full_state_dict(engine: CheckpointedEngine, model_state: Union[dict, Pa
         _load(engine, source, optimizer, strict)
 
 
+def load_foreign(engine: CheckpointedEngine, path: Path, factory, strict: bool = True,
+                 load_optimizer_states: bool = True) -> None:
+    """Load another library's checkpoint through the source ``factory`` makes (zero_core.checkpoint.foreign):
+    weights, and the optimizer state and hyper-parameters when it has them. Every rank opens the source
+    (which checks the files and entries) before anything is loaded. A collective."""
+    model_names = {n for n, _ in engine.module.named_parameters()} | {n for n, _ in engine.module.named_buffers()}
+    source = run_agreed(engine, factory, path, model_names, [list(names) for names in engine.group_param_names])
+    with source:
+        optimizer = source if load_optimizer_states and source.has_optimizer() else None
+        if optimizer is not None:  # every group's hyper-parameters found, before anything is loaded
+            run_agreed(engine, optimizer.hyperparameters)
+        _load(engine, source, optimizer, strict)
+
+
 def _add_saved_groups(engine, manifest: dict, source) -> None:
     """Groups the checkpoint has beyond the engine's, at the end of an optimizer's list, that hold model
     parameters in no group yet (added after setup, e.g. by Lightning's BackboneFinetuning) are added again."""
@@ -106,6 +126,8 @@ def _verify_my_share(engine, path: Path, manifest: dict, verify: Verify, place=N
 
 def _optimizer_matches(engine, manifest: dict, strict: bool) -> bool:
     saved = optimizer_classes(manifest)
+    if not saved:  # weights alone (converted from a foreign checkpoint without optimizer state)
+        return False
     current = [f"{type(inner).__module__}.{type(inner).__qualname__}" for inner in engine.inner_optimizers]
     if saved == current:
         return True

@@ -32,7 +32,8 @@ def describe(path: PathLike, verify: bool = False, tensors: bool = False) -> str
     lines = [
         f"checkpoint: {path}",
         f"format: {manifest['format']} v{manifest['format_version']}, created {run.get('created', '?')}",
-        f"run: ZeRO stage {run['stage']}, world size {run['world_size']}, versions "
+        (f"run: converted from {run['converted_from']['format']} ('{run['converted_from']['path']}'), versions "
+         if "converted_from" in run else f"run: ZeRO stage {run['stage']}, world size {run['world_size']}, versions ")
         + ", ".join(f"{k} {v}" for k, v in run.get("versions", {}).items()),
         f"files ({len(manifest['files'])}, {_size(sum(f['bytes'] for f in manifest['files'].values()))}):",
     ]
