@@ -16,7 +16,8 @@ import torch
 
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import agree, gather_json, run_agreed
-from zero_core.checkpoint.format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
+from zero_core.checkpoint import foreign
+from zero_core.checkpoint.format import CLIENT_STATE, MANIFEST, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
 from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases, trainable_shapes
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
 from zero_core.checkpoint.sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
@@ -39,6 +40,8 @@ def load_checkpoint(engine: CheckpointedEngine, path: PathLike, strict: bool = T
     if path.is_file() or (path / HF_INDEX).is_file():
         load_full_state_dict(engine, path, strict=strict)
         return None
+    if not (path / MANIFEST).is_file() and run_agreed(engine, foreign.detect, path):
+        return _load_foreign(engine, path, strict, load_optimizer_states)
     manifest = run_agreed(engine, read_manifest, path)
     place = node_place(engine) if any(gather_json(engine, NODE_LOCAL in manifest)) else None
     if place is not None:
@@ -74,6 +77,34 @@ def load_full_state_dict(engine: CheckpointedEngine, model_state: Union[dict, Pa
         if optimizer_state is not None:
             optimizer = run_agreed(engine, PlainOptimizerSource, optimizer_state, engine.group_param_names)
         _load(engine, source, optimizer, strict)
+
+
+def _load_foreign(engine, path: Path, strict: bool, load_optimizer_states: bool) -> Any:
+    """Another library's checkpoint (foreign/): the same checks and resharding load; returns its client state
+    (for DeepSpeed: the caller's client_state with DeepSpeed's lr_scheduler and step counters)."""
+    with run_agreed(engine, foreign.open_source, path) as source:
+        keys = run_agreed(engine, source.state_keys) if load_optimizer_states else []
+        optimizer = source if keys and _foreign_optimizer_matches(engine, keys, path, strict) else None
+        _load(engine, source, optimizer, strict)
+        if optimizer is not None:
+            run_agreed(engine, _load_scaler, engine, {"skipped_steps": source.skipped_steps(),
+                                                      "loss_scaler": source.loss_scaler()})
+        return source.client_state()
+
+
+def _foreign_optimizer_matches(engine, keys: list[str], path: Path, strict: bool) -> bool:
+    """A foreign checkpoint names no optimizer class; its per-element state must be what the engine's
+    optimizers keep (Adam's exp_avg and exp_avg_sq for DeepSpeed's Adam family)."""
+    adam = {"exp_avg", "exp_avg_sq"}
+    current = [type(inner) for inner in engine.inner_optimizers]
+    if set(keys) != adam or all(issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) for cls in current):
+        return True
+    names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in current)
+    message = f"'{path}' holds Adam's optimizer state ({sorted(keys)}), the engine's optimizer is {names}"
+    if strict:
+        raise CheckpointMismatchError(f"{message}; pass strict=False to load the model alone")
+    warnings.warn(f"{message}: optimizer state not loaded", stacklevel=4)
+    return False
 
 
 def _add_saved_groups(engine, manifest: dict, source) -> None:

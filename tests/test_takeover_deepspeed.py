@@ -1,0 +1,227 @@
+"""Taking over a DeepSpeed run: checkpoints the real DeepSpeed 0.19.8 wrote (tests/fixtures/deepspeed, made by
+make_fixtures.py there: 4 AdamW steps at 2 ranks) loaded by our engine at other world sizes and stages.
+
+The reference is one plain process training tests/takeover_model.py for all 8 steps; DeepSpeed's own view of its
+masters and moments (`<fixture>-expected.pt`, from safe_get_full_fp32_param) checks the reader exactly.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import takeover_model as tm
+from distributed import run_distributed
+
+FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
+ALL = ("stage1-fp32", "stage2-fp32", "stage3-fp32", "stage2-bf16", "stage3-bf16")
+TOLERANCE = 1e-5
+# (fixture, our stage): DeepSpeed's stage 2 and 3 runs, each continued under our stage 2 and 3.
+CONTINUE = [(f"stage{ds}-fp32", ours) for ds in (2, 3) for ours in (2, 3)] + [("stage1-fp32", 1)]
+KINDS = ("fp32", "exp_avg", "exp_avg_sq")
+
+
+def expected(fixture: str) -> dict:
+    return torch.load(FIXTURES / f"{fixture}-expected.pt", weights_only=True)
+
+
+def test_reference_matches_deepspeed_after_four_steps():
+    reference = tm.reference_params(tm.STEPS_BEFORE)
+    for fixture in ("stage1-fp32", "stage2-fp32", "stage3-fp32"):
+        saved = expected(fixture)
+        worst = max((saved[f"{n}/fp32"] - p).abs().max().item() for n, p in reference.items())
+        assert worst <= TOLERANCE, f"{fixture}: DeepSpeed's weights differ from the plain reference by {worst:.3g}"
+
+
+@pytest.mark.parametrize("fixture", ALL)
+def test_reader_gives_what_deepspeed_holds(fixture):
+    from zero_core.checkpoint.foreign import detect, open_source
+    from zero_core.layout import Range
+
+    saved = expected(fixture)
+    assert detect(FIXTURES / fixture) == "deepspeed"
+    with open_source(FIXTURES / fixture) as source:
+        assert source.world == 2 and source.stage == int(fixture[5])
+        for name, shape in source.param_shapes.items():
+            numel = math.prod(shape)
+            for kind in KINDS:  # exactly, the bf16 runs' fp32 masters and moments too
+                assert torch.equal(source.read(name, Range(0, numel), kind).view(shape), saved[f"{name}/{kind}"])
+            assert torch.equal(source.read(name, Range(2, numel - 3)), saved[f"{name}/fp32"].reshape(-1)[2:-3])
+            assert source.scalars(name, torch.device("cpu"))["step"].item() == tm.STEPS_BEFORE
+        assert source.state_keys() == ["exp_avg", "exp_avg_sq"]
+        assert [g["lr"] for g in source.hyperparameters()] == saved["lr"].tolist()
+        assert [g["weight_decay"] for g in source.hyperparameters()] == [tm.WEIGHT_DECAY, 0.0]
+        assert torch.equal(source.read_whole("input_scale"), tm.TakeoverMLP().input_scale)
+        client = source.client_state()
+        assert client["epoch"] == 1 and client["note"] == "taken over" and client["global_steps"] == 4
+        assert torch.equal(client["samples_seen"], torch.tensor([24]))
+        assert client["lr_scheduler"]["last_epoch"] == tm.STEPS_BEFORE
+        assert source.loss_scaler() is None and source.skipped_steps() == 0
+
+
+def continue_worker(rank: int, world: int, cases: list, exact: list) -> dict:
+    import zero_core
+
+    results = {}
+    reference = tm.reference_params(tm.STEPS_BEFORE + tm.STEPS_AFTER)
+    for fixture, stage in cases:
+        model = tm.TakeoverMLP(seed=7)  # other weights: only the load can make them right
+        optimizer = tm.make_optimizer(model)
+        scheduler = tm.make_scheduler(optimizer)
+        engine = zero_core.setup(model, optimizer, {"stage": stage})
+        client = engine.load_checkpoint(str(FIXTURES / fixture))
+        scheduler.load_state_dict(client["lr_scheduler"])
+        for step in range(client["global_steps"], client["global_steps"] + tm.STEPS_AFTER):
+            loss = tm.loss_fn(engine.module, tm.rank_batch(step, rank, world))
+            engine.backward(loss)
+            engine.step()
+            if not engine.step_zeroes_grads:
+                engine.zero_grad()
+            scheduler.step()
+        params = {n: p.detach().float() for n, p in engine.module.named_parameters()}
+        results[f"{fixture} -> stage {stage}"] = max((params[n] - p).abs().max().item() for n, p in reference.items())
+    for fixture, stage in exact:
+        model = tm.TakeoverMLP(seed=7)
+        engine = zero_core.setup(model, tm.make_optimizer(model), {"stage": stage})
+        engine.load_checkpoint(str(FIXTURES / fixture))
+        results[f"{fixture} loaded exactly at stage {stage}"] = _exact_difference(engine, expected(fixture))
+    return results
+
+
+def _exact_difference(engine, saved: dict) -> float:
+    """The largest difference between this rank's masters and Adam state and DeepSpeed's own values."""
+    state = {m: s for inner in engine.inner_optimizers for m, s in inner.state.items()}
+    worst = 0.0
+    for fragment in engine.fragments():
+        values = {"fp32": fragment.master_values()}
+        values.update({k: state[fragment.master][k][fragment.local.as_slice()] for k in KINDS[1:]})
+        for kind, value in values.items():
+            full = saved[f"{fragment.name}/{kind}"].reshape(-1)[fragment.param_range.as_slice()]
+            worst = max(worst, (value - full).abs().max().item())
+        if state[fragment.master]["step"].item() != tm.STEPS_BEFORE:
+            return float("inf")
+    return worst
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("world", [1, 3])
+def test_take_over_and_continue(world):
+    exact = [("stage2-bf16", 3), ("stage3-bf16", 2)] if world == 3 else [("stage3-bf16", 3)]
+    per_rank = run_distributed(continue_worker, world, CONTINUE, exact, timeout=200)
+    problems = [f"world {world}, rank {rank}: {case} differs by {d:.3g}"
+                for rank, results in enumerate(per_rank) for case, d in results.items()
+                if not d <= (0.0 if "exactly" in case else TOLERANCE)]
+    assert not problems, "\n".join(problems)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------
+
+
+def _copy(tmp_path: Path, fixture: str = "stage2-fp32") -> Path:
+    target = tmp_path / fixture
+    shutil.copytree(FIXTURES / fixture, target)
+    return target
+
+
+def _refusal(path: Path) -> str:
+    from zero_core.checkpoint import CheckpointError
+    from zero_core.checkpoint.foreign import open_source
+
+    with pytest.raises(CheckpointError) as caught:
+        open_source(path)
+    return str(caught.value)
+
+
+def test_model_parallel_layout_is_refused(tmp_path):
+    folder = _copy(tmp_path) / "global_step4"
+    shutil.copy(folder / "mp_rank_00_model_states.pt", folder / "mp_rank_01_model_states.pt")
+    message = _refusal(folder.parent)
+    assert "mp_rank_01_model_states.pt" in message and "tensor- or pipeline-parallel" in message
+
+
+def test_moe_expert_file_is_refused(tmp_path):
+    folder = _copy(tmp_path) / "global_step4"
+    shutil.copy(folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                folder / "expp_rank_0_mp_rank_00_optim_states.pt")
+    message = _refusal(folder.parent)
+    assert "expp_rank_0_mp_rank_00_optim_states.pt" in message and "Mixture-of-Experts" in message
+
+
+@pytest.mark.parametrize("fixture", ["stage2-fp32", "stage3-bf16"])
+def test_missing_rank_file_is_named(tmp_path, fixture):
+    folder = _copy(tmp_path, fixture) / "global_step4"
+    prefix = "bf16_" if "bf16" in fixture else ""
+    (folder / f"{prefix}zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
+    message = _refusal(folder.parent)
+    assert f"{prefix}zero_pp_rank_1_mp_rank_00_optim_states.pt" in message and "2 ranks" in message
+
+
+def test_class_outside_the_allow_list_is_refused_and_never_run(tmp_path):
+    folder = _copy(tmp_path) / "global_step4"
+    marker = tmp_path / "ran"
+    state = torch.load(folder / "mp_rank_00_model_states.pt", weights_only=False)
+    state["payload"] = _RunsCode(str(marker))
+    torch.save(state, folder / "mp_rank_00_model_states.pt")
+    message = _refusal(folder.parent)
+    assert "mp_rank_00_model_states.pt" in message and "posix.mkdir" in message
+    assert not marker.exists()
+
+
+class _RunsCode:
+    """Unpickling this would create a directory: a stand-in for any code a pickle can run."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
+def test_a_directory_of_neither_kind_says_what_it_would_read(tmp_path):
+    from zero_core.checkpoint import CheckpointError, read_manifest
+    from zero_core.checkpoint.foreign import detect
+
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    assert detect(tmp_path) is None
+    with pytest.raises(CheckpointError, match="no manifest.json .* not a foreign checkpoint .*DeepSpeed"):
+        read_manifest(tmp_path)
+
+
+def mismatch_worker(rank: int, world: int, bad: str) -> list:
+    import zero_core
+    from zero_core.checkpoint import CheckpointError, CheckpointMismatchError
+
+    messages = []
+    model = tm.TakeoverMLP(seed=7)
+    model.mid, model.out = torch.nn.Linear(47, 30), torch.nn.Linear(30, 7)
+    engine = zero_core.setup(model, tm.make_optimizer(model), {"stage": 3})
+    before = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    try:
+        engine.load_checkpoint(str(FIXTURES / "stage3-fp32"))
+    except CheckpointMismatchError as error:
+        messages.append(str(error))
+    after = {n: p.detach() for n, p in engine.module.named_parameters()}
+    messages.append(all(torch.equal(before[n], after[n]) for n in before))
+    try:
+        engine.load_checkpoint(bad)
+    except CheckpointError as error:
+        messages.append(str(error))
+    return messages
+
+
+@pytest.mark.timeout(120)
+def test_shape_mismatch_names_every_shape_and_loads_nothing(tmp_path):
+    folder = _copy(tmp_path, "stage3-fp32") / "global_step4"
+    (folder / "zero_pp_rank_0_mp_rank_00_optim_states.pt").unlink()
+    for rank, messages in enumerate(run_distributed(mismatch_worker, 2, str(folder.parent), timeout=100)):
+        mismatch, unchanged, missing = messages
+        for name, saved, model in (("mid.weight", (31, 47), (30, 47)), ("mid.bias", (31,), (30,)),
+                                   ("out.weight", (7, 31), (7, 30))):
+            assert f"'{name}': checkpoint {saved}, model {model}" in mismatch, (rank, mismatch)
+        assert unchanged, f"rank {rank}: a refused load changed the model"
+        assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in missing, (rank, missing)
