@@ -65,6 +65,8 @@ def test_reader_gives_what_deepspeed_holds(fixture):
 
 
 def continue_worker(rank: int, world: int, cases: list, exact: list) -> dict:
+    """``cases``: (checkpoint directory, our stage), continued 4 steps; ``exact``: (fixture, our stage), compared
+    with DeepSpeed's own values right after loading."""
     import zero_core
 
     results = {}
@@ -74,7 +76,7 @@ def continue_worker(rank: int, world: int, cases: list, exact: list) -> dict:
         optimizer = tm.make_optimizer(model)
         scheduler = tm.make_scheduler(optimizer)
         engine = zero_core.setup(model, optimizer, {"stage": stage})
-        client = engine.load_checkpoint(str(FIXTURES / fixture))
+        client = engine.load_checkpoint(str(FIXTURES / fixture))  # an absolute path stays as it is
         scheduler.load_state_dict(client["lr_scheduler"])
         for step in range(client["global_steps"], client["global_steps"] + tm.STEPS_AFTER):
             loss = tm.loss_fn(engine.module, tm.rank_batch(step, rank, world))
@@ -110,9 +112,14 @@ def _exact_difference(engine, saved: dict) -> float:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("world", [1, 3])
-def test_take_over_and_continue(world):
+def test_take_over_and_continue(world, tmp_path):
+    from zero_core.checkpoint.foreign.to_zero import write_zero_checkpoint
+
+    # Also DeepSpeed's stage 3 run converted offline to our format (zero-checkpoint convert --to zero).
+    converted = write_zero_checkpoint(FIXTURES / "stage3-fp32", tmp_path / "converted", progress=False)
+    cases = CONTINUE + [(str(converted), 2 if world == 3 else 3)]
     exact = [("stage2-bf16", 3), ("stage3-bf16", 2)] if world == 3 else [("stage3-bf16", 3)]
-    per_rank = run_distributed(continue_worker, world, CONTINUE, exact, timeout=200)
+    per_rank = run_distributed(continue_worker, world, cases, exact, timeout=200)
     problems = [f"world {world}, rank {rank}: {case} differs by {d:.3g}"
                 for rank, results in enumerate(per_rank) for case, d in results.items()
                 if not d <= (0.0 if "exactly" in case else TOLERANCE)]
@@ -225,3 +232,57 @@ def test_shape_mismatch_names_every_shape_and_loads_nothing(tmp_path):
             assert f"'{name}': checkpoint {saved}, model {model}" in mismatch, (rank, mismatch)
         assert unchanged, f"rank {rank}: a refused load changed the model"
         assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in missing, (rank, missing)
+
+
+# -- hand back ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fixture", ["stage2-fp32", "stage3-bf16"])
+def test_hand_back_as_a_deepspeed_universal_checkpoint(tmp_path, fixture):
+    """DeepSpeed's run -> ours (convert --to zero) -> DeepSpeed universal (convert --to deepspeed): every file
+    where DeepSpeed's load_universal_checkpoint looks, holding DeepSpeed's own values and no pickled class."""
+    from zero_core.checkpoint.cli import main
+    from zero_core.checkpoint.foreign.unpickle import pickle_globals
+
+    main(["convert", str(FIXTURES / fixture), str(tmp_path / "ours"), "--to", "zero", "--progress", "false"])
+    main(["convert", str(tmp_path / "ours"), str(tmp_path / "uc"), "--to", "deepspeed", "--progress", "false"])
+    saved, uc = expected(fixture), tmp_path / "uc"
+    assert (uc / "latest_universal").read_text() == "global_step4"
+    folder = uc / "global_step4"
+    params = [n for n in tm.TakeoverMLP().state_dict() if n != "input_scale"]
+    assert sorted(p.name for p in (folder / "zero").iterdir()) == sorted(params + ["input_scale", "optimizer_state.pt"])
+    for name in params:
+        assert sorted(p.name for p in (folder / "zero" / name).iterdir()) == [
+            "exp_avg.pt", "exp_avg_sq.pt", "fp32.pt", "step.pt"]
+        for kind in KINDS:
+            stored = torch.load(folder / "zero" / name / f"{kind}.pt", weights_only=True)
+            assert list(stored) == ["param"] and torch.equal(stored["param"], saved[f"{name}/{kind}"]), (name, kind)
+        assert torch.load(folder / "zero" / name / "step.pt", weights_only=True).item() == tm.STEPS_BEFORE
+    optimizer = torch.load(folder / "zero" / "optimizer_state.pt", weights_only=True)
+    assert [g["weight_decay"] for g in optimizer["param_groups"]] == [tm.WEIGHT_DECAY, 0.0]
+    assert all("params" not in g for g in optimizer["param_groups"]) and optimizer["ds_version"]
+    assert optimizer["optimizer_state_dict"]["state"][0]["step"].item() == tm.STEPS_BEFORE
+    for states_file in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt"):
+        states = torch.load(folder / states_file, weights_only=True)
+        assert states["global_steps"] == 4 and states["skipped_steps"] == 0 and states["epoch"] == 1
+        assert states["lr_scheduler"]["last_epoch"] == tm.STEPS_BEFORE and states["buffer_names"] == ["input_scale"]
+        assert [list(g) for g in states["param_shapes"]] == [
+            ["inp.weight", "mid.weight", "out.weight"], ["inp.bias", "norm.weight", "norm.bias", "mid.bias", "out.bias"]]
+    for file in folder.rglob("*.pt"):  # plain containers and tensors: DeepSpeed needs nothing of ours to read them
+        assert {g for g in pickle_globals(file) if not g.startswith(("torch.", "collections."))} == set(), file
+
+
+def test_hand_back_refuses_what_deepspeed_cannot_take(tmp_path):
+    import json
+
+    from zero_core.checkpoint import CheckpointError
+    from zero_core.checkpoint.foreign.deepspeed_universal import write_deepspeed_universal
+    from zero_core.checkpoint.foreign.to_zero import write_zero_checkpoint
+
+    ours = write_zero_checkpoint(FIXTURES / "stage2-fp32", tmp_path / "ours", progress=False)
+    manifest = json.loads((ours / "manifest.json").read_text())
+    manifest["optimizer"]["per_element_keys"] = ["momentum_buffer"]
+    (ours / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="momentum_buffer.*Adam's"):
+        write_deepspeed_universal(ours, tmp_path / "uc", progress=False)
+    assert not (tmp_path / "uc").exists()

@@ -4,6 +4,7 @@
     zero-checkpoint inspect CKPT [--verify true] [--tensors true]
     zero-checkpoint export-optimizer CKPT OUT.pt
     zero-checkpoint gather NODE_DIR... --out CKPT      (node-local checkpoints: checkpoint.use_node_local_storage)
+    zero-checkpoint convert SRC DST --to deepspeed|zero  (ours -> a DeepSpeed universal checkpoint; DeepSpeed's -> ours)
 """
 
 from __future__ import annotations
@@ -60,6 +61,28 @@ def export_optimizer(checkpoint: str, out: str, verify: bool = True) -> None:
     print(f"wrote {export_optimizer_state(checkpoint, out, verify=verify)}")
 
 
+def convert(source: str, out: str, *, to: Literal["deepspeed", "zero"], progress: bool = True,
+            verify: bool = True) -> None:
+    """Convert a checkpoint into another library's format, or another library's into ours, a tensor at a time.
+
+    Args:
+        source: Checkpoint directory: ours for --to deepspeed; a DeepSpeed one (with 'latest', or a tag folder)
+            for --to zero.
+        out: Output directory (appears only when complete).
+        to: deepspeed: a DeepSpeed universal checkpoint (resume it with "checkpoint": {"load_universal": true});
+            zero: our format, as if saved by one rank (it loads at any world size and stage).
+        progress: Show a progress bar.
+        verify: Check every file's SHA-256 first (--to deepspeed).
+    """
+    from zero_core.checkpoint.foreign.deepspeed_universal import write_deepspeed_universal
+    from zero_core.checkpoint.foreign.to_zero import write_zero_checkpoint
+
+    if to == "deepspeed":
+        print(f"wrote {write_deepspeed_universal(source, out, progress=progress, verify=verify)}")
+    else:
+        print(f"wrote {write_zero_checkpoint(source, out, progress=progress)}")
+
+
 def gather(args: list[str]) -> None:
     """``gather NODE_DIR... --out DIR`` (argparse: jsonargparse has no positional list of paths)."""
     parser = argparse.ArgumentParser(
@@ -90,7 +113,8 @@ def main(args: Optional[list[str]] = None) -> None:
         if args[:1] == ["gather"]:
             gather(args[1:])
             return
-        auto_cli({"consolidate": consolidate, "inspect": inspect, "export-optimizer": export_optimizer}, args=args)
+        auto_cli({"consolidate": consolidate, "inspect": inspect, "export-optimizer": export_optimizer,
+                  "convert": convert}, args=args)
     except (CheckpointError, FileNotFoundError) as error:  # a bad checkpoint is the user's news, not a bug
         sys.exit(f"zero-checkpoint: error: {error}")
 

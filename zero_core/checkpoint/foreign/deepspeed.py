@@ -295,6 +295,23 @@ class DeepSpeedSource:
     def skipped_steps(self) -> int:
         return int(self.model_states.get("skipped_steps") or 0)
 
+    # -- for an offline conversion to our format (foreign/to_zero.py) ----------------------------------------
+    def group_names(self) -> list[list[str]]:
+        """The trainable parameters of each optimizer group, in order."""
+        return [list(g) for g in self.model_states["param_shapes"]]
+
+    def model_dtype(self, name: str) -> torch.dtype:
+        """The dtype the run trained ``name`` in (its 16-bit or fp32 model copy)."""
+        value = (self.model_states.get("module") or {}).get(name)
+        return value.dtype if torch.is_tensor(value) else torch.float32
+
+    def origin(self) -> dict:
+        return {"format": "deepspeed", "version": str(self.model_states.get("ds_version")), "stage": self.stage,
+                "world_size": self.world, "tag": self.folder.name}
+
+    def aliases(self) -> dict[str, str]:
+        return {str(k): str(v) for k, v in (self.model_states.get("shared_params") or {}).items()}
+
 
 def _flat_states(base: Any, count: int, path: Path) -> list[dict]:
     """The torch optimizer state of each flat: the state ids, in the order the groups list them, are the flats
