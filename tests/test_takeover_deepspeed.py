@@ -44,7 +44,9 @@ def test_reader_gives_what_deepspeed_holds(fixture):
     from zero_core.layout import Range
 
     saved = expected(fixture)
-    assert detect(FIXTURES / fixture) == "deepspeed"
+    assert detect(FIXTURES / fixture) == detect(FIXTURES / fixture / "global_step4") == "deepspeed"
+    with open_source(FIXTURES / fixture / "global_step4") as tag_folder:  # the tag folder alone reads the same
+        assert torch.equal(tag_folder.read_whole("out.weight"), saved["out.weight/fp32"])
     with open_source(FIXTURES / fixture) as source:
         assert source.world == 2 and source.stage == int(fixture[5])
         for name, shape in source.param_shapes.items():
@@ -266,8 +268,9 @@ def test_hand_back_as_a_deepspeed_universal_checkpoint(tmp_path, fixture):
         states = torch.load(folder / states_file, weights_only=True)
         assert states["global_steps"] == 4 and states["skipped_steps"] == 0 and states["epoch"] == 1
         assert states["lr_scheduler"]["last_epoch"] == tm.STEPS_BEFORE and states["buffer_names"] == ["input_scale"]
-        assert [list(g) for g in states["param_shapes"]] == [
-            ["inp.weight", "mid.weight", "out.weight"], ["inp.bias", "norm.weight", "norm.bias", "mid.bias", "out.bias"]]
+        assert [list(g) for g in states["param_shapes"]] == [["inp.weight", "mid.weight", "out.weight"],
+                                                             ["inp.bias", "norm.weight", "norm.bias", "mid.bias",
+                                                              "out.bias"]]
     for file in folder.rglob("*.pt"):  # plain containers and tensors: DeepSpeed needs nothing of ours to read them
         assert {g for g in pickle_globals(file) if not g.startswith(("torch.", "collections."))} == set(), file
 

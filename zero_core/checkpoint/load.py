@@ -17,7 +17,9 @@ import torch
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import agree, gather_json, run_agreed
 from zero_core.checkpoint import foreign
-from zero_core.checkpoint.format import CLIENT_STATE, MANIFEST, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
+from zero_core.checkpoint.format import (
+    CLIENT_STATE, MANIFEST, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest,
+)
 from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases, trainable_shapes
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
 from zero_core.checkpoint.sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource

@@ -85,9 +85,10 @@ def _manifest(source, names: list[str], keys: list[str], file: str, crcs: dict, 
                                                                    "tensors": tensors, "scalars": scalars}]})
     origin = source.origin()
     optimizer_class = _optimizer_class(hyper)
+    zero_config = {"zero_optimization": {"stage": origin["stage"]}}
     return {
         "format": FORMAT, "format_version": FORMAT_VERSION,
-        "run": {"stage": origin["stage"], "world_size": 1, "zero_config": {"zero_optimization": {"stage": origin["stage"]}},
+        "run": {"stage": origin["stage"], "world_size": 1, "zero_config": zero_config,
                 "versions": {"torch": torch.__version__}, "converted_from": origin,
                 "created": datetime.now(timezone.utc).isoformat(timespec="seconds")},
         "files": files, "parameters": parameters, "replicated": replicated, "aliases": source.aliases(),
