@@ -58,15 +58,17 @@ def loss_fn(model: nn.Module, batch) -> torch.Tensor:
     return torch.nn.functional.mse_loss(model(x).float(), y)
 
 
-def param_groups(model: nn.Module) -> list[dict]:
+def param_groups(model: nn.Module, one_group: bool = False) -> list[dict]:
     """Weight decay on matrices only: two groups, so group order and hyper-parameters are carried over."""
     params = list(model.parameters())
+    if one_group:
+        return [{"params": params, "weight_decay": WEIGHT_DECAY}]
     return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
             {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
 
 
-def make_optimizer(model: nn.Module) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model), lr=LR, betas=BETAS)
+def make_optimizer(model: nn.Module, one_group: bool = False) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, one_group), lr=LR, betas=BETAS)
 
 
 def lr_factor(step: int) -> float:
@@ -77,10 +79,10 @@ def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-def reference_params(steps: int) -> dict[str, torch.Tensor]:
+def reference_params(steps: int, one_group: bool = False) -> dict[str, torch.Tensor]:
     """One plain process: AdamW over the whole batch of every step, from step 0."""
     model = TakeoverMLP()
-    optimizer = make_optimizer(model)
+    optimizer = make_optimizer(model, one_group)
     scheduler = make_scheduler(optimizer)
     for step in range(steps):
         optimizer.zero_grad()
