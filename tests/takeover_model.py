@@ -22,7 +22,7 @@ STEPS_BEFORE, STEPS_AFTER = 4, 4
 class TakeoverMLP(nn.Module):
     """19 -> 47 -> LayerNorm -> 31 -> 7, with biases and a float buffer (2,746 parameters)."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, frozen: bool = False):
         super().__init__()
         n_in, n_hidden, n_mid, n_out = SIZES
         with torch.random.fork_rng(devices=[]):
@@ -32,6 +32,8 @@ class TakeoverMLP(nn.Module):
             self.mid = nn.Linear(n_hidden, n_mid)
             self.out = nn.Linear(n_mid, n_out)
         self.register_buffer("input_scale", torch.linspace(0.5, 1.5, n_in))
+        if frozen:  # a frozen middle layer: DeepSpeed keeps it outside the optimizer (frozen_param_fragments)
+            self.mid.requires_grad_(False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x.to(self.inp.weight.dtype) * self.input_scale.to(self.inp.weight.dtype)
@@ -60,7 +62,7 @@ def loss_fn(model: nn.Module, batch) -> torch.Tensor:
 
 def param_groups(model: nn.Module, one_group: bool = False) -> list[dict]:
     """Weight decay on matrices only: two groups, so group order and hyper-parameters are carried over."""
-    params = list(model.parameters())
+    params = [p for p in model.parameters() if p.requires_grad]
     if one_group:
         return [{"params": params, "weight_decay": WEIGHT_DECAY}]
     return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": WEIGHT_DECAY},
@@ -79,9 +81,9 @@ def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
 
 
-def reference_params(steps: int, one_group: bool = False) -> dict[str, torch.Tensor]:
+def reference_params(steps: int, one_group: bool = False, frozen: bool = False) -> dict[str, torch.Tensor]:
     """One plain process: AdamW over the whole batch of every step, from step 0."""
-    model = TakeoverMLP()
+    model = TakeoverMLP(frozen=frozen)
     optimizer = make_optimizer(model, one_group)
     scheduler = make_scheduler(optimizer)
     for step in range(steps):

@@ -19,10 +19,11 @@ import takeover_model as tm
 from distributed import run_distributed
 
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
-ALL = ("stage1-fp32", "stage2-fp32", "stage3-fp32", "stage2-bf16", "stage3-bf16")
+ALL = ("stage1-fp32", "stage2-fp32", "stage3-fp32", "stage2-bf16", "stage3-bf16", "stage2-frozen", "stage3-frozen")
 TOLERANCE = 1e-5
 # (fixture, our stage): DeepSpeed's stage 2 and 3 runs, each continued under our stage 2 and 3.
-CONTINUE = [(f"stage{ds}-fp32", ours) for ds in (2, 3) for ours in (2, 3)] + [("stage1-fp32", 1)]
+CONTINUE = [(f"stage{ds}-fp32", ours) for ds in (2, 3) for ours in (2, 3)] + [("stage1-fp32", 1)] + [
+    ("stage2-frozen", 3), ("stage3-frozen", 2)]  # with a frozen middle layer (DeepSpeed's frozen_param_fragments)
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
@@ -59,6 +60,12 @@ def test_reader_gives_what_deepspeed_holds(fixture):
         assert [g["lr"] for g in source.hyperparameters()] == saved["lr"].tolist()
         assert [g["weight_decay"] for g in source.hyperparameters()] == [tm.WEIGHT_DECAY, 0.0]
         assert torch.equal(source.read_whole("input_scale"), tm.TakeoverMLP().input_scale)
+        if "frozen" in fixture:  # never trained: DeepSpeed's values are the initial ones
+            assert sorted(source.shapes()) == sorted(tm.TakeoverMLP().state_dict())
+            for name in ("mid.weight", "mid.bias"):
+                assert name not in source.param_shapes
+                assert torch.equal(source.read_whole(name), saved[f"{name}/frozen"])
+                assert torch.equal(saved[f"{name}/frozen"], tm.TakeoverMLP().state_dict()[name])
         client = source.client_state()
         assert client["epoch"] == 1 and client["note"] == "taken over" and client["global_steps"] == 4
         assert torch.equal(client["samples_seen"], torch.tensor([24]))
@@ -72,9 +79,12 @@ def continue_worker(rank: int, world: int, cases: list, exact: list) -> dict:
     import zero_core
 
     results = {}
-    reference = tm.reference_params(tm.STEPS_BEFORE + tm.STEPS_AFTER)
+    references = {frozen: tm.reference_params(tm.STEPS_BEFORE + tm.STEPS_AFTER, frozen=frozen)
+                  for frozen in (False, True)}
     for fixture, stage in cases:
-        model = tm.TakeoverMLP(seed=7)  # other weights: only the load can make them right
+        frozen = "frozen" in fixture
+        reference = references[frozen]
+        model = tm.TakeoverMLP(seed=7, frozen=frozen)  # other weights: only the load can make them right
         optimizer = tm.make_optimizer(model)
         scheduler = tm.make_scheduler(optimizer)
         engine = zero_core.setup(model, optimizer, {"stage": stage})
