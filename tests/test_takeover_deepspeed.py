@@ -178,6 +178,9 @@ def test_missing_rank_file_is_named(tmp_path, fixture):
     (folder / f"{prefix}zero_pp_rank_1_mp_rank_00_optim_states.pt").unlink()
     message = _refusal(folder.parent)
     assert f"{prefix}zero_pp_rank_1_mp_rank_00_optim_states.pt" in message and "2 ranks" in message
+    shutil.move(folder / f"{prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt",
+                folder / f"{prefix}zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    assert f"lacks '{prefix}zero_pp_rank_0_mp_rank_00_optim_states.pt'" in _refusal(folder.parent)
 
 
 def test_class_outside_the_allow_list_is_refused_and_never_run(tmp_path):
@@ -283,6 +286,7 @@ def test_hand_back_as_a_deepspeed_universal_checkpoint(tmp_path, fixture):
                                                               "out.bias"]]
     for file in folder.rglob("*.pt"):  # plain containers and tensors: DeepSpeed needs nothing of ours to read them
         assert {g for g in pickle_globals(file) if not g.startswith(("torch.", "collections."))} == set(), file
+    assert "a DeepSpeed universal checkpoint" in _refusal(folder)  # not read back: a clear error, not a wrong load
 
 
 def test_hand_back_refuses_what_deepspeed_cannot_take(tmp_path):

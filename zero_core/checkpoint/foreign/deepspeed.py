@@ -85,11 +85,15 @@ def _check_supported(folder: Path) -> tuple[list[Path], int]:
                                   "tensor- or pipeline-parallel DeepSpeed checkpoints are not supported (only "
                                   "data-parallel ZeRO, mp_rank_00)")
     optim = {int(m["rank"]): folder / n for n in names if (m := _OPTIM.fullmatch(n))}
+    if not optim and (folder / "zero").is_dir():
+        raise CheckpointError(f"'{folder}' is a DeepSpeed universal checkpoint (zero/<param>/...): not read here; "
+                              "load the DeepSpeed checkpoint it was made from")
     if not optim:
         raise CheckpointError(f"'{folder}' has no ZeRO optimizer files (*zero_pp_rank_<r>_mp_rank_00_optim_states"
                               ".pt): DeepSpeed checkpoints saved without ZeRO (stage 0) are not supported")
-    return [optim.get(r, folder / f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in range(max(optim) + 1)], \
-        max(optim) + 1
+    prefix = "bf16_" if any(p.name.startswith("bf16_") for p in optim.values()) else ""
+    count = max(optim) + 1
+    return [optim.get(r, folder / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt") for r in range(count)], count
 
 
 class DeepSpeedSource:
@@ -128,7 +132,7 @@ class DeepSpeedSource:
         return self.folder / name
 
     def _check_rank_files(self, found: int) -> None:
-        prefix = "bf16_" if self.optim_files[0].name.startswith("bf16_") else ""
+        prefix = "bf16_" if any(p.name.startswith("bf16_") for p in self.optim_files) else ""
         expected = [self.folder / f"{prefix}zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(self.world)]
         missing = [p.name for p in expected if not p.is_file()]
         if missing:
