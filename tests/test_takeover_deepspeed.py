@@ -204,6 +204,46 @@ class _RunsCode:
         return os.mkdir, (self.path,)
 
 
+def test_fp16_dynamic_loss_scaler_is_read(tmp_path):
+    """No fp16 fixture (DeepSpeed has no fp16 on this CPU): the rank files get the scaler an fp16 run pickles,
+    a DynamicLossScaler object under DeepSpeed's class name, with the attributes DeepSpeed 0.19.8 gives it."""
+    import sys
+    import types
+
+    from zero_core.checkpoint.foreign import open_source
+    from zero_core.checkpoint.foreign.deepspeed import STAND_INS
+    from zero_core.checkpoint.foreign.unpickle import load_restricted
+
+    name = "deepspeed.runtime.fp16.loss_scaler"
+    modules = {".".join(name.split(".")[:i]): types.ModuleType(".".join(name.split(".")[:i])) for i in range(1, 5)}
+    scaler_class = type("DynamicLossScaler", (), {"__module__": name})
+    modules[name].DynamicLossScaler = scaler_class
+    scaler = scaler_class()
+    scaler.__dict__.update(cur_scale=1024.0, cur_iter=37, last_overflow_iter=30, scale_factor=2.0, scale_window=1000,
+                           min_scale=1.0, delayed_shift=2, cur_hysteresis=1, consecutive_hysteresis=False,
+                           raise_error_at_min_scale=True, dynamic=True, dtype=torch.float16)
+    folder = _copy(tmp_path) / "global_step4"
+    saved_modules = {n: sys.modules.get(n) for n in modules}
+    sys.modules.update(modules)  # only so that pickle can name the class while saving
+    try:
+        for rank in (0, 1):
+            file = folder / f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+            state = load_restricted(file, STAND_INS)
+            optimizer = state["optimizer_state_dict"]
+            del optimizer["param_slice_mappings"]  # stand-ins of ours: not what a DeepSpeed file holds
+            optimizer.update(loss_scaler=scaler, dynamic_loss_scale=True)
+            torch.save(state, file.with_suffix(".new"))  # a new file: the old one is memory-mapped by state
+            os.replace(file.with_suffix(".new"), file)
+    finally:
+        for n, module in saved_modules.items():
+            if module is None:
+                del sys.modules[n]
+            else:
+                sys.modules[n] = module
+    with open_source(folder.parent) as source:
+        assert source.loss_scaler() == {"scale": 1024.0, "hysteresis_left": 1, "iteration": 37, "last_overflow": 30}
+
+
 def test_a_directory_of_neither_kind_says_what_it_would_read(tmp_path):
     from zero_core.checkpoint import CheckpointError, read_manifest
     from zero_core.checkpoint.foreign import detect

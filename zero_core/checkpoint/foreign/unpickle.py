@@ -23,7 +23,9 @@ _TORCH_GLOBALS = {
     "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter", "torch._tensor._rebuild_from_type_v2",
     "torch._utils._rebuild_tensor_v3",
 } | {f"torch.{kind}Storage" for kind in (
-    "Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool", "Untyped")}
+    "Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte", "Bool", "Untyped")} | {
+    f"torch.{dtype}" for dtype in (  # e.g. the dtype DeepSpeed's fp16 loss scaler keeps
+        "float16", "bfloat16", "float32", "float64", "int64", "int32", "int16", "int8", "uint8", "bool")}
 
 
 class StandIn:
