@@ -35,8 +35,10 @@ def load_checkpoint(engine: CheckpointedEngine, path: PathLike, strict: bool = T
 
     Returns the ``client_state`` saved with it (None if there was none). A collective. ``path`` may also be a
     plain model state dict (``.safetensors``/``.pt`` file, or a consolidated directory): see
-    :func:`load_full_state_dict`. ``strict=False`` loads what matches and warns about missing and unexpected
-    names; shape mismatches are always errors. ``verify="size"`` skips the SHA-256 pass over the files.
+    :func:`load_full_state_dict`; or a DeepSpeed ZeRO checkpoint directory, whose client state (with DeepSpeed's
+    ``lr_scheduler`` and ``global_steps``) is returned (docs/checkpoints.md, "Coming from DeepSpeed").
+    ``strict=False`` loads what matches and warns about missing and unexpected names; shape mismatches are always
+    errors. ``verify="size"`` skips the SHA-256 pass over the files.
     """
     path = Path(path)
     if path.is_file() or (path / HF_INDEX).is_file():
