@@ -57,6 +57,7 @@ def _difference(params: dict, reference: dict) -> float:
 def test_fixtures_hold_the_reference_after_four_steps():
     """The fixtures are what one plain process gets after 4 AdamW steps (the reference is right), in both
     layouts: weights, the buffer, both moments, the step, and the hyper-parameters."""
+    from zero_core.checkpoint.foreign import ForeignSource, detect
     from zero_core.checkpoint.foreign.dcp import DCPSource
     from zero_core.layout import Range
 
@@ -76,6 +77,10 @@ def test_fixtures_hold_the_reference_after_four_steps():
             assert source.scalars(name, torch.device("cpu"))["step"].item() == 4.0
         assert source.hyperparameters()[0]["lr"] == dcp_model.ADAMW["lr"]
         assert source.hyperparameters()[0]["betas"] == dcp_model.ADAMW["betas"]
+        # the protocol every foreign source has (zero_core.checkpoint.foreign.ForeignSource); DCP keeps no more
+        assert isinstance(source, ForeignSource) and detect(FIXTURES / layout) == "dcp"
+        assert (source.client_state(), source.loss_scaler(), source.skipped_steps(), source.aliases()) == (
+            None, None, 0, {})
 
 
 def takeover_worker(rank: int, world_size: int, stages: list, extra: dict) -> dict:

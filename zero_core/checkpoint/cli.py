@@ -4,7 +4,8 @@
     zero-checkpoint inspect CKPT [--verify true] [--tensors true]
     zero-checkpoint export-optimizer CKPT OUT.pt
     zero-checkpoint gather NODE_DIR... --out CKPT      (node-local checkpoints: checkpoint.use_node_local_storage)
-    zero-checkpoint convert SRC DST --to dcp|deepspeed|zero
+    zero-checkpoint convert SRC DST --to dcp|deepspeed|zero   (ours -> DCP or a DeepSpeed universal checkpoint;
+                                                              a DCP or DeepSpeed checkpoint -> ours)
 """
 
 from __future__ import annotations
@@ -67,20 +68,22 @@ def convert(src: str, dst: str, *, to: Literal["dcp", "deepspeed", "zero"],
     """Convert between our checkpoints and other libraries' formats, one tensor at a time, without a process group.
 
     Args:
-        src: The checkpoint to convert: one of ours (for --to dcp or deepspeed) or a DCP directory (--to zero).
+        src: The checkpoint to convert: one of ours (for --to dcp or deepspeed), or another library's (--to zero):
+            a DCP directory (FSDP2, torchtitan) or a DeepSpeed one (with 'latest', or a tag folder).
         dst: Output directory (appears only when complete).
         to: dcp: a DCP directory that dcp.load reads into an FSDP2 model and optimizer; deepspeed: a DeepSpeed
-            universal checkpoint; zero: our sharded format (world size 1; loads at any world size and stage).
+            universal checkpoint (resume it with "checkpoint": {"load_universal": true}); zero: our sharded
+            format, as if saved by one rank (it loads at any world size and stage).
         layout: --to dcp: fsdp2 ({"model", "optim"} of get_state_dict) or torchtitan (model keys at the top
             level, the optimizer flattened under "optimizer").
         optimizer_class: --to zero: the optimizer's class, e.g. torch.optim.adamw.AdamW, when it cannot be
             inferred from the saved state.
-        verify: --to dcp: check every file's SHA-256 first.
+        verify: --to dcp or deepspeed: check every file's SHA-256 first.
         progress: Show a progress bar.
     """
     from zero_core.checkpoint.convert import convert as run
 
-    options = {"layout": layout, "verify": verify} if to == "dcp" else {}
+    options = {"layout": layout, "verify": verify} if to == "dcp" else {"verify": verify} if to == "deepspeed" else {}
     if to == "zero" and optimizer_class is not None:
         options["optimizer_class"] = optimizer_class
     print(f"wrote {run(src, dst, to, progress=progress, **options)}")

@@ -13,14 +13,14 @@ from typing import Literal
 
 from zero_core.checkpoint.format import MANIFEST, CheckpointError, PathLike
 from zero_core.checkpoint.foreign import detect
-from zero_core.checkpoint.foreign.to_zero import write_zero
+from zero_core.checkpoint.foreign.to_zero import write_zero_checkpoint
 
 Target = Literal["dcp", "deepspeed", "zero"]
 
 # ours -> theirs: format -> (module, function); a module missing from this build makes the format unavailable
 WRITERS: dict[str, tuple[str, str]] = {
     "dcp": ("zero_core.checkpoint.foreign.dcp_writer", "write_dcp"),
-    "deepspeed": ("zero_core.checkpoint.foreign.deepspeed", "write_deepspeed_universal"),
+    "deepspeed": ("zero_core.checkpoint.foreign.deepspeed_universal", "write_deepspeed_universal"),
 }
 
 
@@ -28,8 +28,9 @@ def convert(src: PathLike, dst: PathLike, to: Target, progress: bool = True, **o
     """Convert checkpoint ``src`` to format ``to`` at ``dst`` (which appears only when complete).
 
     ``to="dcp"`` or ``"deepspeed"``: ``src`` is one of our checkpoints; ``options`` go to the writer (for DCP:
-    ``layout="fsdp2"|"torchtitan"``, ``verify``). ``to="zero"``: ``src`` is a foreign checkpoint (a DCP
-    directory); ``options``: ``optimizer_class`` when it cannot be inferred."""
+    ``layout="fsdp2"|"torchtitan"``, ``verify``; for DeepSpeed: ``verify``). ``to="zero"``: ``src`` is a foreign
+    checkpoint (a DCP directory or a DeepSpeed one); ``options``: ``optimizer_class`` when it cannot be
+    inferred."""
     src = Path(src)
     if not src.exists():
         raise FileNotFoundError(f"no checkpoint at '{src}'")
@@ -37,18 +38,12 @@ def convert(src: PathLike, dst: PathLike, to: Target, progress: bool = True, **o
     if to == "zero":
         if ours:
             raise CheckpointError(f"'{src}' is already one of our checkpoints (it has {MANIFEST})")
-        foreign = detect(src)
-        if foreign is None:
-            raise CheckpointError(f"'{src}' is not a checkpoint format convert reads: a DCP directory (with "
-                                  f"'.metadata') or one of ours (with {MANIFEST})")
-        name, factory = foreign
-        with factory(src) as source:
-            return write_zero(source, name, src, dst, progress=progress, **options)
+        return write_zero_checkpoint(src, dst, progress=progress, **options)
     if to not in WRITERS:
         raise ValueError(f"--to must be one of {sorted([*WRITERS, 'zero'])}, got {to!r}")
     if not ours:
         found = detect(src)
-        what = f"a {found[0]} checkpoint" if found else "not one of our checkpoints"
+        what = f"a {found} checkpoint" if found else "not one of our checkpoints"
         raise CheckpointError(f"'{src}' is {what}: --to {to} converts our checkpoints (with {MANIFEST}); "
                               f"convert it with --to zero first")
     return writer(to)(src, dst, progress=progress, **options)

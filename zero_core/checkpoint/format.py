@@ -120,9 +120,12 @@ def read_manifest(path: PathLike) -> dict:
         raise FileNotFoundError(checkpoint_missing_hint(path))
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
+        from zero_core.checkpoint.foreign import KNOWN_FORMATS  # foreign/ imports this module
+
         raise CheckpointError(
             f"'{path}' is not a complete checkpoint: it has no {MANIFEST} (written last, so its absence means "
-            "the save did not finish); load an earlier checkpoint")
+            "the save did not finish; load an earlier checkpoint), and it is not a foreign checkpoint this "
+            f"library reads ({KNOWN_FORMATS})")
     try:
         manifest = json.loads(manifest_path.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as error:

@@ -16,7 +16,7 @@ import torch
 
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import agree, gather_json, run_agreed
-from zero_core.checkpoint.foreign import detect
+from zero_core.checkpoint import foreign
 from zero_core.checkpoint.format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
 from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases, trainable_shapes
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
@@ -33,18 +33,18 @@ def load_checkpoint(engine: CheckpointedEngine, path: PathLike, strict: bool = T
 
     Returns the ``client_state`` saved with it (None if there was none). A collective. ``path`` may also be a
     plain model state dict (``.safetensors``/``.pt`` file, or a consolidated directory): see
-    :func:`load_full_state_dict`; or another library's checkpoint (a DCP directory from FSDP2 or torchtitan):
-    see :func:`load_foreign`. ``strict=False`` loads what matches and warns about missing and unexpected
+    :func:`load_full_state_dict`; or another library's checkpoint: a DCP directory from FSDP2 or torchtitan, or a
+    DeepSpeed ZeRO checkpoint directory, whose client state (with DeepSpeed's ``lr_scheduler`` and
+    ``global_steps``) is returned: see :func:`load_foreign` and docs/checkpoints.md ("Coming from DeepSpeed",
+    "Coming from FSDP / torchtitan"). ``strict=False`` loads what matches and warns about missing and unexpected
     names; shape mismatches are always errors. ``verify="size"`` skips the SHA-256 pass over the files.
     """
     path = Path(path)
     if path.is_file() or (path / HF_INDEX).is_file():
         load_full_state_dict(engine, path, strict=strict)
         return None
-    foreign = detect(path)
-    if foreign is not None:
-        load_foreign(engine, path, foreign[1], strict, load_optimizer_states)
-        return None
+    if run_agreed(engine, foreign.detect, path):
+        return load_foreign(engine, path, strict, load_optimizer_states)
     manifest = run_agreed(engine, read_manifest, path)
     place = node_place(engine) if any(gather_json(engine, NODE_LOCAL in manifest)) else None
     if place is not None:
@@ -82,18 +82,47 @@ def load_full_state_dict(engine: CheckpointedEngine, model_state: Union[dict, Pa
         _load(engine, source, optimizer, strict)
 
 
-def load_foreign(engine: CheckpointedEngine, path: Path, factory, strict: bool = True,
-                 load_optimizer_states: bool = True) -> None:
-    """Load another library's checkpoint through the source ``factory`` makes (zero_core.checkpoint.foreign):
-    weights, and the optimizer state and hyper-parameters when it has them. Every rank opens the source
-    (which checks the files and entries) before anything is loaded. A collective."""
+def load_foreign(engine: CheckpointedEngine, path: PathLike, strict: bool = True,
+                 load_optimizer_states: bool = True) -> Any:
+    """Load another library's checkpoint (``zero_core.checkpoint.foreign``: DCP, DeepSpeed) through the same
+    checks and resharding load as ours: weights; and, when it has them, the optimizer state and hyper-parameters,
+    the loss scaler and skipped steps. Returns its client state (DeepSpeed: the caller's client_state with
+    DeepSpeed's lr_scheduler and step counters; DCP: None). Every rank opens the source (which checks the files
+    and entries) and finds every group's hyper-parameters before anything is loaded. A collective."""
     model_names = {n for n, _ in engine.module.named_parameters()} | {n for n, _ in engine.module.named_buffers()}
-    source = run_agreed(engine, factory, path, model_names, [list(names) for names in engine.group_param_names])
-    with source:
-        optimizer = source if load_optimizer_states and source.has_optimizer() else None
-        if optimizer is not None:  # every group's hyper-parameters found, before anything is loaded
-            run_agreed(engine, optimizer.hyperparameters)
+    groups = [list(names) for names in engine.group_param_names]
+    with run_agreed(engine, foreign.open_source, Path(path), model_names, groups) as source:
+        optimizer = None
+        if load_optimizer_states and run_agreed(engine, source.has_optimizer):
+            run_agreed(engine, source.hyperparameters)
+            if _foreign_optimizer_matches(engine, source.state_keys(), path, strict):
+                optimizer = source
         _load(engine, source, optimizer, strict)
+        if optimizer is not None:
+            run_agreed(engine, _load_scaler, engine, {"skipped_steps": source.skipped_steps(),
+                                                      "loss_scaler": source.loss_scaler()})
+        return source.client_state()
+
+
+def _foreign_optimizer_matches(engine, keys: list[str], path: PathLike, strict: bool) -> bool:
+    """A foreign checkpoint names no optimizer class; its per-element state must be what the engine's
+    optimizers keep (Adam's exp_avg and exp_avg_sq for the Adam family)."""
+    adam = {"exp_avg", "exp_avg_sq"}
+    current = [type(inner) for inner in engine.inner_optimizers]
+    if set(keys) != adam or all(issubclass(cls, (torch.optim.Adam, torch.optim.AdamW)) for cls in current):
+        return True
+    names = ", ".join(f"{cls.__module__}.{cls.__qualname__}" for cls in current)
+    return _optimizer_mismatch(f"'{path}' holds Adam's optimizer state ({sorted(keys)}), the engine's optimizer "
+                               f"is {names}", strict, stacklevel=5)
+
+
+def _optimizer_mismatch(message: str, strict: bool, stacklevel: int) -> bool:
+    """A checkpoint's optimizer state that the engine's optimizers cannot take: an error if strict, else a
+    warning (``stacklevel`` counted from the caller) and the model alone loads."""
+    if strict:
+        raise CheckpointMismatchError(f"{message}; pass strict=False to load the model alone")
+    warnings.warn(f"{message}: optimizer state not loaded", stacklevel=stacklevel)
+    return False
 
 
 def _add_saved_groups(engine, manifest: dict, source) -> None:
@@ -132,11 +161,8 @@ def _optimizer_matches(engine, manifest: dict, strict: bool) -> bool:
     if saved == current:
         return True
     saved, current = ", ".join(saved), ", ".join(current)
-    message = f"the checkpoint's optimizer state is from {saved}, the engine's optimizer is {current}"
-    if strict:
-        raise CheckpointMismatchError(f"{message}; pass strict=False to load the model alone")
-    warnings.warn(f"{message}: optimizer state not loaded", stacklevel=3)
-    return False
+    return _optimizer_mismatch(f"the checkpoint's optimizer state is from {saved}, the engine's optimizer is "
+                               f"{current}", strict, stacklevel=4)
 
 
 def _load(engine, source, optimizer, strict: bool) -> None:

@@ -1,8 +1,9 @@
 """A DCP directory (FSDP2, torchtitan) as a source for the resharding load: each rank reads only the rows its
 fragments need, at any world size, without a process group.
 
-Implements the protocol of :class:`zero_core.checkpoint.sources.ShardedSource` (``shapes``, ``read``,
-``read_whole``, ``state_keys``, ``has_state``, ``read_state``, ``scalars``, ``hyperparameters``), so
+Implements :class:`zero_core.checkpoint.foreign.ForeignSource` (``ShardedSource``'s ``shapes``, ``read``,
+``read_whole``, ``state_keys``, ``has_state``, ``read_state``, ``scalars``, ``hyperparameters``; DCP keeps no
+loss scaler, skipped steps, client state or tied names, so those answers are trivial), so
 ``load.py``'s ``_load`` fills fp32 masters, Adam's ``exp_avg``/``exp_avg_sq``/``step`` and the groups'
 hyper-parameters as from one of our checkpoints. Everything that could fail (missing data files, non-tensor
 entries, optimizer state of a shape that cannot be sharded, unreadable hyper-parameters) fails while the source
@@ -160,3 +161,19 @@ class DCPSource:
             else:
                 same[0].append(name)
         return [n for n, _ in merged], [v for _, v in merged]
+
+    # -- the rest of the run: not in a DCP checkpoint ---------------------------------------------------------
+    def loss_scaler(self) -> None:
+        return None
+
+    def skipped_steps(self) -> int:
+        return 0
+
+    def client_state(self) -> None:
+        return None  # torchtitan's train_state, lr_scheduler and dataloader entries are left alone
+
+    def aliases(self) -> dict[str, str]:
+        return {}
+
+    def origin(self) -> dict:
+        return {}
