@@ -179,6 +179,8 @@ def _load_pretrained_cases(rank: int, world: int, tmp: str) -> dict:
         with pytest.raises(CheckpointMismatchError, match=message.replace("(", r"\(").replace(")", r"\)")
                            .replace("[", r"\[").replace("]", r"\]")):
             zero_core.load_pretrained(victim, tmp / bad / "model.safetensors")
+    with pytest.raises(ValueError, match=r"truncated: it has \d+ bytes, but tensor '\w+' ends at byte"):
+        zero_core.load_pretrained(victim, tmp / "truncated" / "model.safetensors")
     _equal(gathered(victim), before)
     with pytest.warns(UserWarning, match="missing from the weight files"):
         result = zero_core.load_pretrained(victim, tmp / "missing_one" / "model.safetensors", strict=False)
@@ -207,6 +209,9 @@ def test_load_pretrained_into_init_meta_engine_and_plain_models(tmp_path):
         altered = dict(state)
         change(altered)
         save_file(altered, tmp_path / bad / "model.safetensors")
+    (tmp_path / "truncated").mkdir()
+    whole = (tmp_path / "net" / "model.safetensors").read_bytes()
+    (tmp_path / "truncated" / "model.safetensors").write_bytes(whole[: len(whole) - 8])
     results = run_distributed(_load_pretrained_cases, WORLD, str(tmp_path), timeout=180)
     total = sum(v.numel() for k, v in state.items() if k != "scale")
     for rank, seen in enumerate(results):

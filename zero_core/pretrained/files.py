@@ -145,8 +145,11 @@ class WeightFiles:
                 dtype = _SAFETENSORS_DTYPES.get(entry.get("dtype"))
                 begin, end = entry.get("data_offsets", (0, -1))
                 shape = tuple(entry.get("shape", ()))
-                if dtype is None or end - begin != math.prod(shape) * dtype.itemsize or data_start + end > size:
+                if dtype is None or end - begin != math.prod(shape) * dtype.itemsize:
                     raise ValueError(f"tensor '{key}' in '{file}' has a damaged or unsupported header entry {entry}")
+                if data_start + end > size:
+                    raise ValueError(f"'{file}' is truncated: it has {size} bytes, but tensor '{key}' ends at byte "
+                                     f"{data_start + end}. Copy or download it again")
                 self.info[key] = TensorInfo(shape, dtype, file)
                 self._located[key] = _Located(fd, data_start + begin)
             return
