@@ -28,6 +28,7 @@ from torch.nn.modules.module import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_core import registry
+from zero_core.arg_checks import check_dtype, check_init_module, check_process_group
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
 from zero_core.layout import compute_layout
@@ -47,9 +48,14 @@ class Init:
 
     def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None, config_dict_or_path=None,
                  config=None, enabled: bool = True, dtype: Optional[torch.dtype] = None) -> None:
+        check_init_module(module)
+        check_process_group(data_parallel_group, "zero_core.Init", "data_parallel_group")
+        check_dtype(dtype, "zero_core.Init")
         self.enabled = enabled
         self.group = data_parallel_group
-        self.config = ZeroConfig.coerce(config if config is not None else config_dict_or_path)
+        self.config = ZeroConfig.coerce(config if config is not None else config_dict_or_path,
+                                        "zero_core.Init: config" if config is not None else
+                                        "zero_core.Init: config_dict_or_path")
         self.dtype = dtype
         self._shards = WeakIdKeyDictionary()
         self._pending: dict[int, nn.Module] = {}
