@@ -18,6 +18,7 @@ from zero_core.comm.wire import (
     MAX_BYTES,
     Call,
     decode_failure,
+    decode_history,
     decode_whereabouts,
     encode_failure,
     encode_whereabouts,
@@ -73,7 +74,8 @@ def _malformed(raw: bytes, notes=None) -> str:
     (json.dumps({**STATUS, "seq": True}).encode(), "field 'seq' is not a int"),
     (json.dumps({**STATUS, "seq": -1}).encode(), "out of range"),
     (json.dumps({**STATUS, "call": [1, "x"]}).encode(), "not a collective record"),
-    (json.dumps({**STATUS, "history": [[0, "k", 1, "f", "x" * 2000, 0]]}).encode(), "longer than 1024"),
+    (json.dumps({**STATUS, "history": [[0, "k", 1.5, "f", "x", 0]]}).encode(), "not a collective record"),
+    (json.dumps({**STATUS, "where": "collective" * 200}).encode(), "unexpected fields"),
     (json.dumps({**NOTE, "notes": [{"a": 1}]}).encode(), "a note is not"),
     (b"[" * 100000 + b"]" * 100000, f"more than the {MAX_BYTES} allowed"),
     (b"[" * 30000 + b"]" * 30000, "not UTF-8 JSON"),  # deeper than the parser's recursion limit
@@ -85,9 +87,25 @@ def test_a_malformed_value_is_an_error_naming_key_and_rank(raw, problem):
     assert "Nothing of it was run" in message
 
 
+def test_a_history_left_for_later_is_checked_when_decoded():
+    bad = {**NOTE, "history": [list(CALLS[0]), [0, "k", "many", "f", "x", 0]]}
+    note = decode_whereabouts(json.dumps(bad).encode(), "step/0/1", 1, 1, history=False)
+    assert note["seq"] == 2 and note["history"][0] == list(CALLS[0])
+    with pytest.raises(zero_core.StoreMessageError, match="rank 1's key 'step/0/1'.*not a collective record"):
+        decode_history(note["history"], "step/0/1", 1)
+    assert "more than 64 entries" in _malformed(json.dumps({**NOTE, "history": [list(CALLS[0])] * 65}).encode())
+
+
 def test_a_status_under_a_step_key_or_a_wrong_number_of_notes_is_refused():
     assert "not a step note with 1" in _malformed(encode_whereabouts(STATUS), notes=1)
     assert "not a step note with 2" in _malformed(encode_whereabouts(NOTE), notes=2)
+
+
+def test_very_long_module_names_are_cut_to_fit_the_size_limit():
+    long = tuple(c._replace(label="m" * 5000) for c in CALLS) * 8
+    raw = encode_whereabouts({**NOTE, "history": long})
+    assert len(raw) <= MAX_BYTES
+    assert decode_whereabouts(raw, "step/0/1", 1, 1)["history"][0].label == "m" * 256
 
 
 def test_a_step_hook_note_must_be_plain_data():

@@ -39,7 +39,14 @@ import torch.distributed as dist
 
 from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
 from zero_core.comm.topology import Topology
-from zero_core.comm.wire import Call, decode_failure, decode_whereabouts, encode_failure, encode_whereabouts
+from zero_core.comm.wire import (
+    Call,
+    decode_failure,
+    decode_history,
+    decode_whereabouts,
+    encode_failure,
+    encode_whereabouts,
+)
 
 # Engines over one group are built in the same order on its ranks: the n-th one over a group shares a namespace.
 _GUARD_IDS: dict[tuple, "itertools.count[int]"] = defaultdict(itertools.count)
@@ -192,12 +199,15 @@ class CollectiveGuard:
         keys = [f"step/{self.step}/{r}" for r in range(self.world_size)]
         store.set(keys[self.rank], encode_whereabouts(mine))
         self._wait_keys(keys, mine)
-        everyone = [self._decode(value, keys[r], r, len(notes)) for r, value in enumerate(store.multi_get(keys))]
+        everyone = [self._decode(value, keys[r], r, len(notes), history=False)
+                    for r, value in enumerate(store.multi_get(keys))]
         if self.step >= 2:  # every rank has read step - 2's keys before posting step - 1's; off the step's path
             self.stale_keys.append(f"step/{self.step - 2}/{self.rank}")
             _Watchdog.watch(self)
         for rank, theirs in enumerate(everyone):
             if (theirs["seq"], theirs["fingerprint"]) != (mine["seq"], mine["fingerprint"]):
+                key = self._namespace + keys[rank]
+                theirs["history"] = self._decoded(lambda: decode_history(theirs["history"], key, rank))
                 self._fail(self._describe_step_mismatch(mine, theirs, rank))
         for index, (_, consume) in enumerate(self._step_hooks):
             consume([theirs["notes"][index] for theirs in everyone])
@@ -253,10 +263,14 @@ class CollectiveGuard:
                 return self._decode(store.get(key), key, rank, notes)
         return None
 
-    def _decode(self, raw: bytes, key: str, rank: int, notes: Optional[int]) -> dict:
-        """A rank's posted whereabouts; a malformed value stops every rank (it cannot be compared)."""
+    def _decode(self, raw: bytes, key: str, rank: int, notes: Optional[int], history: bool = True) -> dict:
+        """A rank's posted whereabouts (wire.py)."""
+        return self._decoded(lambda: decode_whereabouts(raw, self._namespace + key, rank, notes, history))
+
+    def _decoded(self, decode: Callable[[], object]):
+        """``decode()``; a malformed value stops every rank (they cannot be compared)."""
         try:
-            return decode_whereabouts(raw, self._namespace + key, rank, notes)
+            return decode()
         except StoreMessageError as error:
             self._fail(str(error), StoreMessageError)
 

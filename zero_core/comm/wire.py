@@ -15,10 +15,10 @@ from typing import NamedTuple, Optional
 
 from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
 
-# A step note holds 16 calls (each a module name of up to MAX_TEXT characters): well under this.
-MAX_BYTES = 64 * 1024
-MAX_TEXT = 1024  # a module name, dtype or collective kind
+MAX_BYTES = 64 * 1024  # a step note of 16 calls is about 1 kB
 MAX_MESSAGE = 16 * 1024  # a posted failure's text
+MAX_HISTORY = 64  # the guard keeps 16 calls
+_LONG_LABEL = 256  # module names are cut to this only where a message would exceed MAX_BYTES
 _INT64 = 1 << 63
 _SCALARS = (bool, int, float, str, type(None))  # what a step hook's note may be
 
@@ -57,12 +57,20 @@ def encode_whereabouts(message: dict) -> bytes:
     for note in message.get("notes", ()):
         if type(note) not in _SCALARS:  # a programming error in a step hook, not something read
             raise TypeError(f"a step hook's note must be a bool, number, string or None, got {type(note).__name__}")
-    return json.dumps(message, separators=(",", ":")).encode()
+    raw = json.dumps(message, separators=(",", ":")).encode()
+    if len(raw) > MAX_BYTES:  # only with very long module names: cut them, identically on every rank
+        short = {**message, "history": [c._replace(label=c.label[:_LONG_LABEL]) for c in message["history"]]}
+        if "call" in message:
+            short["call"] = message["call"]._replace(label=message["call"].label[:_LONG_LABEL])
+        raw = json.dumps(short, separators=(",", ":")).encode()
+    return raw
 
 
-def decode_whereabouts(raw: bytes, key: str, rank: int, notes: Optional[int] = None) -> dict:
+def decode_whereabouts(raw: bytes, key: str, rank: int, notes: Optional[int] = None, history: bool = True) -> dict:
     """The message a rank posted under ``key``; StoreMessageError if it is anything else. ``notes``: a step note
-    (the step barrier's key) is expected, with that many step-hook notes."""
+    (the step barrier's key) is expected, with that many step-hook notes. ``history=False`` leaves the history
+    as JSON lists, for :func:`decode_history` once it is needed: the step barrier reads every rank's note at
+    every step but another rank's history only to describe a mismatch (its check is most of the cost)."""
     try:
         message = _parse(raw)
         if type(message) is not dict:
@@ -74,7 +82,10 @@ def decode_whereabouts(raw: bytes, key: str, rank: int, notes: Optional[int] = N
             _check(message[field], kind, field)
         if notes is not None and (message["where"] != "barrier" or len(message["notes"]) != notes):
             raise _Malformed(f"not a step note with {notes} step-hook notes")
-        message["history"] = [_call(c, "history") for c in message["history"]]
+        if len(message["history"]) > MAX_HISTORY:
+            raise _Malformed(f"more than {MAX_HISTORY} entries in 'history'")
+        if history:
+            message["history"] = [_call(c, "history") for c in message["history"]]
         if "call" in message:
             message["call"] = _call(message["call"], "call")
         if not all(type(note) in _SCALARS for note in message.get("notes", ())):
@@ -84,6 +95,14 @@ def decode_whereabouts(raw: bytes, key: str, rank: int, notes: Optional[int] = N
     except _Malformed as problem:
         raise _error(key, rank, raw, problem) from None
     return message
+
+
+def decode_history(history: list, key: str, rank: int) -> list[Call]:
+    """The collective records of a note decoded with ``history=False``."""
+    try:
+        return [_call(c, "history") for c in history]
+    except _Malformed as problem:
+        raise _error(key, rank, json.dumps(history).encode(), problem) from None
 
 
 def encode_failure(rank: int, error: type, message: str) -> bytes:
@@ -99,7 +118,7 @@ def decode_failure(raw: bytes, key: str) -> tuple[type, str]:
         if type(failure) is not dict or failure.keys() != {"rank", "error", "message"}:
             raise _Malformed("not a JSON object with the fields rank, error and message")
         _check(failure["rank"], int, "rank")
-        _check(failure["message"], str, "message", MAX_MESSAGE)
+        _check(failure["message"], str, "message")
         error = _ERRORS.get(failure["error"])
         if error is None:
             raise _Malformed(f"unknown error {str(failure['error'])[:40]!r}")
@@ -117,7 +136,7 @@ def _parse(raw: bytes):
         raise _Malformed(f"not UTF-8 JSON ({type(error).__name__})") from None
 
 
-def _check(value, kind: type, field: str, longest: int = MAX_TEXT) -> None:
+def _check(value, kind: type, field: str, longest: int = MAX_MESSAGE) -> None:
     if type(value) is not kind:  # `type is`: a JSON true is not an int here
         raise _Malformed(f"field {field!r} is not a {kind.__name__}")
     if kind is int and not -_INT64 <= value < _INT64:
@@ -127,11 +146,11 @@ def _check(value, kind: type, field: str, longest: int = MAX_TEXT) -> None:
 
 
 def _call(value, field: str) -> Call:
-    if type(value) is not list or len(value) != len(_CALL_FIELDS):
+    # One comparison of the item types (this runs for 16 records per rank at every step): the whole message's
+    # size limit already bounds each string's length and each number's digits.
+    if type(value) is not list or tuple(map(type, value)) != _CALL_FIELDS:
         raise _Malformed(f"an entry of {field!r} is not a collective record")
-    for item, kind in zip(value, _CALL_FIELDS):
-        _check(item, kind, field)
-    return Call(*value)
+    return Call._make(value)
 
 
 def _error(key: str, rank: Optional[int], raw: bytes, problem: _Malformed) -> StoreMessageError:
