@@ -152,3 +152,25 @@ def test_a_pickle_planted_under_a_guard_key_never_runs_and_stops_every_rank(tmp_
         assert result["error"] is not None, f"rank {rank} did not stop"
         assert "rank 1's key 'zero_core/guard/0-1/" in result["error"] and "/step/0/1'" in result["error"], result
         assert "not UTF-8 JSON" in result["error"] and result["seconds"] < 30
+
+
+# -- the other exchanges between ranks: JSON in byte tensors, not all_gather_object's pickle ------------------
+def _gather_plain(rank: int, world_size: int) -> list:
+    from zero_core.comm.plain_exchange import all_gather_json
+
+    return all_gather_json(["rank", rank, {"node": "x" * (rank * 100)}, (1, 2)])
+
+
+def test_all_gather_json_exchanges_plain_data_of_different_sizes():
+    results = run_distributed(_gather_plain, 2, timeout=60)
+    expected = [["rank", r, {"node": "x" * (r * 100)}, [1, 2]] for r in range(2)]
+    assert results == [expected, expected]
+
+
+def test_all_gather_json_refuses_what_is_not_json(tmp_path):
+    from zero_core.comm.plain_exchange import _parse
+
+    marker = tmp_path / "marker"
+    with pytest.raises(RuntimeError, match="rank 1 sent [0-9]+ bytes that are not UTF-8 JSON"):
+        _parse(crafted_pickle(marker), 1)
+    assert not marker.exists()
