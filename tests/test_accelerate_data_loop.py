@@ -36,12 +36,13 @@ def test_accelerates_data_loop_script_passes_at_every_stage(tmp_path):
     runs = [f"{stage}:{','.join(names)}" for stage, names in FUNCTIONS.items()]
     # ACCELERATE_USE_CPU: a MULTI_GPU config without GPUs (see test_accelerate_launch.accelerate_launch)
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config, SCRIPTS / "data_loop.py",
-         tmp_path / "out.json", "zero", *runs], cwd=tmp_path, env=clean_env(ACCELERATE_USE_CPU="true"), timeout=150)
-    results = json.loads((tmp_path / "out.json").read_text())["runs"]
-    assert [r["stage"] for r in results] == ["1", "2", "3"]
-    for result, (stage, names) in zip(results, FUNCTIONS.items()):
-        assert list(result["results"]) == names
-        failed = {name: error for name, error in result["results"].items() if error is not None}
-        assert not failed, f"stage {stage}: " + "\n".join(f"{name}:\n{error}" for name, error in failed.items())
-        # the join tests prepare a model each: every engine of the run is of this stage
-        assert len(result["engines"]) == len(JOINS) + (stage < 3) and set(result["engines"]) == {stage}
+         tmp_path / "out", "zero", *runs], cwd=tmp_path, env=clean_env(ACCELERATE_USE_CPU="true"), timeout=150)
+    for rank in range(2):  # the script checks each rank's own batches
+        results = json.loads((tmp_path / f"out.rank{rank}.json").read_text())["runs"]
+        assert [r["stage"] for r in results] == ["1", "2", "3"]
+        for result, (stage, names) in zip(results, FUNCTIONS.items()):
+            assert list(result["results"]) == names
+            failed = {name: error for name, error in result["results"].items() if error is not None}
+            assert not failed, f"rank {rank}, stage {stage}: " + "\n".join(f"{n}:\n{e}" for n, e in failed.items())
+            # the join tests prepare a model each: every engine of the run is of this stage
+            assert len(result["engines"]) == len(JOINS) + (stage < 3) and set(result["engines"]) == {stage}

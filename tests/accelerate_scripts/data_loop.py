@@ -1,14 +1,15 @@
 """Run the test functions of Accelerate's own ``test_distributed_data_loop.py`` (as shipped in the wheel, unmodified),
 plain or with ZeroAccelerator swapped in, at several stages in one launch.
 
-    accelerate launch --config_file cfg.yaml data_loop.py OUT.json MODE RUN [RUN ...]
+    accelerate launch --config_file cfg.yaml data_loop.py OUT MODE RUN [RUN ...]
 
 MODE is ``plain`` or ``zero``; each RUN is ``STAGE:FUNCTION,FUNCTION,...`` (STAGE is ignored when plain). A run's
 functions are called in the order given, the way the script's ``main()`` calls them (those that take arguments
 get the accelerator ``main()`` builds), with ``ACCELERATE_ZERO_STAGE=STAGE``; between runs the Accelerate
-singletons are reset and a fresh process group is built under a new prefix of the launcher's store. Every function runs even after one fails (a failure is recorded
-with its traceback). After each function rank 0 writes ``{"runs": [{"stage": ..., "results": {function: error or null}, "engines":
-[...]}]}``, where ``engines`` lists the stage of every ZeRO engine built (proof that the swap took effect).
+singletons are reset and a fresh process group is built under a new prefix of the launcher's store. Every
+function runs even after one fails (a failure is recorded with its traceback). After each function every rank
+writes ``OUT.rank<R>.json``: ``{"runs": [{"stage": ..., "results": {function: error or null}, "engines": [...]}]}``, where ``engines`` lists
+the stage of every ZeRO engine built (proof that the swap took effect); a hang still leaves the record.
 """
 
 import importlib.util
@@ -105,9 +106,9 @@ def main() -> None:
                 results[name] = None
             except Exception:  # recorded; the next function still runs
                 results[name] = traceback.format_exc()[-2500:]
-            if int(os.environ.get("RANK", "0")) == 0:  # after each function: a hang still leaves the record
-                out.write_text(json.dumps({"runs": runs + [{"stage": stage, "results": results,
-                                                            "engines": list(ENGINES)}]}, indent=2))
+            # every rank: the script's checks differ per rank (rank 1's batches are not rank 0's)
+            record = runs + [{"stage": stage, "results": results, "engines": list(ENGINES)}]
+            Path(f"{out}.rank{os.environ.get('RANK', '0')}.json").write_text(json.dumps({"runs": record}, indent=2))
         runs.append({"stage": stage, "results": results, "engines": list(ENGINES)})
     if dist.is_initialized():
         dist.destroy_process_group()
