@@ -338,7 +338,7 @@ class CollectiveGuard:
         raise error(message)
 
     def _read_failure(self, store: dist.Store) -> tuple[type, str]:
-        """The posted failure; a malformed one becomes this rank's own failure (and is raised)."""
+        """The posted failure; a malformed one becomes a StoreMessageError naming the key, for the caller to raise."""
         try:
             return decode_failure(store.get("failure"), self._namespace + "failure")
         except StoreMessageError as error:
