@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 from types import MethodType
 from typing import Iterator, Optional
 
@@ -353,14 +354,20 @@ class ZeroAccelerator(Accelerator):
 @contextlib.contextmanager
 def _even_batches_set(accelerator: Accelerator, even_batches: Optional[bool]) -> Iterator[None]:
     """``join_uneven_inputs(even_batches=...)`` overrides the prepared map-style loaders' setting for its block,
-    as Accelerate's own context does."""
-    saved = []
+    as Accelerate's own context does, and warns as it does when some loaders are iterable-style (they have no
+    batch sampler to override)."""
+    saved, iterable_seen = [], False
     if even_batches is not None:
         for loader in accelerator._dataloaders:
             sampler = getattr(loader, "batch_sampler", None)
             if hasattr(sampler, "even_batches"):
                 saved.append((sampler, sampler.even_batches))
                 sampler.even_batches = even_batches
+            else:
+                iterable_seen = True
+    if iterable_seen:  # Accelerate's own words (tests match them)
+        warnings.warn("Overriding even_batches is only supported for map-style datasets, yet some dataloaders "
+                      "given were iterable")
     try:
         yield
     finally:

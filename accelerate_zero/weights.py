@@ -62,12 +62,12 @@ def _publish_weights(staging: Path, target: Path) -> None:
 
 
 def _shared_token(engine: zero_core.ZeroEngine) -> str:
-    """A name every rank agrees on (rank 0's random token, broadcast)."""
-    holder = [secrets.token_hex(6)]
+    """A name every rank agrees on (rank 0's random token, broadcast as a number: nothing pickled)."""
+    token = torch.tensor([secrets.randbits(48)], dtype=torch.int64, device=engine.device)
     topology = engine.topology
     if topology.world_size > 1:
-        dist.broadcast_object_list(holder, src=topology.global_rank(0), group=topology.group)
-    return holder[0]
+        dist.broadcast(token, src=topology.global_rank(0), group=topology.group)
+    return f"{int(token):012x}"
 
 
 def _barrier(engine: zero_core.ZeroEngine) -> None:

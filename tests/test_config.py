@@ -338,7 +338,7 @@ def test_coerce_each_accepted_type(tmp_path):
 
 @pytest.mark.parametrize("bad", [3, [("stage", 2)], b"zero.json", 1.5])
 def test_coerce_rejects_other_types(bad):
-    with pytest.raises(TypeError, match=r"expects a ZeroConfig, a dict, a path .*or None, got"):
+    with pytest.raises(TypeError, match=r"config must be a ZeroConfig, a dict .*a path .*or None, got"):
         ZeroConfig.coerce(bad)
 
 

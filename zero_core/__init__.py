@@ -25,7 +25,7 @@ from zero_core.checkpoint import (
     save_16bit_model,
     save_checkpoint,
 )
-from zero_core.comm.guard import CollectiveMismatchError
+from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
 from zero_core.config import ZeroConfig, ZeroConfigError
 from zero_core.stage3.debug_access import (
     safe_get_full_fp32_param,
@@ -48,6 +48,7 @@ from zero_core.registry import engine_of, is_partitioned
 __all__ = [
     "CheckpointError",
     "CollectiveMismatchError",
+    "StoreMessageError",
     "consolidate",
     "latest_checkpoint",
     "load_checkpoint",

@@ -519,8 +519,9 @@ class ZeroConfig(Block):
             raise ZeroConfigError(f"in config file '{os.fspath(path)}': {err}") from None
 
     @classmethod
-    def coerce(cls, obj: Union["ZeroConfig", Mapping, str, os.PathLike, None]) -> "ZeroConfig":
-        """A ZeroConfig from a ZeroConfig (returned as is), a mapping, a file path, or None (defaults)."""
+    def coerce(cls, obj: Union["ZeroConfig", Mapping, str, os.PathLike, None], argument: str = "config") -> "ZeroConfig":
+        """A ZeroConfig from a ZeroConfig (returned as is), a mapping, a file path, or None (defaults);
+        ``argument`` names what was given in the error for anything else."""
         if isinstance(obj, cls):
             return obj
         if obj is None:
@@ -529,8 +530,10 @@ class ZeroConfig(Block):
             return cls.from_dict(obj)
         if isinstance(obj, (str, os.PathLike)):
             return cls.from_file(obj)
-        raise TypeError(f"ZeroConfig.coerce expects a ZeroConfig, a dict, a path to a .json/.yaml/.yml "
-                        f"file (str or os.PathLike) or None, got {type(obj).__name__}")
+        from zero_core.arg_checks import described  # arg_checks imports this module
+
+        raise TypeError(f"{argument} must be a ZeroConfig, a dict (e.g. {{'stage': 3}}), a path to a DeepSpeed "
+                        f".json/.yaml/.yml file (str or os.PathLike) or None, got {described(obj)}")
 
     # --- output
 

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_core import planning, registry, teardown
+from zero_core.arg_checks import check_module, check_process_group, described
 
 from zero_core.checkpoint import shard_identity
 from zero_core.comm.communicator import CommOptions, Communicator
@@ -214,7 +215,7 @@ class ZeroEngine:
         The new optimizers must hold the same trainable parameters in the same groups as the ones given to
         :func:`setup`; their state starts empty. Gradients are cleared.
         """
-        optimizers = _as_optimizer_list(optimizers)
+        optimizers = _as_optimizer_list(optimizers, "ZeroEngine.replace_optimizers")
         groups = [group for optimizer in optimizers for group in optimizer.param_groups]
         names = [[self._names.get(p, "?") for p in g["params"] if p.requires_grad] for g in groups]
         trainable = {self._names[p] for p in self._optimizer_of}
@@ -771,15 +772,25 @@ class ZeroEngine:
         return stats
 
 
-def _as_optimizer_list(optimizer) -> list[torch.optim.Optimizer]:
+def _as_optimizer_list(optimizer, call: str = "zero_core.setup") -> list[torch.optim.Optimizer]:
     optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
     if not optimizers:
-        raise ValueError("zero_core.setup needs at least one optimizer")
+        raise ValueError(f"{call} needs at least one optimizer")
     for index, candidate in enumerate(optimizers):
         if not isinstance(candidate, torch.optim.Optimizer):
             where = f"optimizer[{index}]" if len(optimizers) > 1 else "optimizer"
-            raise TypeError(f"{where} must be a torch.optim.Optimizer, got {type(candidate).__name__}")
+            raise TypeError(f"{call}: {where} must be a torch.optim.Optimizer, got {described(candidate)}. "
+                            f"{_optimizer_fix(candidate)}")
     return optimizers
+
+
+def _optimizer_fix(candidate) -> str:
+    if isinstance(candidate, type) and issubclass(candidate, torch.optim.Optimizer):
+        return f"Build it first: torch.optim.{candidate.__name__}(model.parameters(), lr=...)"
+    if isinstance(candidate, (dict, str, os.PathLike, ZeroConfig)):
+        return "The configuration is the third argument: zero_core.setup(model, optimizer, config)"
+    return ("Pass the optimizer itself (a wrapper's inner optimizer, e.g. .optimizer), built over "
+            "model.parameters(): zero_core.setup(model, optimizer, config)")
 
 
 def setup(
@@ -792,14 +803,17 @@ def setup(
 
     ``optimizer`` may be a list: each optimizer then steps, clips and zeroes only its own parameters
     (``engine.optimizers[k]``), e.g. a generator's and a discriminator's."""
-    config = ZeroConfig.coerce(config)
+    check_module(model, "zero_core.setup", "model",
+                 "Pass the model first, then its optimizer: zero_core.setup(model, optimizer, config)")
+    optimizers = _as_optimizer_list(optimizer)
+    check_process_group(process_group, "zero_core.setup", "process_group")
+    config = ZeroConfig.coerce(config, "zero_core.setup: config")
     if config.auto_fields:
         config = config.resolve_auto()  # front-ends resolve "auto" from their run first; the rest is reported
     if config.stage == 0:
         raise ValueError(
             "zero_optimization.stage=0 disables ZeRO: use torch's DistributedDataParallel, or pick stage 1, 2 or 3"
         )
-    optimizers = _as_optimizer_list(optimizer)
     config.warn_unimplemented()
     topology = Topology.from_process_group(process_group, mics_shard_size=config.mics_shard_size,
                                            hpz_partition_size=config.zero_hpz_partition_size,

@@ -13,6 +13,7 @@ from typing import Optional, Union
 
 import torch
 
+from zero_core.arg_checks import check_engine
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import on_first_replica, run_agreed, shared_token, staged_together
 from zero_core.checkpoint.consolidate import DTYPES, DtypeName
@@ -29,6 +30,7 @@ def save_16bit_model(engine: CheckpointedEngine, out_dir: PathLike, dtype: Optio
     ``dtype`` None keeps each tensor's dtype (the training dtype); "fp32", "bf16" or "fp16" casts floating
     tensors. In stage 3 this needs ``gather_16bit_weights_on_model_save`` in the config, as in DeepSpeed.
     """
+    check_engine(engine, "zero_core.save_16bit_model")
     if engine.config.stage == 3 and not engine.config.gather_16bit_weights_on_model_save:
         warnings.warn("save_16bit_model did nothing: stage 3 needs zero_optimization."
                       "stage3_gather_16bit_weights_on_model_save=true to gather the weights; or save a "

@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional, Union
 
 import torch
 
+from zero_core.arg_checks import check_engine
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import agree, gather_json, run_agreed
 from zero_core.checkpoint import foreign
@@ -39,6 +40,7 @@ def load_checkpoint(engine: CheckpointedEngine, path: PathLike, strict: bool = T
     "Coming from FSDP / torchtitan"). ``strict=False`` loads what matches and warns about missing and unexpected
     names; shape mismatches are always errors. ``verify="size"`` skips the SHA-256 pass over the files.
     """
+    check_engine(engine, "zero_core.load_checkpoint")
     path = Path(path)
     if path.is_file() or (path / HF_INDEX).is_file():
         load_full_state_dict(engine, path, strict=strict)
@@ -72,6 +74,7 @@ def load_full_state_dict(engine: CheckpointedEngine, model_state: Union[dict, Pa
     several optimizers give a list of their state dicts, in the engine's order. Each rank keeps only its own
     ranges. A collective.
     """
+    check_engine(engine, "zero_core.load_full_state_dict")
     if optimizer_state is not None and not isinstance(optimizer_state, (dict, list)):
         optimizer_state = torch.load(optimizer_state, map_location="cpu", weights_only=True, mmap=True)
     source = run_agreed(engine, FullStateSource, model_state)

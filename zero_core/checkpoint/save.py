@@ -24,6 +24,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 
+from zero_core.arg_checks import check_engine
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import gather_json, on_first_replica, run_agreed, shared_token, staged_together
 from zero_core.checkpoint.files import Pending, StagedDirectory, publish, write_safetensors
@@ -43,6 +44,7 @@ def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Op
     returned by :func:`load_checkpoint`. An earlier checkpoint at ``path`` is replaced only once the new one
     is complete; see docs/checkpoints.md.
     """
+    check_engine(engine, "zero_core.save_checkpoint")
     path = Path(path).absolute()
     if engine.config.checkpoint.use_node_local_storage and engine.topology.replicas > 1:
         raise CheckpointError(

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zero_core.comm.guard import Call, CollectiveGuard
+from zero_core.comm.plain_exchange import all_gather_json
 from zero_core.comm import gloo as gloo_paths
 from zero_core.comm import paths as comm_paths
 from zero_core.comm.topology import Topology
@@ -126,9 +127,8 @@ class Communicator:
             self._shard_group_only = False
 
     def _verify(self, name: str, tensor: torch.Tensor, label: str) -> None:
-        mine = (name, tensor.numel(), str(tensor.dtype), label)
-        everyone: list = [None] * self.topology.world_size
-        dist.all_gather_object(everyone, mine, group=self.topology.group)
+        mine = [name, tensor.numel(), str(tensor.dtype), label]  # a list: what JSON gives back
+        everyone = all_gather_json(mine, self.topology.group)
         for rank, theirs in enumerate(everyone):
             if theirs != mine:
                 raise RuntimeError(

@@ -17,6 +17,7 @@ a divergence into an error on every rank that names the ranks, the module, the s
   waiting. The first rank to find a mismatch posts it, and every other rank raises the same error when it next
   waits.
 
+Everything posted to the store is plain JSON in a fixed schema, read back without executing anything (wire.py).
 ``ZERO_CORE_CHECK_COLLECTIVES=1`` (comm.py) remains the debug mode that compares every call before issuing it;
 ``ZERO_CORE_COLLECTIVE_GUARD=0`` turns this guard off. docs/reliability.md explains what is promised.
 """
@@ -26,18 +27,26 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
-import pickle
 import threading
 import time
 import weakref
 import zlib
 from collections import defaultdict, deque
 from datetime import timedelta
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
 from zero_core.comm.topology import Topology
+from zero_core.comm.wire import (
+    Call,
+    decode_failure,
+    decode_history,
+    decode_whereabouts,
+    encode_failure,
+    encode_whereabouts,
+)
 
 # Engines over one group are built in the same order on its ranks: the n-th one over a group shares a namespace.
 _GUARD_IDS: dict[tuple, "itertools.count[int]"] = defaultdict(itertools.count)
@@ -45,23 +54,7 @@ _WAIT_TIMED_OUT = "Operation timed out"  # what Work.wait(timeout) raises; the w
 _WAIT_IGNORES_TIMEOUT = {"reduce_scatter"}  # gloo's reduce-scatter handle blocks in wait(timeout) regardless
 
 
-class CollectiveMismatchError(RuntimeError):
-    """Ranks issued different collectives (or different numbers of them)."""
-
-
-class Call(NamedTuple):
-    """One collective as this rank issued it (a plain tuple underneath: built on every collective)."""
-
-    seq: int  # how many collectives this guard issued before it
-    kind: str
-    numel: int
-    dtype: str
-    label: str  # the module it serves, or '' for engine-wide ones
-    step: int  # optimizer steps completed before it
-
-    def describe(self) -> str:
-        where = f" for '{self.label}'" if self.label else ""
-        return f"{self.kind} of {self.numel} {self.dtype} elements{where} (collective #{self.seq}, step {self.step})"
+__all__ = ["Call", "CollectiveGuard", "CollectiveMismatchError", "StoreMessageError"]
 
 
 class CollectiveGuard:
@@ -88,7 +81,7 @@ class CollectiveGuard:
         self.stale_keys: deque = deque()  # store keys the watchdog thread deletes
         self._cleanup_store: Optional[dist.Store] = None
         self._codes: dict = {}
-        self._failure: Optional[str] = None
+        self._failure: Optional[tuple[type, str]] = None  # (error class, message) every rank raises
         self._store: Optional[dist.Store] = None
         members = tuple(dist.get_global_rank(topology.group or dist.group.WORLD, r) for r in range(self.world_size))
         group = "-".join(map(str, members)) if len(members) <= 8 else f"{zlib.crc32(repr(members).encode()):x}"
@@ -101,7 +94,7 @@ class CollectiveGuard:
         if not self.enabled:
             return None
         if self._failure is not None:
-            raise CollectiveMismatchError(self._failure)
+            self._raise_failure()
         key = (kind, dtype, label)
         known = self._codes.get(key)
         if known is None:  # str hashes differ between processes; crc32 does not
@@ -178,11 +171,11 @@ class CollectiveGuard:
             status = {"where": "collective", "seq": call.seq, "call": call, "step": call.step,
                       "history": tuple(self.history)}
             store = self._get_store()
-            store.set(f"status/{self.rank}", pickle.dumps(status))
+            store.set(f"status/{self.rank}", encode_whereabouts(status))
             # Keep the mismatch another rank posts: when that rank exits it may take the store with it (rank 0
             # hosts it), and this rank's blocked wait then fails with only the transport's error.
             if self._failure is None and store.check(["failure"]):
-                self._failure = store.get("failure").decode()
+                self._failure = self._read_failure(store)
 
     # -- the step barrier ----------------------------------------------------------------------------------
     def on_step(self, provide: Callable[[], object], consume: Callable[[list], None]) -> None:
@@ -199,19 +192,22 @@ class CollectiveGuard:
             self.step += 1
             return
         if self._failure is not None:  # a failure posted by another rank shows once the wait below stalls
-            raise CollectiveMismatchError(self._failure)
+            self._raise_failure()
         mine = {"where": "barrier", "seq": self.seq, "fingerprint": self.fingerprint, "step": self.step,
                 "history": tuple(self.history), "notes": notes}
         store = self._get_store()
         keys = [f"step/{self.step}/{r}" for r in range(self.world_size)]
-        store.set(keys[self.rank], pickle.dumps(mine))
+        store.set(keys[self.rank], encode_whereabouts(mine))
         self._wait_keys(keys, mine)
-        everyone = [pickle.loads(v) for v in store.multi_get(keys)]
+        everyone = [self._decode(value, keys[r], r, len(notes), history=False)
+                    for r, value in enumerate(store.multi_get(keys))]
         if self.step >= 2:  # every rank has read step - 2's keys before posting step - 1's; off the step's path
             self.stale_keys.append(f"step/{self.step - 2}/{self.rank}")
             _Watchdog.watch(self)
         for rank, theirs in enumerate(everyone):
             if (theirs["seq"], theirs["fingerprint"]) != (mine["seq"], mine["fingerprint"]):
+                key = self._namespace + keys[rank]
+                theirs["history"] = self._decoded(lambda: decode_history(theirs["history"], key, rank))
                 self._fail(self._describe_step_mismatch(mine, theirs, rank))
         for index, (_, consume) in enumerate(self._step_hooks):
             consume([theirs["notes"][index] for theirs in everyone])
@@ -249,7 +245,7 @@ class CollectiveGuard:
         """Post where this rank waits; raise if another rank provably waits somewhere else."""
         store = self._get_store()
         status = {**mine, "history": tuple(self.history)}
-        store.set(f"status/{self.rank}", pickle.dumps(status))
+        store.set(f"status/{self.rank}", encode_whereabouts(status))
         for rank in range(self.world_size):
             if rank == self.rank:
                 continue
@@ -262,10 +258,21 @@ class CollectiveGuard:
     def _status_of(self, rank: int, step: int) -> Optional[dict]:
         """The other rank's latest posted whereabouts: at this step's barrier, or stalled in a collective."""
         store = self._get_store()
-        for key in (f"step/{step}/{rank}", f"status/{rank}"):
+        for key, notes in ((f"step/{step}/{rank}", len(self._step_hooks)), (f"status/{rank}", None)):
             if store.check([key]):
-                return pickle.loads(store.get(key))
+                return self._decode(store.get(key), key, rank, notes)
         return None
+
+    def _decode(self, raw: bytes, key: str, rank: int, notes: Optional[int], history: bool = True) -> dict:
+        """A rank's posted whereabouts (wire.py)."""
+        return self._decoded(lambda: decode_whereabouts(raw, self._namespace + key, rank, notes, history))
+
+    def _decoded(self, decode: Callable[[], object]):
+        """``decode()``; a malformed value stops every rank (they cannot be compared)."""
+        try:
+            return decode()
+        except StoreMessageError as error:
+            self._fail(str(error), StoreMessageError)
 
     def _conflict(self, mine: dict, theirs: dict, rank: int) -> Optional[str]:
         """A description of the divergence, or None while ``theirs`` may still be on its way to where we are."""
@@ -314,25 +321,36 @@ class CollectiveGuard:
         except CollectiveMismatchError:
             raise error(message) from None
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, error: type = CollectiveMismatchError) -> None:
         """Tell every rank (through the store) and raise here."""
         if self._failure is None:
-            self._failure = message
+            self._failure = (error, message)
             try:
                 store = self._get_store()
                 if not store.check(["failure"]):
-                    store.set("failure", message)
+                    store.set("failure", encode_failure(self.rank, error, message))
             except Exception:  # noqa: BLE001 - the error below matters more than telling the others
                 pass
-        raise CollectiveMismatchError(self._failure)
+        self._raise_failure()
+
+    def _raise_failure(self) -> None:
+        error, message = self._failure
+        raise error(message)
+
+    def _read_failure(self, store: dist.Store) -> tuple[type, str]:
+        """The posted failure; a malformed one becomes a StoreMessageError naming the key, for the caller to raise."""
+        try:
+            return decode_failure(store.get("failure"), self._namespace + "failure")
+        except StoreMessageError as error:
+            return StoreMessageError, str(error)
 
     def _raise_posted_failure(self) -> None:
         if self._failure is None:
             store = self._get_store()
             if not store.check(["failure"]):
                 return
-            self._failure = store.get("failure").decode()
-        raise CollectiveMismatchError(self._failure)
+            self._failure = self._read_failure(store)
+        self._raise_failure()
 
     def _fail_after_transport_error(self, call: Call, error: RuntimeError) -> None:
         """The transport failed (a peer exited, or the group's timeout): report a posted mismatch if any."""

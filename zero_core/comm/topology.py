@@ -22,6 +22,8 @@ from typing import Optional
 
 import torch.distributed as dist
 
+from zero_core.comm.plain_exchange import all_gather_json
+
 # Where launchers put the node index: torchrun (and accelerate launch, which runs it) sets GROUP_RANK,
 # Lightning's launcher NODE_RANK, SLURM SLURM_NODEID. Without any, ranks on the same host share a node.
 _NODE_ENV = ("GROUP_RANK", "NODE_RANK", "SLURM_NODEID")
@@ -102,8 +104,7 @@ def _discover_nodes(group, world: int) -> dict:
     """Global rank -> node index. Skips the exchange when the launcher says every rank is on one node."""
     if world == 1 or os.environ.get("LOCAL_WORLD_SIZE") == str(world):
         return {}
-    keys: list = [None] * world
-    dist.all_gather_object(keys, node_key(), group=group)
+    keys = all_gather_json(node_key(), group)
     index = {key: i for i, key in enumerate(dict.fromkeys(keys))}
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     node_of = {rank: index[key] for rank, key in zip(ranks, keys)}

@@ -10,6 +10,7 @@ from typing import Optional
 
 import torch
 
+from zero_core.arg_checks import check_parameter
 from zero_core.registry import require_engine
 
 
@@ -27,12 +28,14 @@ def _assemble(engine, param: torch.Tensor, pick, state: bool = False) -> torch.T
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     """The fp32 master value of ``param``, whole, on every rank."""
+    check_parameter(param, "zero_core.safe_get_full_fp32_param", "param")
     engine = require_engine(param)
     return _assemble(engine, param, lambda f: f.master_values())
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor:
     """The reduced (averaged over ranks), unscaled fp32 gradient of ``param``; call after backward, before step."""
+    check_parameter(param, "zero_core.safe_get_full_grad", "param")
     engine = require_engine(param)
     engine.reduce_gradients()
     scale = engine.loss_scale
@@ -56,6 +59,7 @@ def _require_state(engine, key: str) -> None:
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor:
     """The per-element optimizer state ``optim_state_key`` (e.g. ``exp_avg``) of ``param``, whole."""
+    check_parameter(param, "zero_core.safe_get_full_optimizer_state", "param")
     engine = require_engine(param)
     _require_state(engine, optim_state_key)
     return _assemble(engine, param, lambda f: _state_slice(engine, f, optim_state_key), state=True)
@@ -63,6 +67,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the fp32 master of ``param`` (and the model's copy) from ``value``, given on every rank."""
+    check_parameter(param, "zero_core.safe_set_full_fp32_param", "param")
     engine = require_engine(param)
     flat = value.detach().reshape(-1).to(torch.float32)
     fragments = engine.fragments_of(engine.name_of(param))
@@ -75,6 +80,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the per-element optimizer state ``optim_state_key`` of ``param`` from ``value``, given on every rank."""
+    check_parameter(param, "zero_core.safe_set_full_optimizer_state", "param")
     engine = require_engine(param)
     _require_state(engine, optim_state_key)
     flat = value.detach().reshape(-1).to(torch.float32)

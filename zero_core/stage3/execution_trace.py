@@ -14,8 +14,9 @@ from __future__ import annotations
 import enum
 from typing import Callable, Optional
 
-import torch.distributed as dist
 from torch import nn
+
+from zero_core.comm.plain_exchange import all_gather_json
 
 
 class TraceState(enum.Enum):
@@ -92,8 +93,7 @@ class ExecutionTrace:
 
     def _check_same_on_all_ranks(self) -> None:
         mine = [self._index[m] for m in self.order]
-        everyone: list = [None] * self.comm.topology.world_size
-        dist.all_gather_object(everyone, mine, group=self.comm.topology.group)
+        everyone = all_gather_json(mine, self.comm.topology.group)
         for rank, theirs in enumerate(everyone):
             if theirs != mine:
                 raise RuntimeError(self._describe_mismatch(mine, theirs, rank))

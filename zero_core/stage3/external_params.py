@@ -15,16 +15,23 @@ import torch
 from torch import nn
 
 from zero_core import registry
+from zero_core.arg_checks import check_module, check_parameter, described
 
 _EXTERNALS: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
 
 
 def register_external_parameter(module: nn.Module, parameter: nn.Parameter) -> None:
     """Gather ``parameter`` whenever ``module`` runs (stage 3; harmless for stages 1 and 2)."""
+    if isinstance(module, nn.Parameter) and isinstance(parameter, nn.Module):
+        raise TypeError("zero_core.register_external_parameter: the arguments are swapped (got a parameter, then "
+                        f"{described(parameter)}): pass the module that uses the parameter first, then the "
+                        "parameter: register_external_parameter(self, self.other.weight)")
+    check_module(module, "zero_core.register_external_parameter", "module",
+                 "Pass the module whose forward uses the parameter (usually self)")
     if not isinstance(parameter, nn.Parameter):
-        raise RuntimeError(
-            f"register_external_parameter expects an nn.Parameter, got {type(parameter).__name__}: pass the "
-            "parameter object itself (e.g. self.layer1.weight)"
+        raise TypeError(
+            f"zero_core.register_external_parameter: parameter must be an nn.Parameter, got {described(parameter)}. "
+            "Pass the parameter object itself (e.g. self.layer1.weight)"
         )
     entries = _EXTERNALS.setdefault(module, [])
     if not any(p is parameter for p in entries):
@@ -45,6 +52,24 @@ def registered_externals(root: nn.Module) -> Iterator[tuple[nn.Module, list]]:
             yield module, list(_EXTERNALS[module])
 
 
+def _as_tensors(params) -> list[torch.Tensor]:
+    """``GatheredParameters``' parameters: one tensor or an iterable of tensors (a module's .parameters())."""
+    call = "zero_core.GatheredParameters"
+    if isinstance(params, torch.Tensor):
+        return [params]
+    if isinstance(params, nn.Module):
+        raise TypeError(f"{call}: params must be parameters, got the module {described(params)}. Pass "
+                        "module.parameters() (or one parameter, e.g. module.weight)")
+    try:
+        params = list(params)
+    except TypeError:
+        raise TypeError(f"{call}: params must be a parameter or an iterable of parameters, got {described(params)}. "
+                        "Pass e.g. model.layer.weight or model.layer.parameters()") from None
+    for index, param in enumerate(params):
+        check_parameter(param, call, f"params[{index}]")
+    return params
+
+
 class GatheredParameters:
     """Gather partitioned parameters for the duration of a ``with`` block (a collective: every rank enters).
 
@@ -55,7 +80,7 @@ class GatheredParameters:
 
     def __init__(self, params, modifier_rank: Optional[int] = None, fwd_module: Optional[nn.Module] = None,
                  enabled: bool = True) -> None:
-        self.params = [params] if isinstance(params, torch.Tensor) else list(params)
+        self.params = _as_tensors(params)
         self.modifier_rank = modifier_rank
         self.enabled = enabled
         self._opened: dict = {}

@@ -33,6 +33,7 @@ from torch.nn.modules.module import (
 from torch.utils.weak import WeakIdKeyDictionary
 
 from zero_core import registry
+from zero_core.arg_checks import check_dtype, check_init_module, check_process_group
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
 from zero_core.layout import Range, compute_layout
@@ -54,19 +55,17 @@ class Init:
     def __init__(self, module: Optional[nn.Module] = None, data_parallel_group=None, config_dict_or_path=None,
                  config=None, enabled: bool = True, dtype: Optional[torch.dtype] = None,
                  rank0_reads: bool = False) -> None:
-        if module is not None and not isinstance(module, nn.Module):
-            raise TypeError(
-                f"zero_core.Init's first argument is the module to partition (or nothing); it got a "
-                f"{type(module).__name__}. Pass the configuration by keyword: zero_core.Init(config={module!r})"
-                if isinstance(module, dict) else
-                f"zero_core.Init's first argument is the module to partition (or nothing); it got a "
-                f"{type(module).__name__}. Pass the configuration as config=...")
+        check_init_module(module)
+        check_process_group(data_parallel_group, "zero_core.Init", "data_parallel_group")
+        check_dtype(dtype, "zero_core.Init")
         self.enabled = enabled
         # Pretrained weights: rank 0 reads each tensor and broadcasts it, instead of every rank reading its own
         # slices (for file systems where many readers are slow; Accelerate's cpu_ram_efficient_loading).
         self.rank0_reads = rank0_reads
         self.group = data_parallel_group
-        self.config = ZeroConfig.coerce(config if config is not None else config_dict_or_path)
+        self.config = ZeroConfig.coerce(config if config is not None else config_dict_or_path,
+                                        "zero_core.Init: config" if config is not None else
+                                        "zero_core.Init: config_dict_or_path")
         self.dtype = dtype
         self._shards = WeakIdKeyDictionary()
         self._pending: dict[int, nn.Module] = {}

@@ -25,6 +25,7 @@ import math
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence, Union
 
+from zero_core.arg_checks import check_parameter
 from zero_core.config import ZeroConfig
 from zero_core.planning import step_tile_numel
 from zero_core.tools.plan_memory import for_device, hpz_secondary_bytes, rank_bytes
@@ -169,7 +170,9 @@ def _group_of(model, param_groups):
     for index, group in enumerate(groups):
         params = group["params"] if isinstance(group, dict) else group
         params = [params] if hasattr(params, "shape") else list(params)
-        for param in params:
+        for position, param in enumerate(params):
+            where = f"param_groups[{index}]" + ("['params']" if isinstance(group, dict) else "")
+            check_parameter(param, "zero_core.tools.estimator", f"{where}[{position}]")
             if id(param) not in names:
                 raise ValueError(f"param_groups[{index}] holds a parameter of shape {tuple(param.shape)} that is not "
                                  "in the model; build the groups from model.parameters()")
