@@ -700,10 +700,16 @@ class ZeroEngine:
 
     def handles_released(self, func) -> bool:
         """partitioned_param.py's owner protocol: ``torch.equal`` on a partitioned parameter is answered when
-        no values are needed (Lightning's BaseFinetuning.filter_on_optimizer compares parameters with it)."""
-        return func is torch.equal
+        no values are needed (Lightning's BaseFinetuning.filter_on_optimizer compares parameters with it); any
+        operation inside the model's forward gathers the parameters it reads (``gather_on_read``)."""
+        return func is torch.equal or self.runtime.gathers_on_read()
 
     def run_on_released(self, func, args, kwargs):
+        if func is not torch.equal:
+            from zero_core.stage3.partitioned_param import dispatch_gathered, released_params
+
+            self.runtime.gather_on_read(released_params(args, kwargs))
+            return dispatch_gathered(func, args, kwargs)
         first, second = (list(args) + list(kwargs.values()))[:2]
         if first is second:
             return True
