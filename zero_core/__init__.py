@@ -24,6 +24,7 @@ from zero_core.checkpoint import (
     read_optimizer_states,
     save_16bit_model,
     save_checkpoint,
+    write_hf_config,
 )
 from zero_core.comm.guard import CollectiveMismatchError
 from zero_core.config import ZeroConfig, ZeroConfigError
@@ -88,4 +89,5 @@ __all__ = [
     "export_optimizer_state",
     "atomic_directory",
     "atomic_file",
+    "write_hf_config",
 ]
