@@ -1,0 +1,53 @@
+"""TRL's ``SFTTrainer`` under the swap with Accelerate-style autocast (bf16) at stages 2 and 3, against plain
+``accelerate launch`` (DDP): two launches of tests/accelerate_scripts/trl_sft.py, 2 CPU ranks each.
+
+TRL patches the model's forward with its fused LM head, which reads ``lm_head.weight`` directly. Before, the
+autocast wrapping at ``prepare`` dropped that patch and the first step failed with "'CausalLMOutputWithPast'
+object has no attribute 'log_probs'"; at stage 3 the head is gathered when read (every parameter partitioned,
+and ``max_live_parameters`` too small for the root group that would otherwise gather it).
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from test_accelerate_launch import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
+
+TOLERANCE = 1e-5
+ZERO_RUNS = {
+    "zero2": {"stage": 2},
+    "zero3": {"stage": 3, "stage3_param_persistence_threshold": 0, "stage3_max_live_parameters": 100},
+}
+
+
+def _read(directory: Path) -> dict:
+    return {"result": json.loads((directory / "result.json").read_text()),
+            "weights": load_file(directory / "final" / "model.safetensors"),
+            "config": json.loads((directory / "final" / "config.json").read_text())}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    tmp = tmp_path_factory.mktemp("trl")
+    offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    accelerate_launch(tmp, "trl_sft.py", tmp, "ddp", env=clean_env(**offline))
+    (tmp / "accelerate.yaml").write_text(ACCELERATE_YAML)
+    specs = [f"{name}={json.dumps(config)}" for name, config in ZERO_RUNS.items()]
+    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", tmp / "accelerate.yaml",
+         "-m", "accelerate_zero.swap", SCRIPTS / "trl_sft.py", tmp, *specs], cwd=tmp,
+        env=clean_env(ACCELERATE_USE_CPU="true", ACCELERATE_ZERO_AUTOCAST="true", **offline), timeout=240)
+    return {name: _read(tmp / name) for name in ("ddp", *ZERO_RUNS)}
+
+
+@pytest.mark.parametrize("name", list(ZERO_RUNS))
+def test_sft_trainer_with_autocast_logs_ddps_losses_and_saves_its_weights(runs, name):
+    ddp, zero = runs["ddp"], runs[name]
+    assert (ddp["result"]["accelerator"], zero["result"]["accelerator"]) == ("Accelerator", "ZeroAccelerator")
+    assert len(ddp["result"]["loss"]) == 4
+    assert all(abs(a - b) <= TOLERANCE for a, b in zip(zero["result"]["loss"], ddp["result"]["loss"]))
+    assert sorted(zero["weights"]) == sorted(ddp["weights"])
+    assert max((zero["weights"][k] - ddp["weights"][k]).abs().max().item() for k in ddp["weights"]) <= TOLERANCE
+    assert zero["config"]["dtype"] == ddp["config"]["dtype"] == "float32"
