@@ -1,6 +1,7 @@
 """TRL's ``SFTTrainer`` under the swap with Accelerate-style autocast (bf16) at stages 2 and 3, and in the
 engine's own bf16 at stage 3, against plain ``accelerate launch`` (DDP, autocast): two launches of
-tests/accelerate_scripts/trl_sft.py, 2 CPU ranks each.
+tests/accelerate_scripts/trl_sft.py, 2 CPU ranks each. Also a LoRA adapter (PEFT) at stage 3: the adapter
+``save_model`` writes equals DDP's and loads with ``PeftModel.from_pretrained``.
 
 TRL patches the model's forward with its fused LM head, which reads ``lm_head.weight`` directly. Before, the
 autocast wrapping at ``prepare`` dropped that patch and the first step failed with "'CausalLMOutputWithPast'
@@ -8,11 +9,13 @@ object has no attribute 'log_probs'"; at stage 3 the head is gathered when read 
 and ``max_live_parameters`` too small for the root group that would otherwise gather it).
 """
 
+import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 
 from test_accelerate_launch import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
@@ -27,27 +30,32 @@ ZERO_RUNS = {
     "zero2": {"zero_optimization": {"stage": 2}, **AUTOCAST},
     "zero3": {"zero_optimization": STAGE3, **AUTOCAST},
     "zero3_bf16": {"zero_optimization": STAGE3},
+    "zero3_peft": {"zero_optimization": STAGE3, **AUTOCAST},  # a LoRA adapter (PEFT) on the same model
 }
 AUTOCAST_RUNS = ("zero2", "zero3")
 
 
 def _read(directory: Path) -> dict:
+    final = directory / "final"
+    if (final / "adapter_model.safetensors").is_file():
+        return {"result": json.loads((directory / "result.json").read_text()), "final": final,
+                "weights": load_file(final / "adapter_model.safetensors")}
     return {"result": json.loads((directory / "result.json").read_text()),
-            "weights": load_file(directory / "final" / "model.safetensors"),
-            "config": json.loads((directory / "final" / "config.json").read_text())}
+            "weights": load_file(final / "model.safetensors"),
+            "config": json.loads((final / "config.json").read_text())}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("trl")
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    accelerate_launch(tmp, "trl_sft.py", tmp, "ddp", env=clean_env(**offline))
+    accelerate_launch(tmp, "trl_sft.py", tmp, "ddp", "ddp_peft", env=clean_env(**offline))
     (tmp / "accelerate.yaml").write_text(ACCELERATE_YAML)
     specs = [f"{name}={json.dumps(config)}" for name, config in ZERO_RUNS.items()]
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", tmp / "accelerate.yaml",
          "-m", "accelerate_zero.swap", SCRIPTS / "trl_sft.py", tmp, *specs], cwd=tmp,
         env=clean_env(ACCELERATE_USE_CPU="true", **offline), timeout=240)
-    return {name: _read(tmp / name) for name in ("ddp", *ZERO_RUNS)}
+    return {name: _read(tmp / name) for name in ("ddp", "ddp_peft", *ZERO_RUNS)}
 
 
 @pytest.mark.parametrize("name", AUTOCAST_RUNS)
@@ -68,3 +76,20 @@ def test_sft_trainer_in_the_engines_bf16_stays_within_bf16_rounding_of_ddp(runs)
     differences = [(zero["weights"][k] - ddp["weights"][k]).abs().max().item() for k in ddp["weights"]]
     assert 0 < max(differences) <= BF16_WEIGHT_TOLERANCE
     assert zero["config"]["dtype"] == "float32"  # the fp32 masters, named so (tests/test_saved_dtype.py)
+
+
+def test_sft_trainer_with_a_lora_adapter_saves_ddps_adapter_which_peft_loads(runs):
+    from peft import PeftModel
+
+    ddp, zero = runs["ddp_peft"], runs["zero3_peft"]
+    assert all(abs(a - b) <= TOLERANCE for a, b in zip(zero["result"]["loss"], ddp["result"]["loss"]))
+    assert sorted(zero["weights"]) == sorted(ddp["weights"]) and any("lora_B" in k for k in ddp["weights"])
+    assert max((zero["weights"][k] - ddp["weights"][k]).abs().max().item() for k in ddp["weights"]) <= TOLERANCE
+    assert any(ddp["weights"][k].abs().max() > 0 for k in ddp["weights"] if "lora_B" in k)  # it trained
+    spec = importlib.util.spec_from_file_location("trl_sft", SCRIPTS / "trl_sft.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    loaded = PeftModel.from_pretrained(script.tiny_llama(), zero["final"]).state_dict()
+    for name, tensor in zero["weights"].items():
+        key = name.replace(".weight", ".default.weight")  # PEFT names the adapter in the model
+        assert torch.equal(loaded[key], tensor), name

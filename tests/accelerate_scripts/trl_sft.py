@@ -3,7 +3,7 @@
     accelerate launch --config_file cfg.yaml [-m accelerate_zero.swap] trl_sft.py OUT_DIR RUN [RUN ...]
 
 Each RUN is a name, or ``name=<ZeRO config as JSON>`` (set as ``ACCELERATE_ZERO_CONFIG`` before its trainer
-is built). ``SFTTrainer`` installs TRL's fused LM head on the model instance (``add_fused_lm_head``: a patched
+is built); a name ending in ``_peft`` trains a LoRA adapter (PEFT) instead of the whole model. ``SFTTrainer`` installs TRL's fused LM head on the model instance (``add_fused_lm_head``: a patched
 forward that reads ``lm_head.weight`` directly) and trains 4 steps with ``bf16=True``; ``save_model`` writes
 ``OUT_DIR/<name>/final``, rank 0 the logged losses to ``OUT_DIR/<name>/result.json``.
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
+from peft import LoraConfig
 from tokenizers import Tokenizer, models
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from trl import SFTConfig, SFTTrainer
@@ -39,11 +40,13 @@ def data() -> Dataset:
     return Dataset.from_dict({"input_ids": ids})
 
 
-def run(out: Path) -> None:
+def run(out: Path, peft: bool) -> None:
     args = SFTConfig(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, learning_rate=3e-3,
                      logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True, save_strategy="no",
                      bf16=True, dataloader_num_workers=0)
-    trainer = SFTTrainer(model=tiny_llama(), args=args, train_dataset=data(), processing_class=tokenizer())
+    adapter = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0) if peft else None
+    trainer = SFTTrainer(model=tiny_llama(), args=args, train_dataset=data(), processing_class=tokenizer(),
+                         peft_config=adapter)
     trainer.train()
     trainer.save_model(str(out / "final"))
     if trainer.accelerator.is_main_process:
@@ -57,7 +60,7 @@ def main(out: Path, runs: list) -> None:
         name, _, config = spec.partition("=")
         if config:
             os.environ["ACCELERATE_ZERO_CONFIG"] = config
-        run(out / name)
+        run(out / name, peft=name.endswith("_peft"))
 
 
 if __name__ == "__main__":
