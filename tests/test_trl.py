@@ -1,8 +1,8 @@
 """TRL's ``SFTTrainer`` under the swap with Accelerate-style autocast (bf16) at stages 2 and 3, and in the
 engine's own bf16 at stage 3, against plain ``accelerate launch`` (DDP, autocast): two launches of
 tests/accelerate_scripts/trl_trainers.py, 2 CPU ranks each. Also a LoRA adapter (PEFT) at stage 3: the adapter
-``save_model`` writes equals DDP's and loads with ``PeftModel.from_pretrained``; and ``DPOTrainer`` (its own
-reference model) at stage 3 with autocast.
+``save_model`` writes equals DDP's and loads with ``PeftModel.from_pretrained``; ``DPOTrainer`` (its own
+reference model) and ``GRPOTrainer`` (generation inside the step) at stage 3 with autocast.
 
 TRL patches the model's forward with its fused LM head, which reads ``lm_head.weight`` directly. Before, the
 autocast wrapping at ``prepare`` dropped that patch and the first step failed with "'CausalLMOutputWithPast'
@@ -33,6 +33,7 @@ ZERO_RUNS = {
     "zero3_bf16": {"zero_optimization": STAGE3},
     "zero3_peft": {"zero_optimization": STAGE3, **AUTOCAST},  # a LoRA adapter (PEFT) on the same model
     "zero3_dpo": {"zero_optimization": STAGE3, **AUTOCAST},  # DPOTrainer, its reference model prepared for eval
+    "zero3_grpo": {"zero_optimization": STAGE3, **AUTOCAST},  # GRPOTrainer: generation inside the step
 }
 AUTOCAST_RUNS = ("zero2", "zero3")
 
@@ -51,13 +52,13 @@ def _read(directory: Path) -> dict:
 def runs(tmp_path_factory) -> dict:
     tmp = tmp_path_factory.mktemp("trl")
     offline = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
-    accelerate_launch(tmp, "trl_trainers.py", tmp, "ddp", "ddp_peft", "ddp_dpo", env=clean_env(**offline))
+    accelerate_launch(tmp, "trl_trainers.py", tmp, "ddp", "ddp_peft", "ddp_dpo", "ddp_grpo", env=clean_env(**offline))
     (tmp / "accelerate.yaml").write_text(ACCELERATE_YAML)
     specs = [f"{name}={json.dumps(config)}" for name, config in ZERO_RUNS.items()]
     run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", tmp / "accelerate.yaml",
          "-m", "accelerate_zero.swap", SCRIPTS / "trl_trainers.py", tmp, *specs], cwd=tmp,
         env=clean_env(ACCELERATE_USE_CPU="true", **offline), timeout=240)
-    return {name: _read(tmp / name) for name in ("ddp", "ddp_peft", "ddp_dpo", *ZERO_RUNS)}
+    return {name: _read(tmp / name) for name in ("ddp", "ddp_peft", "ddp_dpo", "ddp_grpo", *ZERO_RUNS)}
 
 
 @pytest.mark.parametrize("name", AUTOCAST_RUNS)
@@ -97,8 +98,9 @@ def test_sft_trainer_with_a_lora_adapter_saves_ddps_adapter_which_peft_loads(run
         assert torch.equal(loaded[key], tensor), name
 
 
-def test_dpo_trainer_with_autocast_at_stage_3_logs_ddps_losses_and_saves_its_weights(runs):
-    ddp, zero = runs["ddp_dpo"], runs["zero3_dpo"]
-    assert len(ddp["result"]["loss"]) == 3 and ddp["result"]["loss"][1] != ddp["result"]["loss"][0]
+@pytest.mark.parametrize("trainer,steps", [("dpo", 3), ("grpo", 2)])
+def test_dpo_and_grpo_trainers_with_autocast_at_stage_3_log_ddps_losses_and_save_its_weights(runs, trainer, steps):
+    ddp, zero = runs[f"ddp_{trainer}"], runs[f"zero3_{trainer}"]
+    assert len(ddp["result"]["loss"]) == steps and ddp["result"]["loss"][1] != ddp["result"]["loss"][0]
     assert all(abs(a - b) <= TOLERANCE for a, b in zip(zero["result"]["loss"], ddp["result"]["loss"]))
     assert max((zero["weights"][k] - ddp["weights"][k]).abs().max().item() for k in ddp["weights"]) <= TOLERANCE

@@ -4,7 +4,7 @@
 
 Each RUN is a name, or ``name=<ZeRO config as JSON>`` (set as ``ACCELERATE_ZERO_CONFIG`` before its trainer
 is built). A name ending in ``_dpo`` runs ``DPOTrainer`` (with its own reference model, prepared for
-evaluation), one ending in ``_peft`` ``SFTTrainer`` with a LoRA adapter (PEFT), any other ``SFTTrainer``.
+evaluation), ``_grpo`` ``GRPOTrainer`` (generation inside the step, a length reward), ``_peft`` ``SFTTrainer`` with a LoRA adapter (PEFT), any other ``SFTTrainer``.
 TRL installs its fused LM head on the model instance (``add_fused_lm_head``: a patched forward that reads
 ``lm_head.weight`` directly); each run trains a few steps with ``bf16=True``; ``save_model`` writes
 ``OUT_DIR/<name>/final``, rank 0 the logged losses to ``OUT_DIR/<name>/result.json``.
@@ -20,7 +20,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-from trl import DPOConfig, DPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 VOCAB, SEQ = 64, 12
 
@@ -52,13 +52,27 @@ def preferences() -> Dataset:
     return Dataset.from_list([{"prompt": words(5), "chosen": words(4), "rejected": words(4)} for _ in range(16)])
 
 
-def arguments(config_class, out: Path, steps: int):
-    return config_class(output_dir=str(out), max_steps=steps, per_device_train_batch_size=2, learning_rate=3e-3,
+def prompts() -> Dataset:
+    generator = torch.Generator().manual_seed(3)
+    return Dataset.from_list([{"prompt": " ".join(f"t{int(i)}" for i in torch.randint(2, VOCAB, (5,), generator=generator))}
+                              for _ in range(16)])
+
+
+def length_reward(completions, **kwargs) -> list:
+    return [len(completion.split()) / 10 for completion in completions]
+
+
+def arguments(config_class, out: Path, steps: int, batch: int = 2, **extra):
+    return config_class(output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
                         logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True, save_strategy="no",
-                        bf16=True, dataloader_num_workers=0)
+                        bf16=True, dataloader_num_workers=0, **extra)
 
 
 def trainer_for(name: str, out: Path):
+    if name.endswith("_grpo"):
+        args = arguments(GRPOConfig, out, 2, batch=4, num_generations=4, max_completion_length=6)
+        return GRPOTrainer(model=tiny_llama(), reward_funcs=length_reward, args=args, train_dataset=prompts(),
+                           processing_class=tokenizer())
     if name.endswith("_dpo"):
         return DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=arguments(DPOConfig, out, 3),
                           train_dataset=preferences(), processing_class=tokenizer())
