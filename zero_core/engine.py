@@ -35,7 +35,7 @@ from zero_core.optim.master_shards import step_in_tiles
 from zero_core.tools.memory import model_state_bytes
 from zero_core.optim.mixed_precision import cast_buffers, cast_floating_inputs, cast_module
 from zero_core.offload import adopt as adopt_offload, attach as attach_offload
-from zero_core.stage3.partitioned_param import unguarded
+from zero_core.stage3.partitioned_param import dispatch_gathered, released_params, unguarded
 from zero_core.plain_loop import OptimizerRoute
 from zero_core.optim.sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from zero_core.replicated.runtime import ReplicatedParamsRuntime
@@ -706,8 +706,6 @@ class ZeroEngine:
 
     def run_on_released(self, func, args, kwargs):
         if func is not torch.equal:
-            from zero_core.stage3.partitioned_param import dispatch_gathered, released_params
-
             self.runtime.gather_on_read(released_params(args, kwargs))
             return dispatch_gathered(func, args, kwargs)
         first, second = (list(args) + list(kwargs.values()))[:2]

@@ -18,7 +18,7 @@ from zero_core.checkpoint.collective import on_first_replica, run_agreed, shared
 from zero_core.checkpoint.consolidate import DTYPES, DtypeName
 from zero_core.checkpoint.files import StagedDirectory
 from zero_core.checkpoint.format import PathLike
-from zero_core.checkpoint.hf_config import ConfigSource, dtype_name, floating_dtype, write_config
+from zero_core.checkpoint.hf_config import ConfigSource, DtypeTally, dtype_name, write_config
 from zero_core.checkpoint.hf_shards import INDEX, ShardedWriter, parse_size
 from zero_core.checkpoint.model_info import non_persistent_buffers, tied_aliases
 
@@ -59,7 +59,7 @@ def _stream(engine, writer: Optional[ShardedWriter], dtype: Optional[torch.dtype
     """Write every parameter (and buffer); returns the dtype of the floating parameters written (rank 0)."""
     # Every rank must finish the generator (in stage 3 each step is a collective gather), so a write error on
     # rank 0 is kept until the walk is over, then raised and agreed on.
-    written, error, kept = set(), None, []
+    written, error, tally = set(), None, DtypeTally()
     for name, param in engine.iter_full_params():
         written.add(name)
         if writer is None or error is not None or (exclude_frozen and not param.requires_grad):
@@ -67,7 +67,7 @@ def _stream(engine, writer: Optional[ShardedWriter], dtype: Optional[torch.dtype
         try:
             tensor = _converted(param, dtype)
             writer.add(name, tensor)
-            kept.append(torch.empty(tensor.numel(), dtype=tensor.dtype, device="meta"))  # its dtype and size only
+            tally.add(tensor)
         except Exception as caught:
             error = caught
     if error is not None:
@@ -77,7 +77,7 @@ def _stream(engine, writer: Optional[ShardedWriter], dtype: Optional[torch.dtype
         for name, tensor in engine.module.named_buffers():
             if name not in written and name not in skip:
                 writer.add(name, _converted(tensor, dtype))
-    return floating_dtype(kept)
+    return tally.most()
 
 
 def _converted(tensor: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Optional, Union
+from typing import Optional, Union
 
 import torch
 
@@ -27,13 +27,19 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def floating_dtype(tensors: Iterable[torch.Tensor]) -> Optional[torch.dtype]:
-    """The dtype most floating tensors (by elements) have; None without any."""
-    counts: dict = {}
-    for tensor in tensors:
+class DtypeTally:
+    """Floating elements written per dtype, counted as tensors stream past (none is kept): the model's dtype is
+    the one most elements have (a buffer kept in fp32 beside bf16 weights does not decide it)."""
+
+    def __init__(self) -> None:
+        self.elements: dict[torch.dtype, int] = {}
+
+    def add(self, tensor: torch.Tensor) -> None:
         if tensor.is_floating_point():
-            counts[tensor.dtype] = counts.get(tensor.dtype, 0) + tensor.numel()
-    return max(counts, key=counts.get) if counts else None
+            self.elements[tensor.dtype] = self.elements.get(tensor.dtype, 0) + tensor.numel()
+
+    def most(self) -> Optional[torch.dtype]:
+        return max(self.elements, key=self.elements.get) if self.elements else None
 
 
 def read_config(source: ConfigSource) -> dict:
