@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from test_accelerate_launch import SCRIPTS, accelerate_launch, clean_env, max_diff
+from test_accelerate_launch import accelerate_launch, clean_env, max_diff
 
 TOLERANCE = 1e-5
 AUTOCAST_PAIRS = [("zero2_autocast", "ddp_autocast"), ("zero3_autocast", "ddp_autocast"),

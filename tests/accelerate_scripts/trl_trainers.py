@@ -1,10 +1,11 @@
-"""TRL's ``SFTTrainer`` and ``DPOTrainer``, unmodified, on a tiny Llama built from a config (no download).
+"""TRL's ``SFTTrainer``, ``DPOTrainer`` and ``GRPOTrainer``, unmodified, on a tiny Llama built from a config.
 
     accelerate launch --config_file cfg.yaml [-m accelerate_zero.swap] trl_trainers.py OUT_DIR RUN [RUN ...]
 
 Each RUN is a name, or ``name=<ZeRO config as JSON>`` (set as ``ACCELERATE_ZERO_CONFIG`` before its trainer
 is built). A name ending in ``_dpo`` runs ``DPOTrainer`` (with its own reference model, prepared for
-evaluation), ``_grpo`` ``GRPOTrainer`` (generation inside the step, a length reward), ``_peft`` ``SFTTrainer`` with a LoRA adapter (PEFT), any other ``SFTTrainer``.
+evaluation), ``_grpo`` ``GRPOTrainer`` (generation inside the step, a length reward), ``_peft`` ``SFTTrainer``
+with a LoRA adapter (PEFT), any other ``SFTTrainer``.
 TRL installs its fused LM head on the model instance (``add_fused_lm_head``: a patched forward that reads
 ``lm_head.weight`` directly); each run trains a few steps with ``bf16=True``; ``save_model`` writes
 ``OUT_DIR/<name>/final``, rank 0 the logged losses to ``OUT_DIR/<name>/result.json``.
@@ -54,8 +55,8 @@ def preferences() -> Dataset:
 
 def prompts() -> Dataset:
     generator = torch.Generator().manual_seed(3)
-    return Dataset.from_list([{"prompt": " ".join(f"t{int(i)}" for i in torch.randint(2, VOCAB, (5,), generator=generator))}
-                              for _ in range(16)])
+    rows = [torch.randint(2, VOCAB, (5,), generator=generator) for _ in range(16)]
+    return Dataset.from_list([{"prompt": " ".join(f"t{int(i)}" for i in row)} for row in rows])
 
 
 def length_reward(completions, **kwargs) -> list:
@@ -89,7 +90,8 @@ def run(name: str, out: Path) -> None:
     trainer.save_model(str(out / "final"))
     if trainer.accelerator.is_main_process:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        (out / "result.json").write_text(json.dumps({"loss": losses, "accelerator": type(trainer.accelerator).__name__}))
+        accelerator = type(trainer.accelerator).__name__
+        (out / "result.json").write_text(json.dumps({"loss": losses, "accelerator": accelerator}))
     trainer.accelerator.wait_for_everyone()
 
 
