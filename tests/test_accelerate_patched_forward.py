@@ -2,7 +2,7 @@
 
 tests/accelerate_scripts/patched_forward.py patches a tiny model's forward as TRL's fused LM head does and
 trains it under plain Accelerate DDP and under ``ZeroAccelerator`` (stages 2 and 3, Accelerate-style autocast,
-the engine's bf16, fp32), patched before or after ``prepare``. Before the fix, ``prepare`` under autocast left
+the engine's bf16, fp32, compiled by ``dynamo_backend``), patched before or after ``prepare``. Before the fix, ``prepare`` under autocast left
 the class's forward on the model (no autocast, no patch): TRL then failed with "'CausalLMOutputWithPast' object
 has no attribute 'log_probs'".
 """
@@ -15,7 +15,8 @@ from test_accelerate_launch import accelerate_launch, clean_env, max_diff
 
 TOLERANCE = 1e-5
 AUTOCAST_PAIRS = [("zero2_autocast", "ddp_autocast"), ("zero3_autocast", "ddp_autocast"),
-                  ("zero3_autocast_after", "ddp_autocast_after"), ("zero3_fp32_after", "ddp_fp32")]
+                  ("zero3_autocast_after", "ddp_autocast_after"), ("zero3_fp32_after", "ddp_fp32"),
+                  ("zero3_autocast_compiled", "ddp_autocast_compiled")]
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,7 @@ A tiny language model gets, before or after ``prepare``, an instance ``forward``
 ``add_fused_lm_head`` builds it (``functools.wraps`` of the class's forward, ``lm_head.weight`` read directly,
 a marker in its output); after ``prepare`` it replaces the autocast wrapper, as it would on the module inside
 DDP. One process group, runs in sequence: plain Accelerate DDP and ``ZeroAccelerator`` at stages 2 and 3, with
-Accelerate-style autocast (bf16), the engine's bf16 and fp32. Rank 0 writes per run: the weights, whether every
+Accelerate-style autocast (bf16, also compiled by ``dynamo_backend``), the engine's bf16 and fp32. Rank 0 writes per run: the weights, whether every
 forward was the patched one and ran under autocast, and the forward left by
 ``unwrap_model(keep_fp32_wrapper=False)``.
 """
@@ -16,6 +16,7 @@ import sys
 from types import MethodType
 
 import torch
+import torch._dynamo
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,7 +25,7 @@ from common import fresh_state, rank, to_lists, write_json
 
 VOCAB, DIM, SEQ, STEPS = 19, 12, 5, 3
 STAGE3 = {"stage": 3, "param_persistence_threshold": 0, "max_live_parameters": 100}  # the head gathered on read
-RUNS = {  # name: (ZeRO config or None for DDP, autocast, mixed_precision, patch after prepare)
+RUNS = {  # name: (ZeRO config or None for DDP, autocast, mixed_precision, patch after prepare[, compiled])
     "ddp_autocast": (None, False, "bf16", False),
     "zero2_autocast": ({"stage": 2}, True, "bf16", False),
     "zero3_autocast": (STAGE3, True, "bf16", False),
@@ -33,6 +34,8 @@ RUNS = {  # name: (ZeRO config or None for DDP, autocast, mixed_precision, patch
     "zero3_bf16": (STAGE3, False, "bf16", False),
     "ddp_fp32": (None, False, "no", False),
     "zero3_fp32_after": (STAGE3, False, "no", True),
+    "ddp_autocast_compiled": (None, False, "bf16", False, True),
+    "zero3_autocast_compiled": (STAGE3, True, "bf16", False, True),
 }
 
 
@@ -82,15 +85,16 @@ def batch(step: int):
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def one_run(config, autocast: bool, mixed_precision: str, after: bool) -> dict:
+def one_run(config, autocast: bool, mixed_precision: str, after: bool, compiled: bool = False) -> dict:
     fresh_state()
+    torch._dynamo.reset()
+    options = {"mixed_precision": mixed_precision, "dynamo_backend": "aot_eager" if compiled else "no"}
     if config is None:
         from accelerate import Accelerator
 
-        accelerator = Accelerator(mixed_precision=mixed_precision)
+        accelerator = Accelerator(**options)
     else:
-        accelerator = ZeroAccelerator(mixed_precision=mixed_precision,
-                                      zero_plugin=ZeroPlugin(config=config, autocast=autocast))
+        accelerator = ZeroAccelerator(zero_plugin=ZeroPlugin(config=config, autocast=autocast), **options)
     model = TinyLM()
     if not after:
         add_fused_head(model)
@@ -106,7 +110,8 @@ def one_run(config, autocast: bool, mixed_precision: str, after: bool) -> dict:
         accelerator.backward(out["loss"])
         optimizer.step()
         optimizer.zero_grad()
-    state = accelerator.get_state_dict(prepared)
+    # plain Accelerate's state dict of a compiled DDP model keeps torch.compile's "_orig_mod." prefix
+    state = {k.replace("_orig_mod.", ""): v for k, v in accelerator.get_state_dict(prepared).items()}
     unwrapped = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
     left = getattr(unwrapped.forward, "__func__", None)
     is_patch = left is not TinyLM.forward and getattr(left, "__wrapped__", None) is TinyLM.forward  # functools.wraps
