@@ -2,9 +2,9 @@
 
 tests/accelerate_scripts/patched_forward.py patches a tiny model's forward as TRL's fused LM head does and
 trains it under plain Accelerate DDP and under ``ZeroAccelerator`` (stages 2 and 3, Accelerate-style autocast,
-the engine's bf16, fp32, compiled by ``dynamo_backend``), patched before or after ``prepare``. Before the fix, ``prepare`` under autocast left
-the class's forward on the model (no autocast, no patch): TRL then failed with "'CausalLMOutputWithPast' object
-has no attribute 'log_probs'".
+the engine's bf16, fp32, compiled by ``dynamo_backend``), patched before or after ``prepare``. Before the fix,
+``prepare`` under autocast left the class's forward on the model (no autocast, no patch): TRL then failed with
+"'CausalLMOutputWithPast' object has no attribute 'log_probs'".
 """
 
 import json

@@ -6,8 +6,8 @@ A tiny language model gets, before or after ``prepare``, an instance ``forward``
 ``add_fused_lm_head`` builds it (``functools.wraps`` of the class's forward, ``lm_head.weight`` read directly,
 a marker in its output); after ``prepare`` it replaces the autocast wrapper, as it would on the module inside
 DDP. One process group, runs in sequence: plain Accelerate DDP and ``ZeroAccelerator`` at stages 2 and 3, with
-Accelerate-style autocast (bf16, also compiled by ``dynamo_backend``), the engine's bf16 and fp32. Rank 0 writes per run: the weights, whether every
-forward was the patched one and ran under autocast, and the forward left by
+Accelerate-style autocast (bf16, also compiled by ``dynamo_backend``), the engine's bf16 and fp32. Rank 0 writes
+per run: the weights, whether every forward was the patched one and ran under autocast, and the forward left by
 ``unwrap_model(keep_fp32_wrapper=False)``.
 """
 
