@@ -29,6 +29,7 @@ from accelerate.utils import (
     get_mixed_precision_context_manager,
     is_compiled_module,
 )
+from accelerate.utils.operations import ConvertOutputsToFp32
 from torch import nn
 from torch.distributed.algorithms.join import Join
 
@@ -173,9 +174,16 @@ class ZeroAccelerator(Accelerator):
         return managed
 
     def _managed_for(self, model) -> Optional[ManagedModel]:
-        target = (extract_model_from_parallel(model, keep_fp32_wrapper=False, keep_torch_compile=False)
+        # keep_fp32_wrapper=True: a lookup must not unwrap the autocast forward (False pops it off the model)
+        target = (extract_model_from_parallel(model, keep_fp32_wrapper=True, keep_torch_compile=False)
                   if isinstance(model, nn.Module) else model)
         return next((m for m in self._managed if m.module is model or m.module is target), None)
+
+    def unwrap_model(self, model, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True):
+        managed = self._managed_for(model)
+        if managed is not None and not keep_fp32_wrapper:
+            _drop_autocast_forward(managed.module)
+        return super().unwrap_model(model, keep_fp32_wrapper, keep_torch_compile)
 
     def zero_engine(self, model: nn.Module) -> zero_core.ZeroEngine:
         """The ``zero_core.ZeroEngine`` training ``model`` (for ``comm_stats()``, ``memory_stats()``, ...)."""
@@ -436,6 +444,24 @@ def _autocast_forward(model: nn.Module, autocast_context) -> None:
         model.forward = MethodType(convert_outputs_to_fp32(forward.__func__), model)
     else:
         model.forward = convert_outputs_to_fp32(autocast_context(model.forward))
+
+
+def _drop_autocast_forward(model: nn.Module) -> None:
+    """``unwrap_model(keep_fp32_wrapper=False)``: the forward the model had at prepare, exactly. Accelerate's own
+    unwrapping follows ``__wrapped__`` and so runs past an instance forward made with ``functools.wraps`` of the
+    class's (TRL's fused head) down to the class's forward, losing it."""
+    original = model.__dict__.pop("_original_forward", None)
+    if original is None or not _is_autocast_wrapper(model.__dict__.get("forward")):
+        return  # no autocast, or a forward installed after prepare replaced the wrapper: keep it
+    if getattr(original, "__self__", None) is model and original.__func__ is type(model).forward:
+        model.__dict__.pop("forward", None)  # it was the class's own: no instance attribute at all, as before
+    else:
+        model.forward = original
+
+
+def _is_autocast_wrapper(forward) -> bool:
+    """What ``_autocast_forward`` installed: Accelerate's fp32-output wrapper (``__wrapped__`` marks it)."""
+    return isinstance(getattr(getattr(forward, "__func__", forward), "__wrapped__", None), ConvertOutputsToFp32)
 
 
 def _cpu_only_multiprocess() -> bool:

@@ -7,7 +7,8 @@ stage 3 of the weights), so the methods where ``Trainer`` itself branches for De
 wrapped, for trainers whose model runs under a ZeRO engine (any other trainer runs the original method):
 
 - ``save_model``: every rank joins ``engine.full_state_dict()`` (the fp32 master weights, as a DDP model holds
-  them); rank 0 writes them with ``save_pretrained``, as for DeepSpeed.
+  them); rank 0 writes them with ``save_pretrained``, as for DeepSpeed, and ``config.json`` names their dtype
+  (fp32; ``save_pretrained`` would name the model's 16-bit one).
 - ``_save_optimizer_and_scheduler``: every rank writes the engine's sharded checkpoint (fp32 masters, optimizer
   state, fp16 loss scale) into ``checkpoint-N/zero_model``, as ``accelerator.save_state`` does; rank 0 saves
   the scheduler. There is no ``optimizer.pt``.
@@ -74,9 +75,31 @@ def _managed(trainer):
 def save_model(trainer, managed, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
     output_dir = output_dir if output_dir is not None else trainer.args.output_dir
     state_dict = managed.engine.full_state_dict(rank0_only=True)  # a collective; {} on other ranks
+    dtype = _floating_dtype(state_dict)  # before _save: save_pretrained empties the dict as it writes
     trainer._save(output_dir, state_dict=state_dict)
+    if trainer.args.should_save and dtype is not None:
+        _name_saved_dtype(Path(output_dir), dtype)
     if trainer.args.push_to_hub and not _internal_call:
         trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
+
+
+def _floating_dtype(state_dict: dict) -> Optional[torch.dtype]:
+    """The dtype of most floating elements (the masters'; a buffer may differ); None without any."""
+    elements: dict = {}
+    for tensor in state_dict.values():
+        if tensor.is_floating_point():
+            elements[tensor.dtype] = elements.get(tensor.dtype, 0) + tensor.numel()
+    return max(elements, key=elements.get) if elements else None
+
+
+def _name_saved_dtype(directory: Path, dtype: torch.dtype) -> None:
+    """``save_pretrained`` names the model's dtype in config.json (bf16 under the engine's 16-bit training), but
+    the weights written are the fp32 masters: name theirs, so ``from_pretrained`` loads what was saved."""
+    from zero_core import write_hf_config
+
+    config = directory / "config.json"
+    if config.is_file():
+        write_hf_config(config, directory, dtype)
 
 
 def save_optimizer(trainer, managed, output_dir: str) -> None:

@@ -24,6 +24,7 @@ from zero_core.checkpoint import (
     read_optimizer_states,
     save_16bit_model,
     save_checkpoint,
+    write_hf_config,
 )
 from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
 from zero_core.config import ZeroConfig, ZeroConfigError
@@ -91,4 +92,5 @@ __all__ = [
     "export_optimizer_state",
     "atomic_directory",
     "atomic_file",
+    "write_hf_config",
 ]

@@ -86,6 +86,13 @@ class Runtime(Protocol):
     def add_external_after_setup(self, module: nn.Module, param: nn.Parameter) -> None:
         """``register_external_parameter`` after setup (stage 3 gathers it with ``module``; whole elsewhere)."""
 
+    def gathers_on_read(self) -> bool:
+        """Whether a read of a partitioned parameter outside its module's hooks gathers it now (stage 3, inside
+        the model's forward or a backward); else such a read is an error."""
+
+    def gather_on_read(self, params) -> None:
+        """Gather ``params`` for a read their hooks did not cover (a collective)."""
+
     def quiesce(self, communicate: bool) -> None: ...
 
     def replicated_state(self) -> dict[str, torch.Tensor]: ...

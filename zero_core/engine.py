@@ -36,7 +36,7 @@ from zero_core.optim.master_shards import step_in_tiles
 from zero_core.tools.memory import model_state_bytes
 from zero_core.optim.mixed_precision import cast_buffers, cast_floating_inputs, cast_module
 from zero_core.offload import adopt as adopt_offload, attach as attach_offload
-from zero_core.stage3.partitioned_param import unguarded
+from zero_core.stage3.partitioned_param import dispatch_gathered, released_params, unguarded
 from zero_core.plain_loop import OptimizerRoute
 from zero_core.optim.sharded_optimizer import ShardedOptimizer, narrow_param_groups, new_group_params
 from zero_core.replicated.runtime import ReplicatedParamsRuntime
@@ -701,10 +701,14 @@ class ZeroEngine:
 
     def handles_released(self, func) -> bool:
         """partitioned_param.py's owner protocol: ``torch.equal`` on a partitioned parameter is answered when
-        no values are needed (Lightning's BaseFinetuning.filter_on_optimizer compares parameters with it)."""
-        return func is torch.equal
+        no values are needed (Lightning's BaseFinetuning.filter_on_optimizer compares parameters with it); any
+        operation inside the model's forward gathers the parameters it reads (``gather_on_read``)."""
+        return func is torch.equal or self.runtime.gathers_on_read()
 
     def run_on_released(self, func, args, kwargs):
+        if func is not torch.equal:
+            self.runtime.gather_on_read(released_params(args, kwargs))
+            return dispatch_gathered(func, args, kwargs)
         first, second = (list(args) + list(kwargs.values()))[:2]
         if first is second:
             return True

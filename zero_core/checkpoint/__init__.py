@@ -14,6 +14,7 @@ from zero_core.checkpoint.consolidate import (
 )
 from zero_core.checkpoint.export16 import save_16bit_model
 from zero_core.checkpoint.files import atomic_directory, atomic_file
+from zero_core.checkpoint.hf_config import write_config as write_hf_config
 from zero_core.checkpoint.format import MANIFEST as MANIFEST_FILE, CheckpointError, CheckpointMismatchError, read_manifest
 from zero_core.checkpoint.latest import checkpoint_problem, is_checkpoint, latest_checkpoint
 from zero_core.checkpoint.load import load_checkpoint, load_full_state_dict
@@ -34,6 +35,7 @@ __all__ = [
     "describe",
     "export_optimizer_state",
     "gather_node_dirs",
+    "write_hf_config",
     "is_checkpoint",
     "read_optimizer_states",
     "latest_checkpoint",

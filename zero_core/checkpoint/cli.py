@@ -1,6 +1,6 @@
 """``zero-checkpoint``: consolidate, inspect and export sharded checkpoints, without a process group.
 
-    zero-checkpoint consolidate CKPT OUT --dtype bf16 --max-shard-size 5GB
+    zero-checkpoint consolidate CKPT OUT --dtype bf16 --max-shard-size 5GB [--hf_config MODEL_DIR/config.json]
     zero-checkpoint inspect CKPT [--verify true] [--tensors true]
     zero-checkpoint export-optimizer CKPT OUT.pt
     zero-checkpoint gather NODE_DIR... --out CKPT      (node-local checkpoints: checkpoint.use_node_local_storage)
@@ -19,7 +19,8 @@ from jsonargparse import auto_cli
 
 
 def consolidate(checkpoint: str, out: str, dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
-                max_shard_size: str = "5GB", verify: bool = True, progress: bool = True) -> None:
+                max_shard_size: str = "5GB", verify: bool = True, progress: bool = True,
+                hf_config: Optional[str] = None) -> None:
     """Write the checkpoint's model as Hugging Face-style sharded safetensors plus model.safetensors.index.json.
 
     Args:
@@ -29,10 +30,13 @@ def consolidate(checkpoint: str, out: str, dtype: Literal["fp32", "bf16", "fp16"
         max_shard_size: Largest output file, e.g. 500MB, 5GB, 2GiB.
         verify: Check every checkpoint file's SHA-256 first.
         progress: Show a progress bar.
+        hf_config: The model's Hugging Face config.json (or its directory): written into OUT naming --dtype, so
+            from_pretrained loads the weights in the dtype they were written in.
     """
     from zero_core.checkpoint.consolidate import consolidate as run
 
-    out_dir = run(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, verify=verify, progress=progress)
+    out_dir = run(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, verify=verify, progress=progress,
+                  hf_config=hf_config)
     print(f"wrote {out_dir}")
 
 

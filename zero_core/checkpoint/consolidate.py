@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Literal, Union
+from typing import Literal, Optional, Union
 
 import torch
 from tqdm.auto import tqdm
@@ -19,6 +19,7 @@ from zero_core.layout import Range
 
 from zero_core.checkpoint.files import atomic_directory, atomic_file
 from zero_core.checkpoint.format import CheckpointError, PathLike, group_optimizers, optimizer_classes, read_manifest
+from zero_core.checkpoint.hf_config import ConfigSource, write_config
 from zero_core.checkpoint.hf_shards import INDEX, ShardedWriter, parse_size
 from zero_core.checkpoint.node_local import require_whole
 from zero_core.checkpoint.sources import ShardedSource
@@ -29,11 +30,13 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 
 
 def consolidate(path: PathLike, out: PathLike, dtype: DtypeName = "fp32", max_shard_size: Union[int, str] = "5GB",
-                verify: bool = True, progress: bool = True) -> Path:
+                verify: bool = True, progress: bool = True, hf_config: Optional[ConfigSource] = None) -> Path:
     """Write the model of checkpoint ``path`` to directory ``out`` as sharded safetensors plus an index.
 
     Floating tensors are cast to ``dtype`` (from the fp32 masters); tied weights are written once, under their
-    first name, and listed in the index's ``metadata.tied_weights``. ``out`` appears only when complete.
+    first name, and listed in the index's ``metadata.tied_weights``. ``hf_config`` (the model's ``config.json``,
+    its directory, or a dict): written beside the weights naming ``dtype``, so ``from_pretrained`` loads them
+    as written. ``out`` appears only when complete.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
@@ -42,6 +45,8 @@ def consolidate(path: PathLike, out: PathLike, dtype: DtypeName = "fp32", max_sh
     manifest = _checked_manifest(path, verify)
     with atomic_directory(out, marker=INDEX) as temp:
         _write_model(path, manifest, temp, DTYPES[dtype], max_bytes, progress, dtype)
+        if hf_config is not None:
+            write_config(hf_config, temp, DTYPES[dtype])
     return out
 
 

@@ -181,6 +181,12 @@ class ReplicatedParamsRuntime:
     def release_all(self) -> None:
         pass  # nothing is gathered at stages 1-2
 
+    def gathers_on_read(self) -> bool:
+        return False  # parameters are whole: no read ever needs a gather
+
+    def gather_on_read(self, params) -> None:
+        pass
+
     def add_external_after_setup(self, module: nn.Module, param: nn.Parameter) -> None:
         pass  # parameters are whole: a module using another's parameter needs no gather
 

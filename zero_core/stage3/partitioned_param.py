@@ -271,6 +271,20 @@ def _dispatch(func, args, kwargs):
     return _bind_views(result, bases)
 
 
+def released_params(args, kwargs) -> list[nn.Parameter]:
+    """The partitioned parameters behind the released tensors among the arguments (for an owner that gathers)."""
+    return list({id(p): p for p in (base_of(t) for t in tensors_in(args, kwargs) if is_released(t))}.values())
+
+
+def dispatch_gathered(func, args, kwargs):
+    """Run ``func`` once its owner gathered what it reads: the guard again (views bound, a still-released or
+    stale argument refused), never the owner's handling a second time."""
+    if any(is_released(t) for t in tensors_in(args, kwargs or {})):
+        _, released, _ = _scan(tensors_in(args, kwargs or {}))
+        raise _released_error(released, func)
+    return _dispatch(func, args, kwargs)
+
+
 def _format(tensor: torch.Tensor, spec: str) -> str:
     """``format(p, spec)``: the repr while released (or without a spec), else the values formatted."""
     return repr(tensor) if is_released(tensor) or not spec else format(torch.Tensor.clone(tensor), spec)

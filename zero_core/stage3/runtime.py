@@ -100,6 +100,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         self._active: dict[ParamUnit, int] = defaultdict(int)
         self._positions: dict[nn.Module, list] = defaultdict(list)  # trace position of each open forward call
         self._held: set[ParamUnit] = set()
+        self._root_depth = 0  # the model's forward calls now open (a read inside one gathers: gather_on_read)
         # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
         # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
         self._reduce_order: Optional[list[ParamUnit]] = None
@@ -264,7 +265,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
     def _register_hooks(self, module_names) -> None:
         root = self.module
         root.register_forward_pre_hook(eager(self._root_pre_forward))
-        root.register_forward_hook(eager(self._root_post_forward))
+        root.register_forward_hook(eager(self._root_post_forward), always_call=True)  # closes _root_depth
         for mod in module_names:
             self._hook_module(mod, gated=mod in self.root_group.members)
         self._hook_grads(self.parts)
@@ -311,6 +312,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
             self._to(self._resume_phase)
 
     def _root_pre_forward(self, module, args) -> None:
+        self._root_depth += 1
         phase = self.phase
         if phase is Phase.BACKWARD:
             return  # recomputation under activation checkpointing
@@ -320,6 +322,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         self.trace.start_forward()
 
     def _root_post_forward(self, module, args, output) -> None:
+        self._root_depth -= 1
         if self.phase is not Phase.BACKWARD and not torch.is_grad_enabled():
             self.release_all()  # no backward follows: nothing needs to stay gathered
 
@@ -461,6 +464,24 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         for unit in self.units:
             if self._active[unit] == 0:
                 self._release(unit)
+
+    # -- parameters read outside their own module's forward ----------------------------------------------------
+    def gathers_on_read(self) -> bool:
+        """Whether a read of a partitioned parameter gathers it now: inside the model's forward (a patched
+        forward reading ``self.lm_head.weight`` directly, as TRL's fused LM head does) or a backward."""
+        return self._root_depth > 0 or self.phase is Phase.BACKWARD
+
+    def gather_on_read(self, params) -> None:
+        """Gather the units of ``params``, read where no hook gathered them (every rank runs the same forward, so
+        every rank reads them too). With a backward to come they stay gathered until it ends, as a module's
+        returned parameter does (autograd may have saved them); otherwise the end of the model's forward
+        releases them. Registering them (register_external_parameter) lets prefetch gather them earlier."""
+        units = list(dict.fromkeys(self.unit_of[p] for p in params if p in self.unit_of))
+        for unit in units:
+            self._gather(unit)
+        self._touched.update(units)
+        if torch.is_grad_enabled():
+            self._held.update(units)
 
     # -- the engine's calls --------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:

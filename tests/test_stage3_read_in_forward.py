@@ -1,0 +1,150 @@
+"""Stage 3: a parameter read directly in the model's forward, outside its own module's hooks, is gathered.
+
+TRL's fused LM head replaces the model's ``forward`` on the instance and multiplies by ``lm_head.weight``
+without calling ``lm_head``. Here a small language model gets such a forward (before setup, or after it) and
+trains under stage 3 against DDP with the same patched forward, on 2 ranks: with the head in the root group
+(gathered by the root's hooks anyway) and without one (``max_live_parameters`` too small for the group, so the
+head is gathered when it is read). Outside the model's forward, a read is still the clear error.
+"""
+
+from __future__ import annotations
+
+from types import MethodType
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import zero_core
+from distributed import run_distributed
+from stage3_support import full_params, max_abs_diff
+from zero_core.stage3.partitioned_param import is_released
+
+VOCAB, DIM, SEQ, STEPS = 19, 12, 5, 3
+TOLERANCE = 1e-5
+CONFIGS = {
+    "root group": {"stage": 3, "param_persistence_threshold": 0},
+    "no root group": {"stage": 3, "param_persistence_threshold": 0, "max_live_parameters": 100},
+}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.fc = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.norm(x)))
+
+
+class TinyLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.norm = nn.LayerNorm(DIM)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def hidden(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward(self, tokens, targets):
+        return F.cross_entropy(self.lm_head(self.hidden(tokens)).flatten(0, 1), targets.flatten())
+
+
+def fused_forward(self, tokens, targets):
+    """What TRL's fused head does: the head's weight is read here, and autograd keeps it for the backward."""
+    logits = F.linear(self.hidden(tokens), self.lm_head.weight)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def batch(step: int):
+    generator = torch.Generator().manual_seed(100 * step + dist.get_rank())
+    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def train(step_fn, steps=STEPS):
+    for step in range(steps):
+        step_fn(*batch(step))
+
+
+def ddp_weights() -> dict:
+    model = TinyLM()
+    model.forward = MethodType(fused_forward, model)
+    ddp = DistributedDataParallel(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+    def step(tokens, targets):
+        ddp(tokens, targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+    train(step)
+    return {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+def zero_run(config: dict, patch_after_setup: bool) -> dict:
+    model = TinyLM()
+    if not patch_after_setup:
+        model.forward = MethodType(fused_forward, model)
+    engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
+    if patch_after_setup:
+        model.forward = MethodType(fused_forward, model)
+
+    def step(tokens, targets):
+        engine.backward(model(tokens, targets))
+        engine.step()
+
+    train(step)
+    released_after_step = is_released(model.lm_head.weight)
+    with torch.no_grad():
+        model(*batch(0))  # an evaluation forward: gathered for it, released at its end
+    released_after_eval = is_released(model.lm_head.weight)
+    try:
+        model.lm_head.weight.sum()
+        outside = "no error"
+    except RuntimeError as error:
+        outside = str(error)
+    return {"weights": full_params(model), "released_after_step": released_after_step,
+            "released_after_eval": released_after_eval, "outside": outside}
+
+
+def worker(rank: int, world_size: int) -> dict:
+    results = {"ddp": ddp_weights()}
+    for name, config in CONFIGS.items():
+        for after in (False, True):
+            results[(name, after)] = zero_run(config, after)
+    return results
+
+
+@pytest.fixture(scope="module")
+def results() -> dict:
+    return run_distributed(worker, 2, timeout=120)[0]
+
+
+@pytest.mark.parametrize("after", [False, True], ids=["patched before setup", "patched after setup"])
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_head_read_in_a_patched_forward_trains_as_under_ddp(results, config, after):
+    run = results[(config, after)]
+    assert max_abs_diff(run["weights"], results["ddp"]) <= TOLERANCE
+    assert max_abs_diff(run["weights"], TinyLM().state_dict()) > 1e-3  # it trained
+
+
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_a_head_gathered_on_read_is_released_after_the_step_and_after_an_eval_forward(results, config):
+    run = results[(config, False)]
+    assert run["released_after_step"] and run["released_after_eval"]
+
+
+def test_a_read_outside_the_forward_is_still_the_clear_error(results):
+    outside = results[("no root group", False)]["outside"]
+    assert "'lm_head.weight'" in outside and "GatheredParameters" in outside
