@@ -1,14 +1,16 @@
 #!/bin/bash
-# Every GPU check of issues 18 and 19 in one call of the device tool (about 460 s of run time on an H200, so
-# split it over two calls when the session's device time is short): the GPU tier, issue 18's table, where the
-# memory goes, the host step alone, offload against FSDP2 at 1.75B and 6.58B, the 6.58B host step profiled.
+# The GPU checks of one session, in one call of the device tool. Sections (default: wave3):
+#   wave3   the GPU tier (tests/gpu), the 873M/110M table beside plain and FSDP2 (the stage 3 ratio after the
+#           wave-3 changes), and activation checkpoints with and without cpu_checkpointing when the script is
+#           there (about 330 s on an H200)
+#   offload issue 18/19's offload runs: the host step, 1.75B and 6.58B against FSDP2, the 6.58B profile (about 460 s)
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl jsonargparse==4.53.0 docstring_parser==0.18.0 typeshed_client==2.15.0
-# then run `bash benchmarks/gpu_session.sh` with `.whl` in the call's carry.
+# then run `bash benchmarks/gpu_session.sh [wave3|offload]` with `.whl` in the call's carry.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site
@@ -16,6 +18,16 @@ OUT=${OUT:-gpu_session_out}
 mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
+SECTION=${1:-wave3}
+if [ "$SECTION" = wave3 ]; then
+{ step tests; nvidia-smi -L; timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 190; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
+{ step table; timeout 100 python3 -m benchmarks.gpu --preset 873M 110M --steps 8 --warmup 3 --repeats 2; echo "rc=$?"; } 2>&1 | tee "$OUT/table.txt"
+if [ -f benchmarks/gpu_activation_checkpoints.py ]; then
+{ step activation_checkpoints; timeout 90 python3 benchmarks/gpu_activation_checkpoints.py; echo "rc=$?"; } 2>&1 | tee "$OUT/activation_checkpoints.txt"
+fi
+step end
+exit 0
+fi
 { step tests; nvidia-smi -L; timeout 120 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 115; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
 # (The CPU tier's Accelerate launches hide GPUs: with one visible, their two ranks fail in Accelerate's own barrier
 # on a one-GPU machine, measured 2026-11-26; docs/benchmarks.md. The GPU tier launches on the GPU itself.)
