@@ -99,15 +99,16 @@ class BlockModel(nn.Module):
 
 
 class PeakModel(nn.Module):
-    """One 64x64 layer, tiled 4x4 or not; the input requires grad, as inside a network."""
+    """One 64x64 layer, tiled 4x4 or not; its input requires grad (as inside a network) or not (a first layer)."""
 
-    def __init__(self, tiled: bool):
+    def __init__(self, tiled: bool, input_grad: bool = True):
         super().__init__()
         torch.manual_seed(5)
         self.layer = zero_core.TiledLinear(64, 64, in_splits=4, out_splits=4) if tiled else nn.Linear(64, 64)
+        self.input_grad = input_grad
 
     def forward(self, x, y):
-        return F.mse_loss(self.layer(x.detach().requires_grad_()).sum(-1, keepdim=True), y)
+        return F.mse_loss(self.layer(x.detach().requires_grad_(self.input_grad)).sum(-1, keepdim=True), y)
 
 
 def peak_batch(rank, step, micro):
@@ -148,8 +149,8 @@ def _block_section(rank):
 def _peak_section(rank):
     """The gathered-element peak over the second step's forward and backward (prefetch follows the trace)."""
     out = {}
-    for tiled in (True, False):
-        model = PeakModel(tiled)
+    for tiled, input_grad in ((True, True), (True, False), (False, True)):
+        model = PeakModel(tiled, input_grad)
         engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), _config(3))
         tiles = [u.numel for u in engine.runtime.units]
         for step in range(2):
@@ -157,7 +158,7 @@ def _peak_section(rank):
                 engine.runtime.peak_live_elements = engine.runtime.live_elements
             engine.backward(model(*peak_batch(rank, step, 0)))
             engine.step()
-        out[tiled] = {"peak": engine.runtime.peak_live_elements, "units": tiles}
+        out[(tiled, input_grad)] = {"peak": engine.runtime.peak_live_elements, "units": tiles}
         engine.close()
     return out
 
@@ -255,11 +256,12 @@ def test_tiles_are_units_inside_a_block(ranks):
 @pytest.mark.timeout(200)
 def test_peak_is_one_tile_plus_the_next(ranks):
     for found in _section(ranks, "peak"):
-        tiled, plain = found[True], found[False]
+        tiled, first_layer, plain = found[(True, True)], found[(True, False)], found[(False, True)]
         layer = 64 * 64 + 64
         assert len(tiled["units"]) == 16  # one unit per tile (one optimizer group)
         tile = 64 * 64 // 16 + 16
         assert tiled["peak"] <= 2 * tile, (tiled, layer)
+        assert first_layer["peak"] <= 2 * tile, first_layer  # released once its gradients are in
         assert plain["peak"] >= layer, plain  # untiled, the whole layer is gathered at once
 
 

@@ -4,7 +4,8 @@ Tiling exists so that a layer too large to gather whole runs one tile at a time.
 apart wherever they sit: a tile is never folded into an enclosing block's unit (block_units.py) nor into the
 root group (root_group.py: tiles sit below ``ModuleList``s), and a tile's subtree (a ``linear_cls`` with
 children) is one unit. The runtime releases a tile after its forward and after its backward (no reuse
-distance, no root keep) and prefetches at most the next tile (prefetch.py). A ``TiledLinear`` inside a stage 3
+distance, no root keep: after its input's gradient, or its own gradients when its input needs none,
+gradients.py) and prefetches at most the next tile (prefetch.py). A ``TiledLinear`` inside a stage 3
 leaf module is gathered with the leaf: the leaf's promise (one unit, no hooks below) wins.
 """
 
