@@ -239,3 +239,19 @@ def test_contiguous_overflow_names_the_fix():
     finally:
         checkpointing.reset()
         checkpointing.configure()
+
+
+def test_forwards_without_backward_give_their_slots_back():
+    """Evaluation with gradients on: each dropped graph frees its stashes and contiguous slots."""
+    checkpointing.configure(checkpoint_in_cpu=True, contiguous_checkpointing=True, num_checkpoints=2)
+    try:
+        layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(2)])
+        for _ in range(3):  # more checkpoints than slots in all
+            h = torch.randn(2, 4, requires_grad=True)
+            for layer in layers:
+                h = checkpointing.checkpoint(layer, h)
+            del h
+        assert checkpointing.current().stats.slots_taken == 6
+        assert not [ref for ref in checkpointing.current().pending if ref() is not None]
+    finally:
+        checkpointing.configure()

@@ -39,7 +39,7 @@ class Settings:
     number_checkpoints: Optional[int] = None
     synchronize: bool = False  # synchronize_checkpoint_boundary
     stats: Stats = field(default_factory=Stats)
-    pending: list = field(default_factory=list)  # stashes not yet restored, in forward order
+    pending: list = field(default_factory=list)  # weak references to stashes not yet restored, in forward order
     buffers: dict = field(default_factory=dict)  # (device, pinned) -> ContiguousBuffer (stash.py)
     copy_streams: dict = field(default_factory=dict)  # CUDA device -> the host copy stream
 
@@ -130,8 +130,9 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
 
 
 def reset() -> None:
-    """DeepSpeed's ``reset``: forget the stashes of forward passes without a backward (evaluation with gradients
-    on), so the contiguous buffer's slots are free again."""
+    """DeepSpeed's ``reset``: forget the stashes of forward passes whose backward will not come (their graphs
+    still held), so the contiguous buffer's slots are free again. A forward whose graph is dropped frees its
+    stashes and slots by itself."""
     _current.pending.clear()
     for buffer in _current.buffers.values():
         buffer.reset()

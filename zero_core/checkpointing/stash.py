@@ -12,6 +12,7 @@ allocator put them). The ``activation_checkpointing`` block keeps them different
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -88,9 +89,12 @@ class Stash:
         where = torch.device("cpu") if settings.cpu else self.device
         pinned = settings.cpu and self.device.type == "cuda"
         self.buffer: Optional[ContiguousBuffer] = None
+        self._give_back = None
         if settings.contiguous:
             self.buffer = settings.buffers.setdefault((where, pinned), ContiguousBuffer(where, pinned))
             slot = self.buffer.take(sum(_aligned(p.numel() * p.element_size()) for p in pieces), settings)
+            # The slot comes back once: at its restore, or when a forward's graph is dropped without a backward.
+            self._give_back = weakref.finalize(self, self.buffer.give_back)
             self.kept, offset = [], 0
             for p in pieces:
                 nbytes = p.numel() * p.element_size()
@@ -101,12 +105,11 @@ class Stash:
         self._copy_in(pieces)
         self.fetched: Optional[list[torch.Tensor]] = None
         self.event = None
-        self.given_back = False
         stats = settings.stats
         stats.stashed += len(tensors)
         stats.stashed_bytes += sum(k.numel() * k.element_size() for k in self.kept)
         stats.host_bytes += sum(k.numel() * k.element_size() for k in self.kept if k.device.type == "cpu")
-        settings.pending.append(self)
+        settings.pending.append(weakref.ref(self))  # weakly: a graph dropped without backward frees its stashes
 
     def _copy_in(self, pieces: list[torch.Tensor]) -> None:
         if not self.on_host or self.device.type != "cuda":
@@ -135,10 +138,9 @@ class Stash:
     def restore(self) -> list[torch.Tensor]:
         """The inputs again, for the recomputation; starts bringing back the stash recomputed next."""
         pending = self.settings.pending
-        if self in pending:
-            pending.remove(self)
+        pending[:] = [ref for ref in pending if ref() is not None and ref() is not self]
         if pending:
-            pending[-1].prefetch()  # backward runs the checkpoints in reverse: the last pending one is next
+            pending[-1]().prefetch()  # backward runs the checkpoints in reverse: the last pending one is next
         flat = self._local()
         group = self.settings.partition_group
         out = []
@@ -149,9 +151,8 @@ class Stash:
                 piece = torch.cat(parts)[:shape.numel()]
             out.append(piece.view(dtype).view(shape).detach().requires_grad_(requires_grad))
         self.settings.stats.restored += len(out)
-        if self.buffer is not None and not self.given_back and not self.on_host:
-            self.given_back = True  # device slots are used in place; their memory is free after the backward
-            self.buffer.give_back()
+        if self._give_back is not None and not self.on_host:
+            self._give_back()  # device slots are used in place; their memory is free after the backward
         return out
 
     def _local(self) -> list[torch.Tensor]:
@@ -163,7 +164,6 @@ class Stash:
         for t in self.fetched:
             t.record_stream(current)
         fetched, self.fetched = self.fetched, None
-        if self.buffer is not None and not self.given_back:
-            self.given_back = True  # copied back: the host slot may be taken again
-            self.buffer.give_back()
+        if self._give_back is not None:
+            self._give_back()  # copied back: the host slot may be taken again
         return fetched
