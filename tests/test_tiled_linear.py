@@ -235,6 +235,31 @@ def test_estimator_counts_two_tiles_gathered():
     assert live["tiled"] == 4 * (8 * 64 + 64 + 2 * (16 * 16 + 16))  # the other layer, a tile and the next
 
 
+def tiled_head():
+    """For zero-estimate: an 8 -> 64 layer, then a 64 x 64 layer tiled 4 x 4."""
+    return nn.Sequential(nn.Linear(8, 64), zero_core.TiledLinear(64, 64, in_splits=4, out_splits=4))
+
+
+def plain_head():
+    return nn.Sequential(nn.Linear(8, 64), nn.Linear(64, 64))
+
+
+def test_zero_estimate_counts_the_tiled_peak(tmp_path):
+    from zero_core.tools.estimate_cli import run as cli
+
+    config = tmp_path / "zero3.json"
+    config.write_text('{"stage": 3, "stage3_param_persistence_threshold": 0}')
+
+    def live_params(factory: str) -> float:
+        out = cli(["--model", f"test_tiled_linear:{factory}", "--world-size", "2", "--stages", "3", "--unit", "B",
+                   "--precision", "fp32", "--device", "cpu", "--config", str(config)])
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines() if line.startswith("|")]
+        return float(rows[-1][rows[0].index("live params")])
+
+    assert live_params("plain_head") == 4 * (8 * 64 + 64 + 64 * 64 + 64)
+    assert live_params("tiled_head") == 4 * (8 * 64 + 64 + 2 * (16 * 16 + 16))  # the other layer and two tiles
+
+
 @pytest.mark.timeout(200)
 def test_trains_to_ddp_weights_at_stages_1_to_3(ranks):
     for diffs in _section(ranks, "train"):
