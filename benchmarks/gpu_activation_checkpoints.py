@@ -7,7 +7,8 @@ torch.utils.checkpoint keeps each block's input on the GPU), ``cpu`` (``cpu_chec
 pinned host memory and come back on a side stream ahead of their recomputation), and ``none`` (no checkpointing,
 for scale). Per mode: the peak of ``max_memory_allocated`` above what was allocated before the step, and the
 median step time. Target (issue 37): the ``cpu`` peak is lower by the checkpointed inputs' bytes (``layers x
-tokens x hidden x 2``, printed), at a step time within 1.10x of ``checkpoint``'s. About 20 s on an H100.
+tokens x hidden x 2``, printed; the first block's input is the caller's tensor, which stays, so one layer's
+worth less), at a step time within 1.10x of ``checkpoint``'s. About 20 s on an H100.
 
     python -m benchmarks.gpu_activation_checkpoints [--layers 24] [--hidden 1024] [--tokens 8192] [--steps 5]
 """
