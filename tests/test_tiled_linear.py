@@ -15,7 +15,7 @@ import zero_core
 from distributed import run_distributed
 from models import mlp_batch
 from reference import train_ddp
-from stage3_support import full_params, max_abs_diff, train_engine
+from stage3_support import max_abs_diff, train_engine
 
 HIDDEN, WIDE = 24, 18
 STEPS = 3
@@ -82,14 +82,12 @@ class BlockModel(nn.Module):
         self.inp = nn.Linear(13, HIDDEN)
         self.blocks = nn.ModuleList([TiledBlock() for _ in range(2)])
         self.out = nn.Linear(HIDDEN, 7)
-        if not tiled:
+        if not tiled:  # the same weights in one nn.Linear per block
             for block in self.blocks:
-                tiles = block.up
+                whole = tiled_weights(block.up, "up", {f"up.{k}": v for k, v in block.up.named_parameters()})
                 block.up = nn.Linear(HIDDEN, 32)
-                block.up.weight.data.copy_(tiled_weights(tiles, "", {f".{k}": v for k, v in
-                                                                       tiles.named_parameters()})[".weight"])
-                block.up.bias.data.copy_(tiled_weights(tiles, "", {f".{k}": v for k, v in
-                                                                     tiles.named_parameters()})[".bias"])
+                block.up.weight.data.copy_(whole["up.weight"])
+                block.up.bias.data.copy_(whole["up.bias"])
 
     def forward(self, x, y):
         h = self.inp(x)
