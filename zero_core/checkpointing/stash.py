@@ -139,8 +139,9 @@ class Stash:
         """The inputs again, for the recomputation; starts bringing back the stash recomputed next."""
         pending = self.settings.pending
         pending[:] = [ref for ref in pending if ref() is not None and ref() is not self]
-        if pending:
-            pending[-1]().prefetch()  # backward runs the checkpoints in reverse: the last pending one is next
+        following = pending[-1]() if pending else None  # backward runs the checkpoints in reverse
+        if following is not None:
+            following.prefetch()
         flat = self._local()
         group = self.settings.partition_group
         out = []
@@ -158,12 +159,15 @@ class Stash:
     def _local(self) -> list[torch.Tensor]:
         if not self.on_host:
             return self.kept
-        self.prefetch()
-        current = torch.cuda.current_stream(self.device)
-        current.wait_event(self.event)
-        for t in self.fetched:
-            t.record_stream(current)
-        fetched, self.fetched = self.fetched, None
+        if self.device.type != "cuda":  # another accelerator: a plain synchronous copy back
+            fetched = [k.to(self.device) for k in self.kept]
+        else:
+            self.prefetch()
+            current = torch.cuda.current_stream(self.device)
+            current.wait_event(self.event)
+            for t in self.fetched:
+                t.record_stream(current)  # allocated on the copy stream, used on this one
+            fetched, self.fetched = self.fetched, None
         if self._give_back is not None:
             self._give_back()  # copied back: the host slot may be taken again
         return fetched
