@@ -25,7 +25,7 @@ class Stats:
     stashed_bytes: int = 0  # bytes those stashes hold on this rank
     host_bytes: int = 0  # of which in host memory
     restored: int = 0  # inputs brought back for a recomputation
-    prefetched: int = 0  # of which started ahead of their recomputation (CUDA: on the copy stream)
+    prefetched: int = 0  # host stashes whose copy back started ahead of their recomputation (CUDA: copy stream)
     synchronized: int = 0  # checkpoint boundaries that synchronized the accelerator
     slots_taken: int = 0  # contiguous buffer slots filled
     buffer_bytes: int = 0  # size of the contiguous buffer(s), allocated once

@@ -124,24 +124,25 @@ class Stash:
         for src in pieces:
             src.record_stream(stream)  # its memory is not reused before the copy is done
 
-    def prefetch(self) -> None:
-        """Start copying a host stash back to its device on the copy stream (CUDA; on the CPU nothing to do)."""
+    def prefetch(self) -> bool:
+        """Start copying a host stash back to its device on the copy stream (CUDA; elsewhere nothing to do);
+        whether a copy started."""
         if not self.on_host or self.fetched is not None or self.device.type != "cuda":
-            return
+            return False
         stream = self.settings.copy_stream(self.device)
         with torch.cuda.stream(stream):
             self.fetched = [k.to(self.device, non_blocking=True) for k in self.kept]
             self.event = torch.cuda.Event()
             self.event.record(stream)
-        self.settings.stats.prefetched += 1
+        return True
 
     def restore(self) -> list[torch.Tensor]:
         """The inputs again, for the recomputation; starts bringing back the stash recomputed next."""
         pending = self.settings.pending
         pending[:] = [ref for ref in pending if ref() is not None and ref() is not self]
         following = pending[-1]() if pending else None  # backward runs the checkpoints in reverse
-        if following is not None:
-            following.prefetch()
+        if following is not None and following.prefetch():
+            self.settings.stats.prefetched += 1
         flat = self._local()
         group = self.settings.partition_group
         out = []
