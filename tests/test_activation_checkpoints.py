@@ -255,3 +255,15 @@ def test_forwards_without_backward_give_their_slots_back():
         assert not [ref for ref in checkpointing.current().pending if ref() is not None]
     finally:
         checkpointing.configure()
+
+
+def test_configure_reads_deepspeeds_mpu_and_rejects_other_objects():
+    from zero_core.checkpointing.settings import _group_of
+
+    class Mpu:  # what Megatron-style code passes to deepspeed.checkpointing.configure
+        def get_model_parallel_group(self):
+            return "the tensor-parallel group"
+
+    assert _group_of(Mpu()) == "the tensor-parallel group"
+    with pytest.raises(TypeError, match="get_model_parallel_group"):
+        checkpointing.configure(mpu_=object())
