@@ -267,3 +267,17 @@ def test_configure_reads_deepspeeds_mpu_and_rejects_other_objects():
     assert _group_of(Mpu()) == "the tensor-parallel group"
     with pytest.raises(TypeError, match="get_model_parallel_group"):
         checkpointing.configure(mpu_=object())
+
+
+def test_accelerate_zero_yaml_takes_the_block_inside_zero_optimization(tmp_path):
+    from accelerate_zero.launch_config import read_launch_config
+
+    inside = tmp_path / "inside.yaml"
+    inside.write_text("distributed_type: 'NO'\nzero_optimization:\n  stage: 3\n"
+                      "  activation_checkpointing: {cpu_checkpointing: true}\n")
+    read_launch_config(inside)
+    outside = tmp_path / "outside.yaml"
+    outside.write_text("distributed_type: 'NO'\nzero_optimization: {stage: 3}\n"
+                       "activation_checkpointing: {cpu_checkpointing: true}\n")
+    with pytest.raises(zero_core.ZeroConfigError, match="move it inside the 'zero_optimization:' block"):
+        read_launch_config(outside)
