@@ -26,7 +26,8 @@ from .plugin import ENV_AUTOCAST, ENV_CONFIG, ENV_CONFIG_FILE, ZeroPlugin
 
 ZERO_KEY = "zero_optimization"
 AUTOCAST_KEY = "torch_autocast"  # DeepSpeed's top-level key for fp32 parameters + torch.autocast
-_DEEPSPEED_RUN_KEYS = {"fp16", "bf16", "bfloat16", "gradient_clipping", "gradient_accumulation_steps"}
+_DEEPSPEED_RUN_KEYS = {"fp16", "bf16", "bfloat16", "gradient_clipping", "gradient_accumulation_steps",
+                       "activation_checkpointing"}
 _OWN_LAUNCHERS = {"NO", "MULTI_GPU", "MULTI_CPU"}
 
 

@@ -23,7 +23,7 @@ if [ "$SECTION" = wave3 ]; then
 { step tests; nvidia-smi -L; timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 190; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
 { step table; timeout 100 python3 -m benchmarks.gpu --preset 873M 110M --steps 8 --warmup 3 --repeats 2; echo "rc=$?"; } 2>&1 | tee "$OUT/table.txt"
 if [ -f benchmarks/gpu_activation_checkpoints.py ]; then
-{ step activation_checkpoints; timeout 90 python3 benchmarks/gpu_activation_checkpoints.py; echo "rc=$?"; } 2>&1 | tee "$OUT/activation_checkpoints.txt"
+{ step activation_checkpoints; timeout 90 python3 -m benchmarks.gpu_activation_checkpoints --out "$OUT/activation_checkpoints.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/activation_checkpoints.txt"
 fi
 step end
 exit 0

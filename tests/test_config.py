@@ -79,6 +79,7 @@ NON_DEFAULT = {
     "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
     "gradient_clipping": (1.5, {}), "gradient_accumulation_steps": (4, {}), "aio": ({"block_size": 4096}, {}),
     "checkpoint": ({"use_node_local_storage": True}, {}),
+    "activation_checkpointing": ({"cpu_checkpointing": True}, {}),
 }
 
 
@@ -423,7 +424,8 @@ def test_field_status_classification():
                 "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather", "checkpoint",
                 "shard_alignment"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
-              "sub_group_size", "memory_efficient_linear", "aio", "zero_quantized_nontrainable_weights"}
+              "sub_group_size", "memory_efficient_linear", "aio", "zero_quantized_nontrainable_weights",
+              "activation_checkpointing"}
     assert list(FIELD_STATUS) == [f.name for f in dataclasses.fields(ZeroConfig)]
     assert {k for k, v in FIELD_STATUS.items() if v == "honoured"} == honoured
     assert {k for k, v in FIELD_STATUS.items() if v.startswith("mapped: ")} == mapped

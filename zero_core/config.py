@@ -36,7 +36,7 @@ from zero_core.config_loading import (
 )
 
 __all__ = [
-    "AioConfig", "BF16Config", "CheckpointConfig", "FIELD_STATUS", "FP16Config", "LeafModuleConfig", "OffloadOptimizerConfig",
+    "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CheckpointConfig", "FIELD_STATUS", "FP16Config", "LeafModuleConfig", "OffloadOptimizerConfig",
     "OffloadParamConfig",
     "ZeroConfig", "ZeroConfigError",
 ]
@@ -93,6 +93,8 @@ FIELD_STATUS = {
     "gradient_accumulation_steps": _mapped("read by the front-ends; with the core API use engine.no_sync()"),
     "aio": _mapped("a thread pool doing positioned reads and writes (docs/offload.md)"),
     "checkpoint": HONOURED,
+    "activation_checkpointing": _mapped("read by zero_core.checkpointing.checkpoint (and Hugging Face's gradient "
+                                        "checkpointing routed through it); field by field below"),
 }
 
 # Fields of a block whose status differs from the block's own FIELD_STATUS (shown in docs/config.md).
@@ -100,6 +102,10 @@ BLOCK_FIELD_STATUS = {
     "checkpoint.tag_validation": _mapped("a checkpoint is a directory that all ranks agree on at every save step; "
                                          "there is no tag to validate"),
     "checkpoint.load_universal": _mapped("checkpoints always load at any world size and stage"),
+    **{f"activation_checkpointing.{name}": HONOURED for name in (
+        "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
+        "synchronize_checkpoint_boundary")},
+    "activation_checkpointing.profile": NOT_YET,
 }
 
 OFFLOAD_DEVICES = ("none", "cpu", "nvme")
@@ -251,6 +257,43 @@ class LeafModuleConfig(Block):
     name_suffixes: list[str] = setting(factory=list, doc="Make leaves of the modules whose name ends with one of these.")
 
 
+@checked_init
+@documented
+@dataclass
+class ActivationCheckpointingConfig(Block):
+    """Activation checkpoints (the top-level ``activation_checkpointing`` block): how the inputs that
+    ``zero_core.checkpointing.checkpoint`` keeps for recomputation are held (docs/stage3.md, "Activation
+    checkpoints")."""
+
+    _PATH: ClassVar[str] = "activation_checkpointing"
+
+    partition_activations: bool = setting(
+        False,
+        doc="Keep 1/N of each checkpointed input on each of the N ranks of the model-parallel group given to "
+            "zero_core.checkpointing.configure(mpu_), gathered back before recomputation; an error without one "
+            "(data-parallel ranks hold no redundant activations).")
+    cpu_checkpointing: bool = setting(
+        False,
+        doc="Keep each checkpointed input in host memory (pinned with CUDA) and bring it back ahead of its "
+            "recomputation (on a side stream with CUDA).")
+    contiguous_memory_optimization: bool = setting(
+        False,
+        doc="Copy the checkpointed inputs into one buffer allocated once (number_checkpoints slots), so they "
+            "do not fragment memory.")
+    number_checkpoints: Optional[int] = setting(
+        None, minimum=1,
+        doc="Checkpoints per forward pass: the slots of the contiguous_memory_optimization buffer.")
+    synchronize_checkpoint_boundary: bool = setting(
+        False,
+        doc="Synchronize the accelerator at the start and end of each checkpoint's forward and recomputation.")
+    profile: bool = setting(False, doc="DeepSpeed: log the forward and backward time of each checkpoint.")
+
+    def _check_combinations(self) -> None:
+        if self.contiguous_memory_optimization and self.number_checkpoints is None:
+            raise ZeroConfigError(f"{self._PATH}.contiguous_memory_optimization needs {self._PATH}."
+                                  "number_checkpoints (the checkpoints per forward pass: the buffer's slots)")
+
+
 # Block fields of ZeroConfig: field name -> (class, may be None).
 _BLOCKS = {
     "leaf_module": (LeafModuleConfig, False),
@@ -260,6 +303,7 @@ _BLOCKS = {
     "bf16": (BF16Config, False),
     "aio": (AioConfig, False),
     "checkpoint": (CheckpointConfig, False),
+    "activation_checkpointing": (ActivationCheckpointingConfig, False),
 }
 
 
@@ -423,6 +467,9 @@ class ZeroConfig(Block):
     checkpoint: CheckpointConfig = setting(
         factory=CheckpointConfig,
         doc="Checkpoint saving: the top-level checkpoint block (use_node_local_storage, ...).")
+    activation_checkpointing: ActivationCheckpointingConfig = setting(
+        factory=ActivationCheckpointingConfig,
+        doc="Activation checkpoints: the top-level activation_checkpointing block (cpu_checkpointing, ...).")
 
     # --- construction hooks (see checked_init)
 
@@ -577,9 +624,16 @@ class ZeroConfig(Block):
         return tuple(f.name for f in fields(self) if f.name in self._explicit)
 
     def unimplemented_fields(self) -> tuple:
-        """Explicit fields set away from their default whose status is "not yet implemented"."""
-        return tuple(name for name in self.explicit_fields()
-                     if FIELD_STATUS[name] == NOT_YET and _differs_from_default(self, name))
+        """Explicit fields (and fields of explicit blocks, as 'block.field') set away from their default whose
+        status is "not yet implemented"."""
+        names = [name for name in self.explicit_fields()
+                 if FIELD_STATUS[name] == NOT_YET and _differs_from_default(self, name)]
+        for path, status in BLOCK_FIELD_STATUS.items():
+            block, _, leaf = path.partition(".")
+            if status == NOT_YET and block in self._explicit and getattr(getattr(self, block), leaf) != \
+                    _default(_BLOCKS[block][0], leaf):
+                names.append(path)
+        return tuple(names)
 
     def warn_unimplemented(self) -> None:
         """One UserWarning listing unimplemented_fields(); silent if there are none or already warned."""
@@ -587,7 +641,8 @@ class ZeroConfig(Block):
         if self._warned_unimplemented or not names:
             return
         self._warned_unimplemented = True
-        listed = ", ".join(f"{key_path(name)} ({FIELD_STATUS[name]})" for name in names)
+        listed = ", ".join(f"{key_path(name)} ({BLOCK_FIELD_STATUS.get(name) or FIELD_STATUS[name]})"
+                           for name in names)
         warn(f"ZeroConfig: these settings are not implemented by lightning-zero yet and have no effect: "
              f"{listed}; docs/config.md lists the status of every field", UserWarning)
 
@@ -686,7 +741,7 @@ def markdown_tables() -> str:
         title = f"`{ZERO_SECTION}.{name}` block"
         lines += _table(title, block, _names(block), f"{name}.", FIELD_STATUS[name])
     lines += _table("Top-level run fields", ZeroConfig, RUN_FIELDS)
-    for name in ("fp16", "bf16", "aio", "checkpoint"):
+    for name in ("fp16", "bf16", "aio", "checkpoint", "activation_checkpointing"):
         block = _BLOCKS[name][0]
         lines += _table(f"`{name}` block", block, _names(block), f"{name}.", FIELD_STATUS[name])
     lines += ["### Other DeepSpeed top-level keys", "",

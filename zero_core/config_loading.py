@@ -24,7 +24,8 @@ class ZeroConfigError(ValueError):
 ZERO_SECTION = "zero_optimization"
 
 # Fields that sit at the top level of a DeepSpeed config rather than inside zero_optimization.
-RUN_FIELDS = ("fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps", "aio", "checkpoint")
+RUN_FIELDS = ("fp16", "bf16", "gradient_clipping", "gradient_accumulation_steps", "aio", "checkpoint",
+              "activation_checkpointing")
 
 # DeepSpeed's other name for a field -> the field (same meaning, no warning).
 ALIASES = {
@@ -47,7 +48,7 @@ DEPRECATED = {
 
 # Top-level keys of a whole DeepSpeed config that belong to other DeepSpeed features; ignored here.
 DEEPSPEED_IGNORED_KEYS = frozenset({
-    "activation_checkpointing", "amp", "autotuning", "comet", "comms_logger",
+    "amp", "autotuning", "comet", "comms_logger",
     "communication_data_type", "compile", "compression_training", "csv_monitor",
     "curriculum_learning", "data_efficiency", "data_types", "dataloader_drop_last",
     "disable_allgather", "dump_state", "eigenvalue", "elasticity", "flops_profiler",

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_core import planning, registry, teardown
+from zero_core import checkpointing, planning, registry, teardown
 from zero_core.arg_checks import check_module, check_process_group, described
 
 from zero_core.checkpoint import shard_identity
@@ -819,6 +819,8 @@ def setup(
             "zero_optimization.stage=0 disables ZeRO: use torch's DistributedDataParallel, or pick stage 1, 2 or 3"
         )
     config.warn_unimplemented()
+    if checkpointing.configure(deepspeed_config=config).active:  # the activation_checkpointing block
+        checkpointing.route_hf_checkpointing(model)
     topology = Topology.from_process_group(process_group, mics_shard_size=config.mics_shard_size,
                                            hpz_partition_size=config.zero_hpz_partition_size,
                                            hierarchical_gather=config.mics_hierarchical_params_gather)

@@ -96,6 +96,10 @@ class GradientReduction:
         self._seen[unit] += 1
         if unit in self._deferred or self._seen[unit] < self._wanted(unit):
             return  # an incomplete unit unblocks nothing
+        if self._module_of[unit] in self._tiles and self._active[unit] == 0 and unit not in self._held:
+            # A tile's backward is over once its gradients are in (they come after its input's): released here
+            # too, for a tile whose input needs no gradient and so has no post-backward hook (tile_units.py).
+            self._release(unit)
         if self._reduce_order is not None:
             launch_in_order(self)
         elif unit not in self._reduced:

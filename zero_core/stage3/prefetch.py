@@ -28,7 +28,7 @@ class _Cursor:
 
 class Prefetch:
     """Gather-ahead and keep-gathered decisions for ``PartitionedParamsRuntime`` (a mixin: it reads the runtime's
-    ``trace``, ``policy``, ``comm``, ``live_elements``, ``param_swap`` and ``_units_for``)."""
+    ``trace``, ``policy``, ``comm``, ``live_elements``, ``param_swap``, ``_units_for`` and ``_tiles``)."""
 
     def _fetch(self, units: list[ParamUnit], position: Optional[int], backward: bool,
                phase: Optional[str] = None) -> None:
@@ -63,8 +63,8 @@ class Prefetch:
         budget, live, batch = self.policy.prefetch_bucket_size, self.live_elements, []
         max_live = self.policy.max_live_parameters
         while 0 <= index < len(order):
-            fits = True
-            for unit in self._units_for(order[index]):
+            fits, module = True, order[index]
+            for unit in self._units_for(module):
                 if unit.state is not UnitState.SHARDED or unit in taken:
                     continue
                 if unit.numel > budget or live + unit.numel > max_live:
@@ -77,6 +77,8 @@ class Prefetch:
             if not fits:
                 break  # this module's remaining units wait for the next batch
             index += step
+            if module in self._tiles:
+                break  # a tile ends the batch: tiling keeps one tile gathered ahead, whatever the budget
         cursor.next = index
         cursor.trigger = index - step if batch else index
         return batch

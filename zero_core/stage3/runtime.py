@@ -36,6 +36,7 @@ from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
 from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
 from zero_core.stage3.streams import SideStreams
+from zero_core.stage3.tile_units import tile_of
 from zero_core.stage3.gradients import GradientReduction
 from zero_core.stage3.prefetch import Prefetch, _Cursor
 from zero_core.reduction import BackwardSession, ReductionQueue
@@ -72,7 +73,9 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         # Prefetch cursors into the trace, forward and backward (see prefetch.py).
         self._prefetch_state = {False: _Cursor(), True: _Cursor()}
         self._inside_leaf = leaf_of(module)  # modules below a leaf module -> that leaf (leaf_modules.py)
-        self._inside_block = block_of(module, self._inside_leaf)  # module -> its block (block_units.py)
+        self._inside_tile = tile_of(module, self._inside_leaf)  # module -> its TiledLinear tile (tile_units.py)
+        self._tiles = set(self._inside_tile.values())  # released after use, prefetched one ahead
+        self._inside_block = block_of(module, self._inside_leaf, self._inside_tile)  # module -> its block
         self._blocks = set(self._inside_block.values())
         self._open_blocks: dict[nn.Module, int] = defaultdict(int)  # forwards of a block whose backward is to come
         self._deferred: set[ParamUnit] = set()  # units inside leaves: reduced at the end of backward, in order
@@ -234,9 +237,12 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         return pieces
 
     def _hooked(self, mod: nn.Module) -> nn.Module:
-        """The module whose hooks gather ``mod``'s parameters: the leaf module or block enclosing it, or itself."""
+        """The module whose hooks gather ``mod``'s parameters: the leaf module, tile or block enclosing it, or
+        itself."""
         leaf = self._inside_leaf.get(mod)
-        return leaf if leaf is not None else self._inside_block.get(mod, mod)
+        if leaf is not None:
+            return leaf
+        return self._inside_tile.get(mod) or self._inside_block.get(mod, mod)
 
     def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
         if unit not in self._externals[mod] and unit not in self._own[mod]:
@@ -384,13 +390,13 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         wrapped = 0
         if grad_enabled:
             output, wrapped = attach(PreBackward, functools.partial(self._pre_backward, mod), output)
-        is_root = mod is self.module
+        is_root, is_tile = mod is self.module, mod in self._tiles
         for unit in units:
             if unit in returned or (grad_enabled and wrapped == 0 and unit.active_count()):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
             elif active[unit] > 0 or (is_root and self._root_keeps(grad_enabled, unit)):
                 continue  # used by an enclosing forward still open; or the root's, whose backward comes next
-            elif not self._reused_soon(position, unit, grad_enabled):
+            elif is_tile or not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
         return output
 
@@ -425,9 +431,10 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         return self._bwd_cursor + 1
 
     def _post_backward(self, mod, position: Optional[int] = None) -> None:
+        is_tile = mod in self._tiles
         for unit in self._units_for(mod):
-            if self._active[unit] == 0 and unit not in self._held and not self._reused_soon(position, unit,
-                                                                                             in_backward=True):
+            if self._active[unit] == 0 and unit not in self._held and (
+                    is_tile or not self._reused_soon(position, unit, in_backward=True)):
                 self._release(unit)
         if mod in self._blocks and self._open_blocks[mod] > 0:
             self._open_blocks[mod] -= 1

@@ -53,6 +53,7 @@ class ParamInfo:
     group: Optional[int] = 0
     dtype: str = ""
     floating: bool = True
+    tile: bool = False  # owned by a TiledLinear tile: gathered alone, at most one more tile ahead
 
     def __post_init__(self) -> None:
         if not self.dtype:
@@ -142,8 +143,11 @@ def model_info(model, trainable_only: bool = False, param_groups=None) -> ModelI
     ``param_groups``: the optimizer (or its ``param_groups``: dicts with ``params``, or lists of parameters)
     the engine will be set up with; by default one group of every parameter."""
     from zero_core.stage3.block_units import unit_owners
+    from zero_core.stage3.leaf_modules import leaf_of
+    from zero_core.stage3.tile_units import tile_of
 
     unit_owner = unit_owners(model)  # stage 3 plans a block's modules as one owner (as the runtime does)
+    tiled = {id(p) for tile in set(tile_of(model, leaf_of(model)).values()) for p in tile.parameters()}
     owner = {}
     for module_name, module in model.named_modules():
         for param in module.parameters(recurse=False):
@@ -154,7 +158,7 @@ def model_info(model, trainable_only: bool = False, param_groups=None) -> ModelI
         if trainable_only and not param.requires_grad:
             continue
         params.append(ParamInfo(param.numel(), param.element_size(), param.requires_grad, owner.get(id(param), ""),
-                                group_of(param), str(param.dtype), param.is_floating_point()))
+                                group_of(param), str(param.dtype), param.is_floating_point(), id(param) in tiled))
     buffers = list(model.buffers())
     return ModelInfo(tuple(params), sum(b.numel() * b.element_size() for b in buffers),
                      tuple((b.numel(), b.element_size()) for b in buffers if b.is_floating_point()), count)

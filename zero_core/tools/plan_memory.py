@@ -58,6 +58,7 @@ class _Part:
     element_size: int
     trainable: bool
     persistent: bool = False
+    tile: bool = False  # a TiledLinear tile's unit (stage3/tile_units.py)
 
 
 def for_device(cfg: ZeroConfig, device) -> ZeroConfig:
@@ -161,7 +162,7 @@ def _units(info, cfg: ZeroConfig, n: int, precision: str) -> tuple[list[_Part], 
             dtype, size = (FP32, 4) if precision == "fp32" else (_cast_dtype(first, precision), 2)
         else:
             dtype, size = first.dtype, first.element_size
-        parts.append(_Part(unit.layout, dtype, size, unit.trainable, unit.persistent))
+        parts.append(_Part(unit.layout, dtype, size, unit.trainable, unit.persistent, first.tile))
     return parts, plan
 
 
@@ -222,11 +223,16 @@ def _buffer_bytes(info, cast: bool) -> int:
 
 def _live_bytes(info, parts: Sequence[_Part], cfg: ZeroConfig) -> int:
     """Stage 3 gathers at most ``max_live_parameters`` elements besides the persistent units, at least the
-    largest unit."""
+    largest unit; of the tiles of ``TiledLinear`` layers at most two at once (the running one and the next,
+    prefetched), whatever the budget."""
     gathered = [p for p in parts if not p.persistent]
     largest = max((p.layout.total for p in gathered), default=0)
     size = max((p.element_size for p in gathered), default=0)
-    return min(info.trainable_numel, max(cfg.max_live_parameters, largest)) * size
+    live = min(info.trainable_numel, max(cfg.max_live_parameters, largest))
+    tiles = [p.layout.total for p in gathered if p.tile]
+    if tiles:
+        live = min(live, sum(p.layout.total for p in gathered if not p.tile) + 2 * max(tiles))
+    return live * size
 
 
 def hpz_secondary_bytes(info, cfg: ZeroConfig, n: int, precision: str) -> int:
