@@ -87,6 +87,7 @@ FIELD_STATUS = {
     "override_module_apply": HONOURED,
     "leaf_module": HONOURED,
     "shard_alignment": HONOURED,
+    "generation_max_live_parameters": HONOURED,
     "fp16": HONOURED,
     "bf16": HONOURED,
     "gradient_clipping": HONOURED,
@@ -407,6 +408,12 @@ class ZeroConfig(Block):
             "flat buffers (stages 1-2) and units (stage 3) fall on a multiple of this many elements, padded with "
             "zeros; null means 64 on CUDA (128 bytes for 16-bit parameters) and 1 elsewhere. Checkpoints load at "
             "any alignment.")
+    generation_max_live_parameters: Optional[int] = setting(
+        None, minimum=0,
+        doc="lightning-zero's own: stage 3 keeps up to this many gathered parameter elements across the forward "
+            "passes of generate() (and engine.generation()), instead of gathering and releasing every layer per "
+            "token, and releases them when generation ends; null means max_live_parameters, 0 gathers per forward "
+            "as in training.")
     fp16: FP16Config = setting(factory=FP16Config, doc="Float16 mixed precision: the top-level fp16 block.")
     bf16: BF16Config = setting(
         factory=BF16Config,

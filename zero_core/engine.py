@@ -28,7 +28,7 @@ from zero_core.comm.communicator import CommOptions, Communicator
 from zero_core.config import ZeroConfig
 from zero_core.fragments import Fragment
 from zero_core.grad_notes import GradNotes
-from zero_core.stage3.generation import sync_generate_by_default
+from zero_core.stage3.generation import GenerationSession, generate_in_sessions
 from zero_core.stage3.leaf_modules import apply_leaf_config
 from zero_core.optim.loss_scaler import LossScaler
 from zero_core.optim.master_shards import step_in_tiles
@@ -94,8 +94,8 @@ class ZeroEngine:
         self.runtime = _runtime_class(config.stage)(module, trainable, self._names, config, self.comm)
         # offload hook (zero_core/offload): host/NVMe masters replace the runtime's before optimizers bind
         self._offload = attach_offload(self.runtime, config, topology.rank)
-        if config.stage == 3 and topology.world_size > 1:
-            sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
+        if config.stage == 3:
+            generate_in_sessions(module, self)  # Hugging Face generate(): kept gathers, ranks run until all are done
         registry.register(self.runtime.managed_params(), self)
         # The model holds its engines, the registry only weakly: a partitioned model needs its engine for as long as
         # it lives (lookups from its parameters must give every rank the same answer, whenever the cycle collector
@@ -336,6 +336,13 @@ class ZeroEngine:
         finally:
             self._no_sync_depth -= 1
             self.runtime.set_sync(self._no_sync_depth == 0)
+
+    def generation(self, max_live_parameters: Optional[int] = None) -> GenerationSession:
+        """``with engine.generation() as session:`` around a decoding loop: stage 3 keeps gathered parameters
+        across its no-grad forwards, up to ``max_live_parameters`` elements (default: the config's
+        ``generation_max_live_parameters``, else ``max_live_parameters``), and releases them on leaving. Enter it
+        on every rank; ``session.all_finished(done)`` tells when every rank is done (docs/stage3.md)."""
+        return GenerationSession(self, max_live_parameters)
 
     def join(self, enable: bool = True, throw_on_early_termination: bool = False):
         """Uneven inputs: ``with engine.join(): for batch in my_batches: ...`` lets ranks with fewer batches
