@@ -7,7 +7,8 @@ own prompts. Three ways, interleaved in each repeat so the machine's load falls 
 ``unsharded`` (the same weights, no ZeRO, this rank alone), ``stage3_per_token`` (today's policy before
 generation sessions: every decoding step gathers and releases every layer, ``engine.generation(0)``) and
 ``stage3_kept`` (the default session: what ``generation_max_live_parameters`` / ``max_live_parameters`` allows
-stays gathered across decoding steps). Prints the median time per ``generate`` call of rank 0, tokens/s, the
+stays gathered across decoding steps; here the whole model) and ``stage3_half_budget`` (a session whose budget
+holds half the model). One training step comes first, as in an RL step (the trace is recorded by then). Prints the median time per ``generate`` call of rank 0, tokens/s, the
 ratio to unsharded, the peak of gathered elements, and whether every rank's tokens equal the unsharded ones.
 """
 
@@ -54,11 +55,13 @@ def _worker(rank: int, world: int, port: int, repeats: int, queue) -> None:
     model = build_model()
     engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4),
                              {"stage": 3, "stage3_param_persistence_threshold": 0})
+    half = sum(u.numel for u in engine.runtime.units) // 2  # a budget that holds half the model
     _train_step(engine, model, plain, rank)  # as in an RL step: generation follows training (trace recorded, checks off)
     ways = {
         "unsharded": lambda: _generate(plain, rank),
         "stage3_per_token": lambda: _per_token(engine, model, rank),
         "stage3_kept": lambda: _generate(model, rank),
+        "stage3_half_budget": lambda: _within(engine, model, rank, half),
     }
     times = {name: [] for name in ways}
     tokens, peaks = {}, {}
@@ -84,6 +87,11 @@ def _train_step(engine, model, plain, rank: int) -> None:
         engine.step()
     # the plain copy takes the trained weights, so both generate the same tokens
     plain.load_state_dict(engine.full_state_dict(rank0_only=False))
+
+
+def _within(engine, model, rank: int, budget: int):
+    with engine.generation(budget):  # keeps what fits, synced decoding steps for the rest
+        return _generate(model, rank)
 
 
 def _per_token(engine, model, rank: int):

@@ -158,6 +158,7 @@ class CheckpointedEngine(Protocol):
     group_optimizer: list[int]  # per optimizer group (counted across optimizers): its optimizer's index
     group_param_names: list[list[str]]  # per optimizer group: its parameters' names, frozen ones included
     skipped_steps: int
+    weights_ema: Optional["WeightsEMA"]  # the sharded moving average of the masters, or None (weights_ema_decay)
 
     @property
     def device(self) -> torch.device: ...
