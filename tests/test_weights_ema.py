@@ -1,7 +1,7 @@
 """The sharded moving average of the weights (``weights_ema_decay``, zero_core/optim/weights_ema.py).
 
 Against DDP + torch's ``AveragedModel(multi_avg_fn=get_ema_multi_avg_fn(decay))`` updated after every step, on 2
-ranks at stages 1-3 (fp32): the average swapped in by ``engine.ema_weights()``, the trained weights back after
+ranks at stages 1-3 (fp32; stage 3 also with CPU offload): the average swapped in by ``engine.ema_weights()``, the trained weights back after
 it, 1/N of the masters per rank; at stage 3 also the 16-bit export of the average, and a checkpoint round trip
 that reshards (loaded at stage 2 on the same ranks, then on one rank) and resumes exactly.
 """
@@ -21,6 +21,11 @@ from stage3_support import full_params, max_abs_diff
 
 DECAY, STEPS, LR = 0.8, 4, 1e-2
 TOL = 1e-5
+
+
+# (label, stage, extra config); the last run is exported and checkpointed
+RUNS = [("1", 1, {}), ("2", 2, {}), ("3 cpu offload", 3, {"offload_optimizer": {"device": "cpu"}}),
+        ("3", 3, {"stage3_gather_16bit_weights_on_model_save": True})]
 
 
 def config(stage: int, **extra) -> dict:
@@ -69,11 +74,11 @@ def averaged(model, engine) -> dict:
 def worker(rank: int, world_size: int, directory: str) -> dict:
     trained, reference = ddp_reference(rank, STEPS)
     out = {}
-    for stage in (1, 2, 3):
-        model, engine = zero_run(stage, rank, stage3_gather_16bit_weights_on_model_save=True)
+    for label, stage, extra in RUNS:
+        model, engine = zero_run(stage, rank, **extra)  # cpu offload: the average beside the host masters
         train(model, engine, rank, range(STEPS))
         masters = sum(m.numel() for part in engine.runtime.parts for m in part.masters)
-        out[stage] = {"ema": max_abs_diff(averaged(model, engine), reference),
+        out[label] = {"ema": max_abs_diff(averaged(model, engine), reference),
                       "trained_after": max_abs_diff(full_params(model), trained),
                       "ema_numel": sum(t.numel() for t in engine.weights_ema.tensors()), "masters": masters,
                       "total": sum(p.numel() for p in OddMLP().parameters())}
@@ -110,10 +115,10 @@ def test_weights_ema_matches_averaged_model_and_round_trips(tmp_path):
 
     ranks = run_distributed(worker, 2, str(tmp_path), timeout=150)
     for rank, out in enumerate(ranks):
-        for stage in (1, 2, 3):
-            result = out[stage]
-            assert result["ema"] <= TOL, f"rank {rank} stage {stage}: EMA differs from AveragedModel: {result}"
-            assert result["trained_after"] <= TOL, f"rank {rank} stage {stage}: weights not restored: {result}"
+        for label, _, _ in RUNS:
+            result = out[label]
+            assert result["ema"] <= TOL, f"rank {rank} stage {label}: EMA differs from AveragedModel: {result}"
+            assert result["trained_after"] <= TOL, f"rank {rank} stage {label}: weights not restored: {result}"
             assert result["ema_numel"] == result["masters"] < result["total"], result  # 1/N, beside the masters
         assert out["trained_after_export"] <= TOL
         assert out["loaded"] <= TOL and out["loaded_trained"] <= TOL, out
