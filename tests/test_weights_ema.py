@@ -107,6 +107,10 @@ def one_rank(rank: int, world_size: int, directory: str) -> dict:
         averaged(plain, zero_core.setup(plain, torch.optim.AdamW(plain.parameters()), {"stage": 2}))
     except RuntimeError as error:
         out["off"] = str(error)
+    try:  # torch's AveragedModel copies the model: at stage 3 the error names the engine's average
+        AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
+    except RuntimeError as error:
+        out["averaged_model"] = str(error)
     return out
 
 
@@ -131,6 +135,7 @@ def test_weights_ema_matches_averaged_model_and_round_trips(tmp_path):
     alone = run_distributed(one_rank, 1, str(tmp_path), timeout=60)[0]
     assert alone["loaded"] <= TOL, alone  # saved on 2 ranks, loaded on 1
     assert "weights_ema_decay" in alone.get("off", ""), alone  # ema_weights() without an average: named
+    assert "AveragedModel" in alone.get("averaged_model", "") and "weights_ema_decay" in alone["averaged_model"]
 
 
 def test_weights_ema_with_nvme_offload_is_a_config_error():
