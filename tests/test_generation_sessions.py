@@ -3,8 +3,8 @@
 One run of 2 ranks (gloo) trains a tiny Llama one step under ZeRO stage 3 and under DDP, then generates with
 ranks stopping at different lengths: HF generate() with the whole model kept (the default budget), with a
 budget that holds part of it (synced steps, peak gathered elements within the budget), and a hand-written
-decoding loop in ``engine.generation()``. Tokens are compared with the DDP model's; afterwards the memory is back
-to its training level, and two more training steps still match DDP.
+decoding loop in ``engine.generation()`` (with a training step inside the session). Tokens are compared with the
+DDP model's; afterwards the memory is back to its training level, and training still matches DDP.
 """
 
 from __future__ import annotations
@@ -85,10 +85,13 @@ def worker(rank: int, world_size: int) -> dict:
     with zero_core.generation(model) as session:
         out["whole_local"] = session.local
         out["loop_whole"] = loop_generate(model, session, rank)
+        train(ddp, ddp_opt, 1, rank)
+        train(model, None, 1, rank, engine)  # a step inside the session: the kept copy is gathered again
+        out["loop_after_step"] = loop_generate(model, session, rank)
+        out["reference_after_step"] = hf_generate(ddp_model, rank)
     out["after"] = training_state(runtime)
-    for step in (1, 2):
-        train(ddp, ddp_opt, step, rank)
-        train(model, None, step, rank, engine)
+    train(ddp, ddp_opt, 2, rank)
+    train(model, None, 2, rank, engine)
     out["diff"] = max_abs_diff(full_params(model), {n: p.detach() for n, p in ddp_model.named_parameters()})
     dist.barrier()
     return out
@@ -101,6 +104,7 @@ def test_generation_sessions_keep_units_and_match_ddp():
         for way in ("kept", "partial", "loop", "loop_whole"):
             assert out[way] == out["reference"], f"rank {rank}: {way} tokens differ from DDP's model"
         assert out["whole_local"] and not out["partial_local"]
+        assert out["loop_after_step"] == out["reference_after_step"], f"rank {rank}: stale weights after a step"
         # a partial budget: nothing kept pushes a gather past it (a unit in use may stand beside the kept ones)
         assert out["partial_peak"] <= out["budget"] + out["largest"], out
         assert out["after_kept"] == out["before"] and out["after"] == out["before"], "memory not released"

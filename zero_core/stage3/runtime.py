@@ -398,7 +398,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
             elif active[unit] > 0 or (is_root and self._root_keeps(grad_enabled, unit)):
                 continue  # used by an enclosing forward still open; or the root's, whose backward comes next
-            elif not grad_enabled and self.kept_for_generation(unit):
+            elif self.kept_for_generation(unit):
                 continue  # generation: the next decoding step runs the same modules
             elif not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
@@ -462,6 +462,8 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
             gather_together(units, self.comm, phase)
 
     def _release(self, unit: ParamUnit) -> None:
+        if self._keep_all:
+            return  # a generation session holds the whole model until it ends (generation.py)
         if self._unguarded and not unit.persistent:
             self._guard(unit)  # released memory: the guard watches its parameters again
         if unit.state is not UnitState.SHARDED and not unit.persistent:
@@ -507,12 +509,14 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
                 self._guard(unit)
 
     def kept_for_generation(self, unit: ParamUnit) -> bool:
-        """After a no-grad forward used ``unit`` (counted in ``live_elements``): whether a generation session
-        keeps it gathered. Partly fitting models keep a unit if the largest unit can still be gathered beside
-        everything kept without passing the budget, so kept units never push a later gather over it."""
+        """After a forward used ``unit`` (counted in ``live_elements``): whether a generation session keeps it
+        gathered. A session holding the whole model keeps everything (also through a forward with gradients, its
+        backward and a step, which gathers the updated values again: after_step). Partly fitting models keep a
+        unit after no-grad forwards if the largest unit can still be gathered beside everything kept without
+        passing the budget, so kept units never push a later gather over it."""
         budget = self._keep_budget
-        if budget is None or torch.is_grad_enabled():
-            return False
+        if budget is None or not (self._keep_all or not torch.is_grad_enabled()):
+            return False  # a forward with gradients in a partly kept session: training's rules
         if self._keep_all or self.live_elements + self._largest_unit <= budget:
             self._unguard(unit)
             return True
@@ -553,9 +557,9 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         stale = []
         for unit in parts:
             unit.write_back_masters()
-            if unit.persistent:
+            if unit.persistent or (self._keep_all and unit.state is not UnitState.SHARDED):
                 unit.state = UnitState.SHARDED  # its full copy is stale: gather the new values
-                stale.append(unit)
+                stale.append(unit)  # (a generation session that holds the whole model keeps holding it)
         gather_together(stale, self.comm)  # all issued at once (one collective where they coalesce)
         for unit in stale:
             unit.wait()
