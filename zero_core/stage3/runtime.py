@@ -485,7 +485,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         the whole model fits, it is gathered here, once, and nothing is released until the end: the forwards
         then issue no collective, and the result (True) says so, so that ranks may decode on their own."""
         self._generation_depth += 1
-        if self._generation_depth > 1:
+        if self._generation_depth > 1 or budget <= 0:  # 0: nothing kept, training's rules
             return self._keep_all
         self._keep_budget = int(budget)
         self._largest_unit = max((u.numel for u in self.units if not u.persistent), default=0)
