@@ -31,13 +31,14 @@ from zero_core.planning import PARTITIONED_IN_FLIGHT, ParamSpec, UnitPlan, plan_
 from zero_core.stage3.leaf_modules import leaf_of, z3_leaf_module
 from zero_core.stage3.coalesced import CoalescedReduce
 from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
-from zero_core.stage3.partitioned_param import mark_partitioned, unmark_partitioned
+from zero_core.stage3.partitioned_param import mark_partitioned
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
 from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
 from zero_core.stage3.streams import SideStreams
 from zero_core.stage3.gradients import GradientReduction
 from zero_core.stage3.prefetch import Prefetch, _Cursor
+from zero_core.stage3.generation_keeping import GenerationKeeping
 from zero_core.reduction import BackwardSession, ReductionQueue
 
 
@@ -47,10 +48,11 @@ def eager(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
-class PartitionedParamsRuntime(Prefetch, GradientReduction):
+class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
     """Owns the units, the module hooks, and gathering and releasing for stage 3. Prefetch decisions are in the
     ``Prefetch`` mixin (prefetch.py); gradient hooks, reduce buckets and the end-of-backward flush in the
-    ``GradientReduction`` mixin (gradients.py)."""
+    ``GradientReduction`` mixin (gradients.py); what generation sessions keep gathered in the
+    ``GenerationKeeping`` mixin (generation_keeping.py)."""
 
     MAX_IN_FLIGHT = PARTITIONED_IN_FLIGHT  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
     param_swap = None  # offload_param nvme (zero_core/offload/params.py): the swap file of unit shards
@@ -100,12 +102,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         self._active: dict[ParamUnit, int] = defaultdict(int)
         self._positions: dict[nn.Module, list] = defaultdict(list)  # trace position of each open forward call
         self._held: set[ParamUnit] = set()
-        # Generation (generation.py): while set, no-grad forwards keep units gathered up to this many elements.
-        self._keep_budget: Optional[int] = None
-        self._generation_depth = 0
-        self._largest_unit = 0
-        self._keep_all = False  # the session's budget holds the whole model: gathered once, nothing released
-        self._unguarded: set[ParamUnit] = set()  # kept units whose parameters skip the guard (generation.py)
+        self._init_generation()  # generation sessions (generation_keeping.py)
         # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
         # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
         self._reduce_order: Optional[list[ParamUnit]] = None
@@ -398,7 +395,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
             elif active[unit] > 0 or (is_root and self._root_keeps(grad_enabled, unit)):
                 continue  # used by an enclosing forward still open; or the root's, whose backward comes next
-            elif self.kept_for_generation(unit):
+            elif self._keep_budget is not None and self.kept_for_generation(unit):
                 continue  # generation: the next decoding step runs the same modules
             elif not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
@@ -478,69 +475,6 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         for unit in self.units:
             if self._active[unit] == 0:
                 self._release(unit)
-
-    # -- generation (generation.py) -----------------------------------------------------------------------
-    def begin_generation(self, budget: int) -> bool:
-        """Until ``end_generation``: no-grad forwards keep units gathered while ``budget`` elements allow. Where
-        the whole model fits, it is gathered here, once, and nothing is released until the end: the forwards
-        then issue no collective, and the result (True) says so, so that ranks may decode on their own."""
-        self._generation_depth += 1
-        if self._generation_depth > 1 or budget <= 0:  # 0: nothing kept, training's rules
-            return self._keep_all
-        self._keep_budget = int(budget)
-        self._largest_unit = max((u.numel for u in self.units if not u.persistent), default=0)
-        sharded = [u for u in self.units if u.state is UnitState.SHARDED]
-        self._keep_all = self.live_elements + sum(u.numel for u in sharded) <= self._keep_budget
-        if self._keep_all:
-            self._start_gather(sharded, "forward")
-        for unit in self.units:
-            unit.wait()
-            if self._keep_all or unit.persistent:
-                self._unguard(unit)
-        return self._keep_all
-
-    def end_generation(self) -> None:
-        """Leave generation: release what it kept (memory back to the training level)."""
-        self._generation_depth -= 1
-        if self._generation_depth == 0:
-            self._keep_budget, self._keep_all = None, False
-            self.release_all()
-            for unit in list(self._unguarded):
-                self._guard(unit)
-
-    def kept_for_generation(self, unit: ParamUnit) -> bool:
-        """After a forward used ``unit`` (counted in ``live_elements``): whether a generation session keeps it
-        gathered. A session holding the whole model keeps everything (also through a forward with gradients, its
-        backward and a step, which gathers the updated values again: after_step). Partly fitting models keep a
-        unit after no-grad forwards if the largest unit can still be gathered beside everything kept without
-        passing the budget, so kept units never push a later gather over it."""
-        budget = self._keep_budget
-        if budget is None or not (self._keep_all or not torch.is_grad_enabled()):
-            return False  # a forward with gradients in a partly kept session: training's rules
-        if self._keep_all or self.live_elements + self._largest_unit <= budget:
-            self._unguard(unit)
-            return True
-        return False
-
-    def _unguard(self, unit: ParamUnit) -> None:
-        """A kept unit's parameters become plain ``nn.Parameter``s until released: the guard's Python call per
-        operation on them (partitioned_param.py) would cost a decoding step more than the layer's compute."""
-        if unit not in self._unguarded and unit.state is UnitState.GATHERED:
-            self._unguarded.add(unit)
-            for param in unit.params:
-                unmark_partitioned(param)
-
-    def _guard(self, unit: ParamUnit) -> None:
-        if unit in self._unguarded:
-            self._unguarded.discard(unit)
-            for param in unit.params:
-                mark_partitioned(param)
-
-    def _keeps_for_generation(self) -> bool:
-        """Keep a unit just used (counted in ``live_elements``) if the largest unit can still be gathered beside
-        everything kept without passing the budget: kept units never push a later gather over it."""
-        budget = self._keep_budget
-        return budget is not None and self.live_elements + self._largest_unit <= budget
 
     # -- the engine's calls --------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
