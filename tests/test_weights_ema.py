@@ -81,6 +81,7 @@ def worker(rank: int, world_size: int, directory: str) -> dict:
         out[label] = {"ema": max_abs_diff(averaged(model, engine), reference),
                       "trained_after": max_abs_diff(full_params(model), trained),
                       "ema_numel": sum(t.numel() for t in engine.weights_ema.tensors()), "masters": masters,
+                      "ema_bytes": engine.memory_stats()["weights_ema"],
                       "total": sum(p.numel() for p in OddMLP().parameters())}
     engine.save_16bit_model(f"{directory}/export", weights_ema=True)
     engine.save_checkpoint(f"{directory}/ckpt")
@@ -124,6 +125,7 @@ def test_weights_ema_matches_averaged_model_and_round_trips(tmp_path):
             assert result["ema"] <= TOL, f"rank {rank} stage {label}: EMA differs from AveragedModel: {result}"
             assert result["trained_after"] <= TOL, f"rank {rank} stage {label}: weights not restored: {result}"
             assert result["ema_numel"] == result["masters"] < result["total"], result  # 1/N, beside the masters
+            assert result["ema_bytes"] == 4 * result["masters"], result
         assert out["trained_after_export"] <= TOL
         assert out["loaded"] <= TOL and out["loaded_trained"] <= TOL, out
         assert out["resumed"] <= TOL, f"rank {rank}: the resumed average differs: {out['resumed']}"

@@ -799,9 +799,12 @@ class ZeroEngine:
         self.comm.reset()
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes held on this rank now: params, grads, fp32_master, optimizer_state, buffers."""
+        """Bytes held on this rank now: params, grads, fp32_master, optimizer_state, buffers (and weights_ema when
+        weights_ema_decay is set)."""
         stats = model_state_bytes(self.module, self.inner_optimizers, self.runtime)
         stats["params"] += self.comm.paths.secondary_nbytes()  # hpZ's in-node copy of the 16-bit parameters
+        if self.weights_ema is not None:  # the sharded moving average (weights_ema_decay): 4 bytes per master element
+            stats["weights_ema"] = sum(t.numel() * t.element_size() for t in self.weights_ema.tensors())
         return stats
 
 
