@@ -28,6 +28,13 @@ def test_ema_callback_gives_ddps_average_at_stages_1_and_2(out, name):
         assert weights["_masters_off"].item() <= TOLERANCE  # in the masters too
 
 
+def test_ema_callback_resumes_from_a_sharded_checkpoint_as_under_ddp(out):
+    results = load_json(out, "weight_averaging")
+    assert abs(results["zero2_resumed"] - results["ddp_resumed"]) <= TOLERANCE
+    for rank in (0, 1):
+        assert max_diff(load_rank(out, "ddp_resumed", rank), load_rank(out, "zero2_resumed", rank)) <= TOLERANCE
+
+
 def test_ema_callback_leaves_its_average_in_the_16_bit_masters(out):
     for rank in (0, 1):  # bf16: the masters are not the parameters' storage; the strategy copies the average in
         assert load_rank(out, "zero2_bf16", rank)["_masters_off"].item() == 0.0
