@@ -43,6 +43,7 @@ class GenerationSession:
         self.budget = int(max_live_parameters)
         self._runtime = engine.runtime
         self._comm = engine.comm
+        self._device = engine.device  # where the flag of all_finished is reduced
 
     local = False  # set on entering: the whole model is gathered, so forwards issue no collective
 
@@ -59,13 +60,9 @@ class GenerationSession:
         Where the session holds the whole model gathered (``local``) no rank needs the others: ``finished``."""
         if self.local:
             return finished
-        flag = torch.tensor([0.0 if finished else 1.0], device=self._comm_device())
+        flag = torch.tensor([0.0 if finished else 1.0], device=self._device)
         self._comm.all_reduce(flag, op=dist.ReduceOp.MAX, over="world")
         return flag.item() == 0.0
-
-    def _comm_device(self) -> torch.device:
-        parts = self._runtime.parts
-        return parts[0].device if parts else torch.device("cpu")
 
 
 def generation(model: nn.Module, max_live_parameters: Optional[int] = None) -> GenerationSession:
