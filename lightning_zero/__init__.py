@@ -12,6 +12,7 @@ from .convert import convert_to_single_file
 from .fabric import ZeroFabricStrategy
 from .precision import ZeroFabricPrecision, ZeroPrecision
 from .strategy import ZeroOptimizer, ZeroStrategy
+from .weight_averaging import SwapInWeightsEMA
 
 ZeroStrategy.register_strategies(_TRAINER_REGISTRY)
 ZeroFabricStrategy.register_strategies(_FABRIC_REGISTRY)
@@ -23,4 +24,5 @@ __all__ = [
     "ZeroFabricPrecision",
     "ZeroOptimizer",
     "convert_to_single_file",
+    "SwapInWeightsEMA",
 ]

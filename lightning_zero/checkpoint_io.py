@@ -34,9 +34,29 @@ def missing_checkpoint_error(path: Path) -> FileNotFoundError:
     )
 
 
+# Lightning's WeightAveraging saves its average as the checkpoint's "state_dict" and moves the model's own to
+# "current_model_state" (stages 1-2; refused at stage 3). The engine saves the model's weights itself: the average
+# rides along under its own key, and loading puts both back where the callback reads them.
+AVERAGED_KEY = "weight_averaging_state_dict"
+CURRENT_KEY = "current_model_state"
+
+
 def client_state_of(checkpoint: dict) -> dict:
     """Everything the engine does not save itself."""
-    return {k: v for k, v in checkpoint.items() if k not in ENGINE_KEYS}
+    rest = {k: v for k, v in checkpoint.items() if k not in ENGINE_KEYS}
+    if CURRENT_KEY in rest and "state_dict" in checkpoint:
+        rest[AVERAGED_KEY] = checkpoint["state_dict"]
+        del rest[CURRENT_KEY]
+    return rest
+
+
+def restore_averaged(client_state: dict, module) -> dict:
+    """The keys WeightAveraging's ``on_load_checkpoint`` reads: its average, and the model's weights, which the
+    engine has loaded already (whole on every rank at stages 1-2)."""
+    if AVERAGED_KEY in client_state:
+        client_state["state_dict"] = client_state.pop(AVERAGED_KEY)
+        client_state[CURRENT_KEY] = module.state_dict()
+    return client_state
 
 
 def save_sharded(engine, checkpoint: dict, path: Path) -> None:
@@ -52,7 +72,7 @@ def load_sharded(engine, path: Path, load_optimizer: bool, strict: bool) -> dict
             f"'{path}' is a ZeRO checkpoint without Lightning's state (it was not written by a Lightning "
             "Trainer); load it with zero_core.checkpoint.load_checkpoint or convert it first"
         )
-    return client_state
+    return restore_averaged(client_state, engine.module)
 
 
 def load_full(engine, checkpoint: dict, optimizer_count: Optional[int], strict: bool) -> dict:

@@ -36,6 +36,7 @@ from .state_dict import checked_state_dict_type, module_state_dict
 from .optimizer import ZeroOptimizer
 from .placement import is_partitioned, to_device_around_partitioned
 from .precision import ZeroPrecision, as_zero_precision
+from .weight_averaging import masters_take_averaged, refuse_at_stage3
 
 _warnings = WarningCache()
 SUPPORTED_ACCELERATORS = ("CPUAccelerator", "CUDAAccelerator")
@@ -161,6 +162,8 @@ class ZeroStrategy(DDPStrategy):
         self.precision_plugin.device_type = self.root_device.type
         _evaluate_without_inference_mode(trainer)
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            refuse_at_stage3(trainer, self.stage)  # Lightning's WeightAveraging: the engine's average instead
         existing = zero_core.engine_of(self.lightning_module)
         if existing is not None and fitting:
             self._refit(existing, trainer)
@@ -372,6 +375,10 @@ class ZeroStrategy(DDPStrategy):
         return zero_core.save_16bit_model(self._engine, out, dtype=dtype, max_shard_size=max_shard_size)
 
     # -- end -----------------------------------------------------------------------------------------------
+    def on_train_end(self) -> None:
+        super().on_train_end()
+        masters_take_averaged(self.lightning_module.trainer, self._engine)  # after WeightAveraging's own end
+
     def on_exception(self, exception: BaseException) -> None:
         self._failed = True  # teardown must not wait for collectives another rank may never issue
 

@@ -75,7 +75,8 @@ NON_DEFAULT = {
     "zero_quantized_gradients": (True, {"stage": 3}), "mics_shard_size": (8, {}), "mics_hierarchical_params_gather": (True, {}),
     "memory_efficient_linear": (False, {}), "pipeline_loading_checkpoint": (True, {}),
     "override_module_apply": (False, {}), "leaf_module": ({"names": ["layers.0.moe"]}, {}),
-    "shard_alignment": (64, {}),
+    "shard_alignment": (64, {}), "generation_max_live_parameters": (1000, {}),
+    "weights_ema_decay": (0.99, {}),
     "fp16": ({"enabled": True}, {}), "bf16": ({"enabled": True}, {}),
     "gradient_clipping": (1.5, {}), "gradient_accumulation_steps": (4, {}), "aio": ({"block_size": 4096}, {}),
     "checkpoint": ({"use_node_local_storage": True}, {}),
@@ -116,7 +117,8 @@ def test_defaults_equal_deepspeed():
 
 
 # Fields of lightning-zero's own in the zero_optimization block (DeepSpeed has none of these), with defaults.
-OWN_ZERO_DEFAULTS = {"shard_alignment": None}
+OWN_ZERO_DEFAULTS = {"shard_alignment": None, "generation_max_live_parameters": None,
+                     "weights_ema_decay": None}
 
 
 def test_fields_are_deepspeed_fields_plus_run_fields():
@@ -422,7 +424,8 @@ def test_field_status_classification():
                 "load_from_fp32_weights", "gather_16bit_weights_on_model_save", "offload_optimizer",
                 "leaf_module", "offload_param", "zero_hpz_partition_size", "zero_quantized_weights",
                 "zero_quantized_gradients", "mics_shard_size", "mics_hierarchical_params_gather", "checkpoint",
-                "shard_alignment"}
+                "shard_alignment", "generation_max_live_parameters",
+                "weights_ema_decay"}
     mapped = {"contiguous_gradients", "elastic_checkpoint", "gradient_accumulation_steps", "legacy_stage1",
               "sub_group_size", "memory_efficient_linear", "aio", "zero_quantized_nontrainable_weights",
               "activation_checkpointing"}

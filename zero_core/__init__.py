@@ -36,6 +36,7 @@ from zero_core.stage3.debug_access import (
     safe_set_full_optimizer_state,
 )
 from zero_core.engine import ZeroEngine, setup
+from zero_core.stage3.generation import generation
 from zero_core.stage3.external_params import GatheredParameters, register_external_parameter, unregister_external_parameter
 from zero_core.fragments import Fragment
 from zero_core.stage3.init_context import Init
@@ -63,6 +64,7 @@ __all__ = [
     "ZeroConfigError",
     "ZeroEngine",
     "setup",
+    "generation",
     "GatheredParameters",
     "Init",
     "register_external_parameter",

@@ -87,6 +87,8 @@ FIELD_STATUS = {
     "override_module_apply": HONOURED,
     "leaf_module": HONOURED,
     "shard_alignment": HONOURED,
+    "generation_max_live_parameters": HONOURED,
+    "weights_ema_decay": HONOURED,
     "fp16": HONOURED,
     "bf16": HONOURED,
     "gradient_clipping": HONOURED,
@@ -451,6 +453,17 @@ class ZeroConfig(Block):
             "flat buffers (stages 1-2) and units (stage 3) fall on a multiple of this many elements, padded with "
             "zeros; null means 64 on CUDA (128 bytes for 16-bit parameters) and 1 elsewhere. Checkpoints load at "
             "any alignment.")
+    generation_max_live_parameters: Optional[int] = setting(
+        None, minimum=0,
+        doc="lightning-zero's own: stage 3 keeps up to this many gathered parameter elements across the forward "
+            "passes of generate() (and engine.generation()), instead of gathering and releasing every layer per "
+            "token, and releases them when generation ends; null means max_live_parameters, 0 gathers per forward "
+            "as in training.")
+    weights_ema_decay: Optional[float] = setting(
+        None, check=lambda v: v is None or 0.0 <= v < 1.0, rule="null or in [0, 1)",
+        doc="lightning-zero's own: keep an exponential moving average of the fp32 master weights, sharded beside "
+            "them and updated at each optimizer step as ema = decay * ema + (1 - decay) * weights "
+            "(torch's get_ema_multi_avg_fn); null turns it off. See engine.ema_weights().")
     fp16: FP16Config = setting(factory=FP16Config, doc="Float16 mixed precision: the top-level fp16 block.")
     bf16: BF16Config = setting(
         factory=BF16Config,
@@ -503,6 +516,13 @@ class ZeroConfig(Block):
                                   f"set {key_path('stage')} or remove offload_optimizer")
         if self.fp16.enabled and self.bf16.enabled:
             raise ZeroConfigError("fp16.enabled and bf16.enabled are both true; enable at most one")
+        if self.weights_ema_decay is not None and self.offload_optimizer is not None \
+                and self.offload_optimizer.device == "nvme":
+            # NVMe swaps the masters out between steps; the average would have to follow them through the files.
+            raise ZeroConfigError(
+                f"{key_path('weights_ema_decay')} does not combine with {key_path('offload_optimizer')}.device "
+                "'nvme'; use device 'cpu' (the average then lives in host memory beside the masters) or no "
+                "weights_ema_decay")
         self._check_zeropp()
 
     def _check_zeropp(self) -> None:

@@ -80,6 +80,13 @@ class Runtime(Protocol):
 
     def zero_grads(self, parts: list) -> None: ...
 
+    def begin_generation(self, budget: int) -> bool:
+        """Generation starts: no-grad forwards may keep up to ``budget`` gathered elements (stage 3); whether
+        they will issue no collective (the whole model is gathered, or never partitioned)."""
+
+    def end_generation(self) -> None:
+        """Generation ends: release what it kept."""
+
     def release_all(self) -> None:
         """Release every gathered parameter not in use (stage 3's partition cache; nothing at stages 1-2)."""
 
@@ -158,6 +165,7 @@ class CheckpointedEngine(Protocol):
     group_optimizer: list[int]  # per optimizer group (counted across optimizers): its optimizer's index
     group_param_names: list[list[str]]  # per optimizer group: its parameters' names, frozen ones included
     skipped_steps: int
+    weights_ema: Optional["WeightsEMA"]  # the sharded moving average of the masters, or None (weights_ema_decay)
 
     @property
     def device(self) -> torch.device: ...

@@ -29,10 +29,11 @@ from zero_core.comm.communicator import CommOptions, Communicator
 from zero_core.config import ZeroConfig
 from zero_core.fragments import Fragment
 from zero_core.grad_notes import GradNotes
-from zero_core.stage3.generation import sync_generate_by_default
+from zero_core.stage3.generation import GenerationSession, generate_in_sessions
 from zero_core.stage3.leaf_modules import apply_leaf_config
 from zero_core.optim.loss_scaler import LossScaler
 from zero_core.optim.master_shards import step_in_tiles
+from zero_core.optim.weights_ema import WeightsEMA
 from zero_core.tools.memory import model_state_bytes
 from zero_core.optim.mixed_precision import cast_buffers, cast_floating_inputs, cast_module
 from zero_core.offload import adopt as adopt_offload, attach as attach_offload
@@ -95,8 +96,8 @@ class ZeroEngine:
         self.runtime = _runtime_class(config.stage)(module, trainable, self._names, config, self.comm)
         # offload hook (zero_core/offload): host/NVMe masters replace the runtime's before optimizers bind
         self._offload = attach_offload(self.runtime, config, topology.rank)
-        if config.stage == 3 and topology.world_size > 1:
-            sync_generate_by_default(module)  # Hugging Face generate(): every rank runs until all are done
+        if config.stage == 3:
+            generate_in_sessions(module, self)  # Hugging Face generate(): kept gathers, ranks run until all are done
         registry.register(self.runtime.managed_params(), self)
         # The model holds its engines, the registry only weakly: a partitioned model needs its engine for as long as
         # it lives (lookups from its parameters must give every rank the same answer, whenever the cycle collector
@@ -112,6 +113,7 @@ class ZeroEngine:
         if not self._runtime_notes_grads:
             self._notes.hook(p for p in self.runtime.managed_params() if p.requires_grad)
         self._bind_optimizers(optimizers)
+        self.weights_ema = _weights_ema(config, self.runtime.parts)  # None unless weights_ema_decay is set
         self.comm.reset()  # setup's broadcasts and gathers are not training traffic
         teardown.destroy_group_at_exit()  # a group left up at exit is closed while Python still runs
         self._exit_finalizer = teardown.close_at_exit(self, self.runtime)  # for scripts that never call close()
@@ -338,6 +340,34 @@ class ZeroEngine:
             self._no_sync_depth -= 1
             self.runtime.set_sync(self._no_sync_depth == 0)
 
+    def generation(self, max_live_parameters: Optional[int] = None) -> GenerationSession:
+        """``with engine.generation() as session:`` around a decoding loop: stage 3 keeps gathered parameters
+        across its no-grad forwards, up to ``max_live_parameters`` elements (default: the config's
+        ``generation_max_live_parameters``, else ``max_live_parameters``), and releases them on leaving. Enter it
+        on every rank; ``session.all_finished(done)`` tells when every rank is done (docs/stage3.md)."""
+        return GenerationSession(self, max_live_parameters)
+
+    @contextlib.contextmanager
+    def ema_weights(self) -> Iterator[None]:
+        """``with engine.ema_weights():`` the model holds the moving average of its weights (``weights_ema_decay``)
+        instead of the trained ones, e.g. for validation or ``save_16bit_model``; they come back, exactly, on
+        leaving. A collective at entry and exit (stage 3 and stages 1-2 gather the parameters again); call it on
+        every rank, between optimizer steps."""
+        if self.weights_ema is None:
+            raise RuntimeError("engine.ema_weights() needs a moving average of the weights: set "
+                               "zero_optimization.weights_ema_decay (e.g. 0.999) in the config given to setup")
+        self._exchange_ema()
+        try:
+            yield
+        finally:
+            self._exchange_ema()
+
+    def _exchange_ema(self) -> None:
+        parts = self.runtime.parts
+        with self.offload_resident():
+            self.weights_ema.exchange([m for part in parts for m in part.masters])
+        self.refresh_params_from_masters()
+
     def join(self, enable: bool = True, throw_on_early_termination: bool = False):
         """Uneven inputs: ``with engine.join(): for batch in my_batches: ...`` lets ranks with fewer batches
         shadow the others' steps until all are done (``torch.distributed.algorithms.Join`` semantics; join.py)."""
@@ -502,6 +532,8 @@ class ZeroEngine:
                 step_in_tiles(self.inner_optimizers[k], parts, used, 1.0 / self.loss_scale,
                               self._pending[k].clip_coef, self.step_tile_numel)
         # each way of stepping sets the masters' .grad only around its own optimizer.step() and clears it there
+        if self.weights_ema is not None:
+            self.weights_ema.update([m for part in parts for m in part.masters])
         self.comm.forget_secondary()  # hpZ: the in-node copies hold the old values
         self.runtime.after_step(parts)
         self._record_overflow(False)
@@ -747,11 +779,13 @@ class ZeroEngine:
 
         return load_checkpoint(self, path, strict=strict, load_optimizer_states=load_optimizer_states)
 
-    def save_16bit_model(self, out_dir, **kwargs) -> bool:
-        """16-bit safetensors of the whole model, streamed one parameter (unit) at a time."""
+    def save_16bit_model(self, out_dir, weights_ema: bool = False, **kwargs) -> bool:
+        """16-bit safetensors of the whole model, streamed one parameter (unit) at a time; ``weights_ema``: of
+        the moving average of the weights instead (``ema_weights()``)."""
         from zero_core.checkpoint import save_16bit_model
 
-        return save_16bit_model(self, out_dir, **kwargs)
+        with self.ema_weights() if weights_ema else contextlib.nullcontext():
+            return save_16bit_model(self, out_dir, **kwargs)
 
     # -- introspection -------------------------------------------------------------------------------------
     def comm_stats(self) -> dict[str, dict[str, int]]:
@@ -770,10 +804,22 @@ class ZeroEngine:
         self.comm.reset()
 
     def memory_stats(self) -> dict[str, int]:
-        """Bytes held on this rank now: params, grads, fp32_master, optimizer_state, buffers."""
+        """Bytes held on this rank now: params, grads, fp32_master, optimizer_state, buffers (and weights_ema when
+        weights_ema_decay is set)."""
         stats = model_state_bytes(self.module, self.inner_optimizers, self.runtime)
         stats["params"] += self.comm.paths.secondary_nbytes()  # hpZ's in-node copy of the 16-bit parameters
+        if self.weights_ema is not None:  # the sharded moving average (weights_ema_decay): 4 bytes per master element
+            stats["weights_ema"] = sum(t.numel() * t.element_size() for t in self.weights_ema.tensors())
         return stats
+
+
+def _weights_ema(config: ZeroConfig, parts: list):
+    """The sharded moving average of the master weights (optim/weights_ema.py), or None when it is off."""
+    if config.weights_ema_decay is None:
+        return None  # (with NVMe offload it is refused by the config: config.py)
+    ema = WeightsEMA(config.weights_ema_decay)
+    ema.track(m for part in parts for m in part.masters)
+    return ema
 
 
 def _as_optimizer_list(optimizer, call: str = "zero_core.setup") -> list[torch.optim.Optimizer]:

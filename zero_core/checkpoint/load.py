@@ -24,6 +24,7 @@ from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, fil
 from zero_core.checkpoint.sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
 from zero_core.checkpoint.values import load_client_state
 from zero_core.checkpoint.verify import verify_files
+from zero_core.optim.weights_ema import EMA_KIND
 
 Verify = Literal["checksum", "size"]
 
@@ -204,6 +205,7 @@ def _load_fragments(engine, source, optimizer, names: dict, strict: bool) -> Non
     (engine.offload_tiles), so the state is never all in memory at once."""
     round_to_16bit = not engine.config.load_from_fp32_weights
     state_of = _optimizer_loader(engine, optimizer) if optimizer is not None else None
+    ema, saved_ema = engine.weights_ema, getattr(source, "has_weights_ema", lambda: False)()
     for tile in engine.offload_tiles(engine.fragments(), write=True):
         for fragment in tile:
             if fragment.name in names:
@@ -211,6 +213,10 @@ def _load_fragments(engine, source, optimizer, names: dict, strict: bool) -> Non
                 if round_to_16bit:  # DeepSpeed's load_from_fp32_weights=False: start from the 16-bit model weights
                     values = values.to(fragment.dtype)
                 fragment.master_values().copy_(values)
+            if ema is not None:  # saved averages, or (none saved) averaging starts again from the loaded weights
+                average = (source.read(names[fragment.name], fragment.param_range, EMA_KIND)
+                           if saved_ema and fragment.name in names else None)
+                ema.load(fragment.master, average, fragment.local.as_slice())
             if state_of is not None:
                 state_of(fragment)
     if optimizer is not None:
@@ -290,5 +296,8 @@ def _load_hyperparameters(groups: list[dict], saved: list[dict], strict: bool) -
 
 def _load_scaler(engine, manifest: dict) -> None:
     engine.restore_skipped_steps(int(manifest.get("skipped_steps", 0)))
+    saved_ema = manifest.get("weights_ema")
+    if engine.weights_ema is not None:
+        engine.weights_ema.updates = int(saved_ema["updates"]) if saved_ema else 0
     if engine.loss_scaler is not None and manifest.get("loss_scaler"):
         engine.loss_scaler.load_state_dict(manifest["loss_scaler"])

@@ -35,6 +35,7 @@ from zero_core.checkpoint.format import (
 from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_not_shared, leave_probe, node_place
 from zero_core.checkpoint.values import encode_hyperparameters, encode_value, save_client_state
+from zero_core.optim.weights_ema import EMA_KIND
 
 
 def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Optional[Any] = None) -> Path:
@@ -98,10 +99,12 @@ def _fragment_entries(engine, file: str) -> tuple[list, list, list]:
         start, end = fragment.param_range.start, fragment.param_range.end
         tensors, keys = {}, []
         kinds = [(MASTER_KIND, None, fragment.master.dtype)] + [(k, k, d) for k, d in sorted(per_element.items())]
+        if engine.weights_ema is not None:  # the moving average of the weights, beside the master it averages
+            kinds.append((EMA_KIND, EMA_KIND, torch.float32))
         for kind, state_key, dtype in kinds:
             key = tensor_key(fragment.name, start, end, kind)
-            shape = torch.empty(engine.shape_in_memory(fragment.master, state_key), device="meta")[
-                fragment.local.as_slice()].shape
+            in_memory = engine.shape_in_memory(fragment.master, None if kind == EMA_KIND else state_key)
+            shape = torch.empty(in_memory, device="meta")[fragment.local.as_slice()].shape
             entries.append((key, Pending(dtype, tuple(shape))))
             tensors[kind] = {"key": key}
             keys.append((key, state_key))
@@ -119,7 +122,10 @@ def _fragment_tensors(engine, plan: list) -> Iterator[tuple[str, torch.Tensor]]:
         for fragment in tile:
             state = engine.optimizer_state_of(fragment.master)
             for key, state_key in keys_of[id(fragment)]:
-                full = fragment.master if state_key is None else state[state_key]
+                if state_key == EMA_KIND:
+                    full = engine.weights_ema.average_of(fragment.master)
+                else:
+                    full = fragment.master if state_key is None else state[state_key]
                 yield key, full.detach()[fragment.local.as_slice()]
 
 
@@ -181,7 +187,7 @@ def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:
         files.update(reports[rank]["files"])
     groups = [group for inner in engine.inner_optimizers for group in inner.param_groups]
     classes = [f"{type(inner).__module__}.{type(inner).__qualname__}" for inner in engine.inner_optimizers]
-    scaler = engine.loss_scaler
+    scaler, ema = engine.loss_scaler, engine.weights_ema
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -194,7 +200,7 @@ def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:
             "class": classes[0],
             "classes": classes,  # one per optimizer; each group names its optimizer's index
             "per_element_keys": sorted({k for r in reports for f in r["fragments"] for k in f["tensors"]}
-                                       - {MASTER_KIND}),
+                                       - {MASTER_KIND, EMA_KIND}),
             "param_groups": [{"param_names": list(names), "optimizer": owner,
                               "hyperparameters": encode_hyperparameters(group, i)}
                              for i, (names, group, owner) in enumerate(zip(engine.group_param_names, groups,
@@ -202,6 +208,7 @@ def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:
         },
         "loss_scaler": scaler.state_dict() if scaler is not None else None,
         "skipped_steps": int(engine.skipped_steps),
+        "weights_ema": None if ema is None else {"decay": ema.decay, "updates": ema.updates},
     }
 
 

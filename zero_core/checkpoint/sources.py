@@ -23,6 +23,7 @@ from safetensors import safe_open
 from zero_core.layout import Range
 from zero_core.checkpoint.shard_identity import SHARD_KEY
 
+from zero_core.optim.weights_ema import EMA_KIND
 from zero_core.checkpoint.format import MASTER_KIND, REPLICATED, CheckpointError, CheckpointMismatchError
 from zero_core.checkpoint.values import decode_value
 
@@ -131,7 +132,11 @@ class ShardedSource:
 
     def has_state(self, name: str) -> bool:
         fragments = self.params.get(name, {}).get("fragments", [])
-        return any(len(f["tensors"]) > 1 or f["scalars"] for f in fragments)
+        return any(set(f["tensors"]) - {MASTER_KIND, EMA_KIND} or f["scalars"] for f in fragments)
+
+    def has_weights_ema(self) -> bool:
+        """Whether the checkpoint holds the moving average of the weights (weights_ema_decay)."""
+        return self.manifest.get("weights_ema") is not None
 
     def read_state(self, name: str, rng: Range, key: str) -> Optional[torch.Tensor]:
         fragments = self.params.get(name, {}).get("fragments", [])

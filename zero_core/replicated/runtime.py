@@ -133,6 +133,13 @@ class ReplicatedParamsRuntime:
             self.reducer.flush_unsynced(set(parts))
             self.reducer.reduce_last(set(parts))
 
+    def begin_generation(self, budget: int) -> bool:
+        """Nothing to keep: stages 1 and 2 hold whole parameters, so forwards issue no collective (generation.py)."""
+        return True
+
+    def end_generation(self) -> None:
+        """Nothing was kept (stages 1 and 2)."""
+
     def after_step(self, parts: list[FlatParamGroup]) -> None:
         """Every rank updated its shards of ``parts``; all-gather them so each rank holds whole parameters again."""
         works = []

@@ -58,7 +58,8 @@ def skipped_forward(runtime: "PartitionedParamsRuntime", position: int) -> None:
     runtime._fetch(units, position, backward=False)
     for unit in units:
         if runtime._active[unit] == 0 and unit not in runtime._held and not runtime._reused_soon(position, unit):
-            runtime._release(unit)
+            if runtime._keep_budget is None or not runtime.kept_for_generation(unit):  # as the ranks that ran it decide (generation.py)
+                runtime._release(unit)
 
 
 def skipped_backward(runtime: "PartitionedParamsRuntime", position: int) -> None:

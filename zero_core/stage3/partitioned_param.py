@@ -307,6 +307,19 @@ class PartitionedParameter(nn.Parameter):
     def __format__(self, spec: str) -> str:
         return _format(self, spec)
 
+    def __deepcopy__(self, memo):
+        try:
+            return super().__deepcopy__(memo)
+        except RuntimeError as error:
+            if not is_released(self):
+                raise
+            # torch's AveragedModel (and Lightning's WeightAveraging) start with a deepcopy of the model.
+            raise RuntimeError(
+                f"{error} Copying a stage 3 model (copy.deepcopy: torch's AveragedModel, an EMA or teacher copy) "
+                "would hold every parameter whole on every rank. For a moving average of the weights use the "
+                "engine's sharded one: zero_optimization.weights_ema_decay and engine.ema_weights() "
+                "(docs/core-api.md)") from None
+
 
 class PartitionedView(torch.Tensor):
     """A view or alias of a partitioned parameter (see the module docstring); created by ``_bind_views`` only."""

@@ -62,6 +62,8 @@ class Prefetch:
             index = position + step
         budget, live, batch = self.policy.prefetch_bucket_size, self.live_elements, []
         max_live = self.policy.max_live_parameters
+        if self._keep_budget is not None:  # a generation session (generation.py): its budget bounds prefetch too
+            max_live = min(max_live, self._keep_budget)
         while 0 <= index < len(order):
             fits, module = True, order[index]
             for unit in self._units_for(module):

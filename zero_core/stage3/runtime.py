@@ -39,6 +39,7 @@ from zero_core.stage3.streams import SideStreams
 from zero_core.stage3.tile_units import tile_of
 from zero_core.stage3.gradients import GradientReduction
 from zero_core.stage3.prefetch import Prefetch, _Cursor
+from zero_core.stage3.generation_keeping import GenerationKeeping
 from zero_core.reduction import BackwardSession, ReductionQueue
 
 
@@ -48,10 +49,11 @@ def eager(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
-class PartitionedParamsRuntime(Prefetch, GradientReduction):
+class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
     """Owns the units, the module hooks, and gathering and releasing for stage 3. Prefetch decisions are in the
     ``Prefetch`` mixin (prefetch.py); gradient hooks, reduce buckets and the end-of-backward flush in the
-    ``GradientReduction`` mixin (gradients.py)."""
+    ``GradientReduction`` mixin (gradients.py); what generation sessions keep gathered in the
+    ``GenerationKeeping`` mixin (generation_keeping.py)."""
 
     MAX_IN_FLIGHT = PARTITIONED_IN_FLIGHT  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
     param_swap = None  # offload_param nvme (zero_core/offload/params.py): the swap file of unit shards
@@ -104,6 +106,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         self._positions: dict[nn.Module, list] = defaultdict(list)  # trace position of each open forward call
         self._held: set[ParamUnit] = set()
         self._root_depth = 0  # the model's forward calls now open (a read inside one gathers: gather_on_read)
+        self._init_generation()  # generation sessions (generation_keeping.py)
         # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
         # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
         self._reduce_order: Optional[list[ParamUnit]] = None
@@ -218,6 +221,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         mod = self._module_of[unit]
         self._gather(unit)
         values = {p: p.detach().clone() for p in unit.params}
+        self._guard(unit)
         unit.release(force=True)
         self._note_live(-unit.numel)
         self.units.remove(unit)
@@ -329,10 +333,12 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
 
     def _root_post_forward(self, module, args, output) -> None:
         self._root_depth -= 1
-        if self.phase is not Phase.BACKWARD and not torch.is_grad_enabled():
+        if self.phase is not Phase.BACKWARD and not torch.is_grad_enabled() and self._keep_budget is None:
             self.release_all()  # no backward follows: nothing needs to stay gathered
 
     def _pre_forward(self, mod, _hook_module, args, kwargs):
+        if self._keep_all and not torch.is_grad_enabled():
+            return args, kwargs  # generation with the whole model gathered: nothing to gather, count or trace
         units = self._units_for(mod)
         if self.phase is Phase.BACKWARD:
             # Recomputation under activation checkpointing: it may stop early, inside a module, so its forward
@@ -376,6 +382,8 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
                 "{'names': [...]} (docs/stage3.md, leaf modules).")
 
     def _post_forward(self, mod, _hook_module, args, output):
+        if self._keep_all and not torch.is_grad_enabled():
+            return output  # generation with the whole model gathered (see _pre_forward)
         if self.phase is Phase.BACKWARD:
             return output  # recomputation under activation checkpointing: backward releases these
         units = self._units_for(mod)
@@ -396,6 +404,8 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
                 self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
             elif active[unit] > 0 or (is_root and self._root_keeps(grad_enabled, unit)):
                 continue  # used by an enclosing forward still open; or the root's, whose backward comes next
+            elif self._keep_budget is not None and self.kept_for_generation(unit):
+                continue  # generation: the next decoding step runs the same modules
             elif is_tile or not self._reused_soon(position, unit, grad_enabled):
                 self._release(unit)
         return output
@@ -459,6 +469,10 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
             gather_together(units, self.comm, phase)
 
     def _release(self, unit: ParamUnit) -> None:
+        if self._keep_all:
+            return  # a generation session holds the whole model until it ends (generation.py)
+        if self._unguarded and not unit.persistent:
+            self._guard(unit)  # released memory: the guard watches its parameters again
         if unit.state is not UnitState.SHARDED and not unit.persistent:
             unit.release()
             self._note_live(-unit.numel)
@@ -505,9 +519,9 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction):
         stale = []
         for unit in parts:
             unit.write_back_masters()
-            if unit.persistent:
+            if unit.persistent or (self._keep_all and unit.state is not UnitState.SHARDED):
                 unit.state = UnitState.SHARDED  # its full copy is stale: gather the new values
-                stale.append(unit)
+                stale.append(unit)  # (a generation session that holds the whole model keeps holding it)
         gather_together(stale, self.comm)  # all issued at once (one collective where they coalesce)
         for unit in stale:
             unit.wait()
