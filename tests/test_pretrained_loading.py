@@ -15,6 +15,7 @@ from torch import nn
 import zero_core
 from distributed import run_distributed
 from zero_core.checkpoint.format import CheckpointMismatchError
+from zero_core.layout import Range
 from zero_core.pretrained.files import WeightFiles
 
 WORLD = 3
@@ -217,3 +218,16 @@ def test_load_pretrained_into_init_meta_engine_and_plain_models(tmp_path):
     for rank, seen in enumerate(results):
         assert seen["init"] <= total / WORLD * 1.3 + 2 and seen["meta"] <= total / WORLD * 1.3 + 2, seen
         assert (seen["rank0"] > 0) == (rank == 0), seen
+
+
+def test_reads_stage_on_the_host_whatever_the_default_device(tmp_path):
+    """Under ``with torch.device("cuda")`` (a GPU run) the staging buffer of a cast read must still be host memory:
+    the default device stands in here as "meta" (a read into it would fail)."""
+    values = torch.arange(40, dtype=torch.float32).view(8, 5)
+    save_file({"w": values.to(torch.bfloat16)}, tmp_path / "model.safetensors")
+    with WeightFiles.open(tmp_path) as files, torch.device("meta"):
+        out = torch.zeros(17, dtype=torch.float32, device="cpu")
+        files.read_into("w", Range(3, 20), out)
+        whole = files.read_whole("w")
+    assert torch.equal(out, values.reshape(-1)[3:20]) and whole.device.type == "cpu"
+    assert torch.equal(whole.float(), values)

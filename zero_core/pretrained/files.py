@@ -164,7 +164,7 @@ class WeightFiles:
 
     def read(self, key: str, rng: Range) -> torch.Tensor:
         """Elements ``rng`` of tensor ``key`` flattened (1-d, the file's dtype)."""
-        out = torch.empty(rng.size, dtype=self.info[key].dtype)
+        out = torch.empty(rng.size, dtype=self.info[key].dtype, device="cpu")  # not the default device: a read
         self.read_into(key, rng, out)
         return out
 
@@ -180,7 +180,8 @@ class WeightFiles:
         step = rng.size if direct else max(1, READ_CHUNK_BYTES // info.dtype.itemsize)
         for first in range(rng.start, rng.end, step):
             last = min(rng.end, first + step)
-            target = out[first - rng.start: last - rng.start] if direct else torch.empty(last - first, dtype=info.dtype)
+            target = out[first - rng.start: last - rng.start] if direct else \
+                torch.empty(last - first, dtype=info.dtype, device="cpu")  # host staging, whatever the default device
             self._pread(key, first, target)
             if not direct:
                 out[first - rng.start: last - rng.start].copy_(target)
