@@ -31,6 +31,7 @@ import zero_core
 
 from . import checkpoint_io
 from .config import base_config, differing_fields, run_config
+from .deepspeed_args import apply_deepspeed_args, given_keywords
 from .offload_args import OFFLOAD_STRATEGIES, OffloadArg, apply_offload_args
 from .state_dict import checked_state_dict_type, module_state_dict
 from .optimizer import ZeroOptimizer
@@ -57,6 +58,10 @@ class ZeroStrategy(DDPStrategy):
             checkpoint holds the weights; nothing is gathered). Checkpoints are sharded directories either way.
         offload_optimizer, offload_parameters: True/"cpu"/"nvme" set the config's offload_optimizer / offload_param
             device (True means "nvme" when ``nvme_path`` is given); ``nvme_path``: their swap directory.
+        allgather_bucket_size, reduce_bucket_size, ..., stage3_max_reuse_distance: DeepSpeedStrategy's keywords
+            (and DeepSpeed's ``stage3_*`` names), each setting the zero_optimization field of that name; None
+            leaves the config's value. ``loss_scale``, ``initial_scale_power``, ``loss_scale_window``,
+            ``hysteresis``, ``min_loss_scale`` set the fp16 block. A keyword the config contradicts is an error.
         The other arguments are DDP's.
     """
 
@@ -78,7 +83,30 @@ class ZeroStrategy(DDPStrategy):
         offload_optimizer: OffloadArg = None,
         offload_parameters: OffloadArg = None,
         nvme_path: Optional[str] = None,
+        allgather_bucket_size: Optional[int] = None,
+        reduce_bucket_size: Optional[int] = None,
+        allgather_partitions: Optional[bool] = None,
+        reduce_scatter: Optional[bool] = None,
+        overlap_comm: Optional[bool] = None,
+        contiguous_gradients: Optional[bool] = None,
+        sub_group_size: Optional[int] = None,
+        prefetch_bucket_size: Optional[int] = None,
+        param_persistence_threshold: Optional[int] = None,
+        model_persistence_threshold: Optional[int] = None,
+        max_live_parameters: Optional[int] = None,
+        max_reuse_distance: Optional[int] = None,
+        stage3_prefetch_bucket_size: Optional[int] = None,
+        stage3_param_persistence_threshold: Optional[int] = None,
+        stage3_model_persistence_threshold: Optional[int] = None,
+        stage3_max_live_parameters: Optional[int] = None,
+        stage3_max_reuse_distance: Optional[int] = None,
+        loss_scale: Optional[float] = None,
+        initial_scale_power: Optional[int] = None,
+        loss_scale_window: Optional[int] = None,
+        hysteresis: Optional[int] = None,
+        min_loss_scale: Optional[float] = None,
     ) -> None:
+        keywords = given_keywords(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -89,8 +117,8 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.zero_config = apply_offload_args(base_config(stage, config), offload_optimizer, offload_parameters,
-                                              nvme_path)
+        zero_config = apply_deepspeed_args(base_config(stage, config), keywords)
+        self.zero_config = apply_offload_args(zero_config, offload_optimizer, offload_parameters, nvme_path)
         self.state_dict_type = checked_state_dict_type(state_dict_type)
         self._forward_redirection = _ForwardRedirection()
         self._engine: Optional[zero_core.ZeroEngine] = None
