@@ -34,6 +34,7 @@ from .deepspeed_args import apply_deepspeed_args, given_keywords
 from .optimizer import optimizer_index
 from .state_dict import StateDictType, checked_state_dict_type, module_state_dict
 from .placement import to_device_around_partitioned
+from .restarts import init_process_group
 from .precision import ZeroFabricPrecision, as_zero_precision, clip_grad_value
 from .strategy import SUPPORTED_ACCELERATORS, _placeholder_optimizer
 
@@ -125,6 +126,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                                f"{type(self.accelerator).__name__}; use Fabric(accelerator='cpu') or 'gpu'")
         super().setup_environment()
         self.precision.device_type = self.root_device.type
+
+    def _setup_distributed(self) -> None:
+        self._set_world_ranks()
+        init_process_group(self)  # a restarted torchrun attempt gets its own store keys
 
     # -- model and optimizer -------------------------------------------------------------------------------
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler=None):

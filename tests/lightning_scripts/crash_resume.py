@@ -1,0 +1,79 @@
+"""A Lightning job that checkpoints every 3 steps and resumes by itself after a crash; for
+tests/test_front_end_restarts.py, launched by ``torchrun --nproc-per-node 2 --max-restarts 1``.
+
+Usage: python crash_resume.py OUT_DIR KILL_AFTER_STEP (-1: never) STRATEGY ("zero3", "zero3-latest", "ddp").
+On the first attempt rank 1 SIGKILLs itself after optimizer step KILL_AFTER_STEP; torchrun restarts both ranks.
+"zero3" resumes with ``fit(ckpt_path="last")``, "zero3-latest" with ``ZeroStrategy(resume="latest")`` and no
+ckpt_path. The batches come from (global step, rank), so a resumed run sees the data an uninterrupted one does.
+Rank 0 writes the final weights and where the run resumed from to OUT_DIR/result.pt.
+"""
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for lightning_zero/zero_core
+
+from lightning_zero import ZeroStrategy  # noqa: E402
+
+STEPS = 10  # tests/test_lightning_restarts.py counts on these
+CONFIG = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 64}
+
+
+def batch(step: int, rank: int) -> torch.Tensor:
+    return torch.randn(4, 10, generator=torch.Generator().manual_seed(100 * step + rank))
+
+
+class Net(pl.LightningModule):
+    def __init__(self, kill_after: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.kill_after = kill_after
+        self.resumed_at = None
+
+    def training_step(self, _batch, _index):
+        if self.resumed_at is None:
+            self.resumed_at = self.global_step
+        return self.net(batch(self.global_step, self.global_rank)).pow(2).mean()
+
+    def on_train_batch_end(self, *args):
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if attempt == 0 and self.global_rank == 1 and self.global_step == self.kill_after + 1:
+            os.kill(os.getpid(), signal.SIGKILL)  # a crash: no exception, no cleanup
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def main(out: Path, kill_after: int, kind: str) -> None:
+    torch.set_num_threads(1)
+    checkpoints = out / "checkpoints"
+    if kind == "ddp":
+        strategy = "ddp"
+    elif kind == "zero3-latest":
+        strategy = ZeroStrategy(config=CONFIG, resume="latest")
+    else:
+        strategy = ZeroStrategy(config=CONFIG)
+    saver = ModelCheckpoint(dirpath=checkpoints, every_n_train_steps=3, save_last=True, save_top_k=-1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=STEPS, callbacks=[saver],
+                         logger=False, enable_progress_bar=False, enable_model_summary=False)
+    model = Net(kill_after)
+    data = DataLoader(TensorDataset(torch.zeros(64, 1)), batch_size=1)  # only paces the loop
+    trainer.fit(model, data, ckpt_path=None if kind == "zero3-latest" else "last")
+    state = trainer.strategy.lightning_module_state_dict() if kind != "ddp" else model.state_dict()
+    if trainer.global_rank == 0:
+        attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        torch.save({"weights": {k: v.detach().cpu().clone() for k, v in state.items()}, "attempt": attempt,
+                    "resumed_at": model.resumed_at, "global_step": trainer.global_step}, out / "result.pt")
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
