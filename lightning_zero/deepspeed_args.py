@@ -12,7 +12,6 @@ from __future__ import annotations
 from typing import Any
 
 from zero_core import ZeroConfig
-from zero_core.config import FP16Config
 
 # zero_optimization fields, under DeepSpeed's names; None means "not given" (the config's value stays).
 ZERO_KEYWORDS = (
@@ -44,7 +43,8 @@ def apply_deepspeed_args(config: ZeroConfig, given: dict[str, Any], owner: str =
         _set(config, field, getattr(parsed, field), field in config.explicit_fields(), owner, name,
              f"zero_optimization.{field}")
         config._explicit = config._explicit | {field}  # as if written in the config
-    block, defaults = FP16Config(**{FP16_KEYWORDS[k]: v for k, v in fp16.items()}), FP16Config()
+    block = ZeroConfig(fp16={FP16_KEYWORDS[k]: v for k, v in fp16.items()}).fp16  # checked like the config's
+    defaults = ZeroConfig().fp16
     for name in fp16:
         field = FP16_KEYWORDS[name]
         # The fp16 block does not record which fields were written; a value away from the default was.

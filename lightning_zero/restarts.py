@@ -8,7 +8,7 @@ from typing import Any
 
 from lightning.fabric.utilities.distributed import _init_dist_connection
 
-from zero_core.comm.restarts import attempt_store
+from zero_core import attempt_store
 
 
 def init_process_group(strategy: Any) -> None:

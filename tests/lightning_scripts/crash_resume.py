@@ -16,26 +16,22 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for lightning_zero/zero_core
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared model and batches
 
 from lightning_zero import ZeroStrategy  # noqa: E402
+from restarts import batch, make_model  # noqa: E402
 
 STEPS = 10  # tests/test_lightning_restarts.py counts on these
 CONFIG = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 64}
 
 
-def batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(4, 10, generator=torch.Generator().manual_seed(100 * step + rank))
-
-
 class Net(pl.LightningModule):
     def __init__(self, kill_after: int):
         super().__init__()
-        torch.manual_seed(0)
-        self.net = nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
+        self.net = make_model()
         self.kill_after = kill_after
         self.resumed_at = None
 
