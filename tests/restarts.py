@@ -30,12 +30,13 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(10, 16), nn.Tanh(), nn.Linear(16, 3))
 
 
-def uninterrupted_weights(steps: int, world_size: int = 2, lr: float = 1e-2) -> dict[str, torch.Tensor]:
-    """The weights after ``steps`` AdamW steps of DDP at ``world_size`` on these batches."""
+def uninterrupted_weights(steps: int, world_size: int = 2, lr: float = 1e-2, weight_decay: float = 1e-2,
+                          data=batch) -> dict[str, torch.Tensor]:
+    """The weights after ``steps`` AdamW steps of DDP at ``world_size`` on ``data(step, rank)``."""
     model = make_model()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
     for step in range(steps):
-        loss = sum(model(batch(step, rank)).pow(2).mean() for rank in range(world_size)) / world_size
+        loss = sum(model(data(step, rank)).pow(2).mean() for rank in range(world_size)) / world_size
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
