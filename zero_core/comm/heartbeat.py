@@ -1,0 +1,57 @@
+"""Heartbeats: how the ranks waiting in a collective tell a stuck rank from a slow one, and say what it does.
+
+Note: why a heartbeat. A rank stuck outside the engine (a deadlock in a data loader, a ``sleep``, an endless
+loop in user code) issues no collective, so the guard's comparison of calls finds nothing: the others would
+wait until the process group's timeout (30 minutes by default). Every rank's guard thread therefore posts, twice
+a second, through the rendezvous store: how many collectives it issued, its last one, how long ago, whether it
+is waiting in one itself, and where its main thread is (the innermost frames of its Python stack). A rank
+waiting for a collective reads the others' posts once it has waited ``ZERO_CORE_GUARD_STALL_S`` seconds: a rank
+that has not reached this collective and is not waiting in any is named, with what it is doing, at once (a
+warning), and after ``ZERO_CORE_GUARD_STUCK_S`` seconds (default 300) without a collective it is an error on
+every waiting rank, so the job exits instead of waiting for the process group's timeout.
+"""
+
+from __future__ import annotations
+
+import pickle
+import sys
+import threading
+import time
+import traceback
+from typing import Optional
+
+FRAMES = 3  # innermost frames of the stuck rank's stack shown in the message
+
+
+def main_thread_frames() -> str:
+    """Where the main thread is now, innermost last ("file:line in function: source")."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return "unknown"
+    summary = traceback.extract_stack(frame)[-FRAMES:]
+    return " <- ".join(f"{f.filename}:{f.lineno} in {f.name}" + (f": {f.line.strip()}" if f.line else "")
+                       for f in reversed(summary))
+
+
+def beat(seq: int, last, since: float, waiting: bool) -> bytes:
+    """The heartbeat a guard's thread posts: the state of its rank now."""
+    return pickle.dumps({"seq": seq, "last": last, "idle_s": time.monotonic() - since, "waiting": waiting,
+                         "stack": main_thread_frames()})
+
+
+def behind(mine_seq: int, theirs: Optional[dict]) -> bool:
+    """Whether a rank's heartbeat shows it has not reached this rank's collective and waits in none."""
+    return theirs is not None and theirs["seq"] <= mine_seq and not theirs["waiting"]
+
+
+def describe(rank: int, theirs: dict, waiting_rank: int, waiting_for: str) -> str:
+    last = theirs["last"].describe() if theirs["last"] is not None else "none yet"
+    return (f"rank {rank} is stuck or slow: it has issued no collective for {theirs['idle_s']:.0f} s while rank "
+            f"{waiting_rank} waits for it at {waiting_for}. Its last collective: {last}; its main thread is now "
+            f"in {theirs['stack']}")
+
+
+def stuck_message(text: str, stuck_s: float) -> str:
+    return (f"{text}. Giving up after ZERO_CORE_GUARD_STUCK_S={stuck_s:g} s without a collective from it (set that "
+            "environment variable higher for ranks that legitimately work alone that long, e.g. writing a large "
+            "file)")
