@@ -5,8 +5,10 @@ every attempt's ranks connect to it as clients (``TORCHELASTIC_USE_AGENT_STORE=T
 with ``env://`` uses the plain store, so the ranks of a restarted attempt read what the killed attempt left
 there: gloo's addresses of dead processes ("Gloo connectFullMesh failed ... Connection refused"), or the
 collective guard's and torch's own counters, which stall the new attempt. Wrapping the agent's store in a
-``PrefixStore`` per attempt (``TORCHELASTIC_RESTART_COUNT``, which also counts elastic re-rendezvous) gives
-every attempt clean keys; the transport (gloo or NCCL) then never sees the dead attempt.
+``PrefixStore`` per attempt gives every attempt clean keys; the transport (gloo or NCCL) then never sees the
+dead attempt. An attempt is named by ``TORCHELASTIC_RESTART_COUNT`` and the world size: the count grows with
+each failure (a lost node included) but not when an elastic job grows because a node joined, and then the world
+size differs.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ def attempt_store(timeout: Optional[timedelta] = None) -> Optional[dist.Store]:
     kwargs = {"timeout": timeout} if timeout is not None else {}
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                           use_libuv=True, **kwargs)
-    return dist.PrefixStore(f"zero_core/attempt_{restart_attempt()}", store)
+    attempt = f"zero_core/attempt_{restart_attempt()}_world_{os.environ.get('WORLD_SIZE', '')}"
+    return dist.PrefixStore(attempt, store)
 
 
 def init_process_group_for_attempt(backend: str, timeout: Optional[timedelta] = None, **kwargs) -> None:
