@@ -10,6 +10,7 @@ docs/lightning.md is the user's guide.
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -126,7 +127,10 @@ class ZeroStrategy(DDPStrategy):
         zero_config = apply_deepspeed_args(base_config(stage, config), keywords)
         self.zero_config = apply_offload_args(zero_config, offload_optimizer, offload_parameters, nvme_path)
         self.state_dict_type = checked_state_dict_type(state_dict_type)
-        self.resume = resume
+        if resume is not None and not isinstance(resume, (str, os.PathLike)):
+            raise TypeError(f"ZeroStrategy(resume={resume!r}): give 'latest' (the ModelCheckpoint's directory) or "
+                            "a directory of checkpoints")
+        self.resume = None if resume is None else os.fspath(resume)
         self._forward_redirection = _ForwardRedirection()
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -220,8 +224,9 @@ class ZeroStrategy(DDPStrategy):
             self._resume_by_itself(trainer)
 
     def _resume_by_itself(self, trainer) -> None:
-        """``resume=``: restore as ``fit(ckpt_path=<newest verified checkpoint>)`` would. Lightning's own
-        restore then finds no ckpt_path and keeps what this loaded (loops and optimizers follow from it)."""
+        """``resume=``: restore as ``fit(ckpt_path=<newest verified checkpoint>)`` would, through the Trainer's
+        checkpoint connector (Lightning has no public hook between choosing ckpt_path and restoring). Lightning's
+        own restore then finds no ckpt_path and keeps what this loaded (loops and optimizers follow from it)."""
         path = checkpoint_io.newest_checkpoint(self.resume, trainer.checkpoint_callback)
         path = self.broadcast(str(path) if path is not None else None)  # rank 0's view decides
         if path is not None:

@@ -1,5 +1,5 @@
 """DeepSpeedStrategy's keyword arguments on ZeroStrategy and ZeroFabricStrategy: each sets the same ZeroConfig
-field as ``config=`` does, a contradiction with the config names both, and LightningCLI parses them."""
+field as ``config=`` does, a contradiction with the config names both, and LightningCLI parses them; the resume= option checks its value."""
 
 from __future__ import annotations
 
@@ -69,3 +69,14 @@ def test_lightning_cli_parses_the_keywords():
     assert isinstance(strategy, lightning_zero.ZeroStrategy)
     config = strategy.zero_config
     assert (config.param_persistence_threshold, config.reduce_bucket_size, config.overlap_comm) == (0, 5000, False)
+
+
+def test_resume_option_checks_what_it_is_given(tmp_path):
+    from lightning_zero.checkpoint_io import newest_checkpoint
+
+    with pytest.raises(TypeError, match="resume=3"):
+        ZeroStrategy(resume=3)
+    assert ZeroStrategy(resume=tmp_path).resume == str(tmp_path)
+    with pytest.raises(ValueError, match="no ModelCheckpoint"):
+        newest_checkpoint("latest", None)
+    assert newest_checkpoint(str(tmp_path / "none-yet"), None) is None  # a first run starts fresh
