@@ -26,7 +26,7 @@ from zero_core.checkpoint import (
     save_checkpoint,
 )
 from zero_core.comm.guard import CollectiveMismatchError
-from zero_core.comm.restarts import attempt_store, init_process_group_for_attempt, restart_attempt
+from zero_core.comm.restarts import accumulation_for, attempt_store, init_process_group_for_attempt, restart_attempt
 from zero_core.config import ZeroConfig, ZeroConfigError
 from zero_core.stage3.debug_access import (
     safe_get_full_fp32_param,
@@ -51,6 +51,7 @@ __all__ = [
     "CollectiveMismatchError",
     "consolidate",
     "latest_checkpoint",
+    "accumulation_for",
     "attempt_store",
     "init_process_group_for_attempt",
     "restart_attempt",

@@ -51,3 +51,15 @@ def init_process_group_for_attempt(backend: str, timeout: Optional[timedelta] = 
     if timeout is not None:
         kwargs["timeout"] = timeout
     dist.init_process_group(backend, **kwargs)
+
+
+def accumulation_for(global_batch: int, micro_batch: int, world_size: Optional[int] = None) -> int:
+    """The gradient accumulation that keeps ``global_batch`` samples per optimizer step on ``world_size`` ranks
+    (default: the process group's) of ``micro_batch`` samples each: what an elastic job that restarted at
+    another size uses. Raises a one-line ValueError when the sizes do not divide."""
+    world = world_size if world_size is not None else dist.get_world_size()
+    if global_batch % (micro_batch * world):
+        raise ValueError(f"a global batch of {global_batch} samples cannot be kept on {world} ranks with micro-batches "
+                         f"of {micro_batch}: {global_batch} is not a multiple of {micro_batch} x {world}; run on a "
+                         f"number of ranks that divides {global_batch // micro_batch}, or change the micro-batch")
+    return global_batch // (micro_batch * world)
