@@ -446,12 +446,16 @@ def _cpu_only_multiprocess() -> bool:
 def init_for_restart_attempt(cpu: bool, handlers=()) -> None:
     """Under torchrun / ``accelerate launch`` the process group is made here, over the restart attempt's own
     keys in the agent's store (zero_core.attempt_store), before Accelerate would make it over the plain store,
-    where the ranks of a ``--max_restarts`` restart read the dead attempt's addresses and fail or hang."""
+    where the ranks of a ``--max_restarts`` restart read the dead attempt's addresses and fail or hang. Without
+    a torchelastic agent Accelerate makes the group as before."""
     if dist.is_initialized() or "RANK" not in os.environ:
         return
-    backend = "gloo" if cpu else "cpu:gloo,cuda:nccl"
     timeout = next((h.timeout for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
-    zero_core.init_process_group_for_attempt(backend, timeout)
+    store = zero_core.attempt_store(timeout)
+    if store is None:
+        return
+    dist.init_process_group("gloo" if cpu else "cpu:gloo,cuda:nccl", store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), **({"timeout": timeout} if timeout else {}))
 
 
 def _ensure_process_group(device: torch.device) -> None:
