@@ -21,11 +21,9 @@ ZERO_KEYWORDS = (
     "stage3_prefetch_bucket_size", "stage3_param_persistence_threshold", "stage3_model_persistence_threshold",
     "stage3_max_live_parameters", "stage3_max_reuse_distance",
 )
-# DeepSpeedStrategy's loss-scaling keywords -> the fp16 block's fields.
-FP16_KEYWORDS = {"loss_scale": "loss_scale", "initial_scale_power": "initial_scale_power",
-                 "loss_scale_window": "loss_scale_window", "hysteresis": "hysteresis",
-                 "min_loss_scale": "min_loss_scale"}
-KEYWORDS = ZERO_KEYWORDS + tuple(FP16_KEYWORDS)
+# DeepSpeedStrategy's loss-scaling keywords: the fp16 block's fields of the same names.
+FP16_KEYWORDS = ("loss_scale", "initial_scale_power", "loss_scale_window", "hysteresis", "min_loss_scale")
+KEYWORDS = ZERO_KEYWORDS + FP16_KEYWORDS
 
 
 def given_keywords(arguments: dict[str, Any]) -> dict[str, Any]:
@@ -43,13 +41,11 @@ def apply_deepspeed_args(config: ZeroConfig, given: dict[str, Any], owner: str =
         _set(config, field, getattr(parsed, field), field in config.explicit_fields(), owner, name,
              f"zero_optimization.{field}")
         config._explicit = config._explicit | {field}  # as if written in the config
-    block = ZeroConfig(fp16={FP16_KEYWORDS[k]: v for k, v in fp16.items()}).fp16  # checked like the config's
-    defaults = ZeroConfig().fp16
-    for name in fp16:
-        field = FP16_KEYWORDS[name]
+    block, defaults = ZeroConfig(fp16=fp16).fp16, ZeroConfig().fp16  # checked like the config's own values
+    for field in fp16:
         # The fp16 block does not record which fields were written; a value away from the default was.
         stated = getattr(config.fp16, field) != getattr(defaults, field)
-        _set(config.fp16, field, getattr(block, field), stated, owner, name, f"fp16.{field}")
+        _set(config.fp16, field, getattr(block, field), stated, owner, field, f"fp16.{field}")
         config._explicit = config._explicit | {"fp16"}
     config.validate()
     return config
