@@ -84,6 +84,7 @@ class CollectiveGuard:
         self.last_collective_at = time.monotonic()
         self.waiting = False
         self._named: set = set()  # (rank, seq) already warned about
+        self._beats: dict = {}  # rank -> (its latest heartbeat's bytes, when this rank first saw them)
         # NCCL: wait() makes the current stream wait for the collective, but wait(timeout) blocks the host until
         # it is done, which would stall every overlapped gather and reduction; there waits are plain and a
         # stall is left to NCCL's own watchdog (TORCH_NCCL timeouts). The step barrier still compares ranks.
@@ -102,8 +103,9 @@ class CollectiveGuard:
         group = "-".join(map(str, members)) if len(members) <= 8 else f"{zlib.crc32(repr(members).encode()):x}"
         self._namespace = f"zero_core/guard/{group}/{next(_GUARD_IDS[members])}/"
         self._step_hooks: list[tuple[Callable[[], object], Callable[[list], None]]] = []
-        if self.enabled:
-            _Watchdog.watch(self)  # its heartbeats let the others name this rank if it gets stuck
+        if self.enabled:  # heartbeats let the others name this rank if it gets stuck; the first one now
+            self._get_store().set(f"alive/{self.rank}", heartbeat.beat(0, None, self.last_collective_at, False))
+            _Watchdog.watch(self)
 
     # -- recording (every collective) ----------------------------------------------------------------------
     def record(self, kind: str, numel: int, dtype, label: str) -> Optional[Call]:
@@ -309,11 +311,15 @@ class CollectiveGuard:
         for rank in range(self.world_size):
             if rank == self.rank or not store.check([f"alive/{rank}"]):
                 continue
-            theirs = pickle.loads(store.get(f"alive/{rank}"))
+            raw = store.get(f"alive/{rank}")
+            seen = self._beats.get(rank)
+            if seen is None or seen[0] != raw:
+                seen = self._beats[rank] = (raw, time.monotonic())
+            theirs, silent_s = pickle.loads(raw), time.monotonic() - seen[1]
             if not heartbeat.behind(seq, theirs):
                 continue
-            text = heartbeat.describe(rank, theirs, self.rank, where)
-            if theirs["idle_s"] >= self.stuck_s:
+            text = heartbeat.describe(rank, theirs, self.rank, where, silent_s)
+            if theirs["idle_s"] + silent_s >= self.stuck_s:
                 return heartbeat.stuck_message(text, self.stuck_s)
             if (rank, theirs["seq"]) not in self._named:
                 self._named.add((rank, theirs["seq"]))

@@ -13,7 +13,9 @@ every waiting rank, so the job exits instead of waiting for the process group's 
 
 from __future__ import annotations
 
+import os
 import pickle
+import socket
 import sys
 import threading
 import time
@@ -36,7 +38,8 @@ def main_thread_frames() -> str:
 def beat(seq: int, last, since: float, waiting: bool) -> bytes:
     """The heartbeat a guard's thread posts: the state of its rank now."""
     return pickle.dumps({"seq": seq, "last": last, "idle_s": time.monotonic() - since, "waiting": waiting,
-                         "stack": main_thread_frames()})
+                         "stack": main_thread_frames(), "pid": os.getpid(), "host": socket.gethostname(),
+                         "sent": time.time()})
 
 
 def behind(mine_seq: int, theirs: Optional[dict]) -> bool:
@@ -44,11 +47,16 @@ def behind(mine_seq: int, theirs: Optional[dict]) -> bool:
     return theirs is not None and theirs["seq"] <= mine_seq and not theirs["waiting"]
 
 
-def describe(rank: int, theirs: dict, waiting_rank: int, waiting_for: str) -> str:
+def describe(rank: int, theirs: dict, waiting_rank: int, waiting_for: str, silent_s: float = 0.0) -> str:
+    """``silent_s``: how long its heartbeat has not changed (a stopped process, or one hung holding the GIL)."""
     last = theirs["last"].describe() if theirs["last"] is not None else "none yet"
-    return (f"rank {rank} is stuck or slow: it has issued no collective for {theirs['idle_s']:.0f} s while rank "
-            f"{waiting_rank} waits for it at {waiting_for}. Its last collective: {last}; its main thread is now "
-            f"in {theirs['stack']}")
+    idle = theirs["idle_s"] + silent_s
+    where = (f"its main thread is now in {theirs['stack']}" if silent_s < 2 else
+             f"its heartbeat stopped {silent_s:.0f} s ago (the process is stopped, or hangs holding the GIL); "
+             f"at its last heartbeat its main thread was in {theirs['stack']}")
+    return (f"rank {rank} (pid {theirs['pid']} on {theirs['host']}) is stuck or slow: it has issued no collective "
+            f"for {idle:.0f} s while rank {waiting_rank} waits for it at {waiting_for}. Its last collective: "
+            f"{last}; {where}")
 
 
 def stuck_message(text: str, stuck_s: float) -> str:
