@@ -21,6 +21,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.scheduler import AcceleratedScheduler
 from accelerate.utils import (
+    InitProcessGroupKwargs,
     DynamoBackend,
     compile_regions,
     convert_outputs_to_fp32,
@@ -64,6 +65,8 @@ class ZeroAccelerator(Accelerator):
             kwargs.setdefault("cpu", True)  # torchrun workers without GPUs: gloo on CPU, not N lone processes
         self.zero_plugin = zero_plugin if zero_plugin is not None else ZeroPlugin.from_env()
         hf_trainer.install_if_loaded()  # a Hugging Face Trainer creating us then checkpoints through the engine
+        init_for_restart_attempt(cpu=bool(kwargs.get("cpu")) or not torch.cuda.is_available(),
+                                  handlers=kwargs.get("kwargs_handlers") or ())
         self._managed: list[ManagedModel] = []
         super().__init__(*args, **kwargs)
         self._engine_precision = self._choose_precision()
@@ -320,9 +323,13 @@ class ZeroAccelerator(Accelerator):
             return super().load_state(input_dir, load_kwargs, **load_model_func_kwargs)
         if input_dir is None and self.project_configuration.automatic_checkpoint_naming:
             # Resume after a crash: the newest complete state, not merely the highest-numbered directory.
-            input_dir = state_io.latest_state(os.path.join(self.project_dir, "checkpoints"))
+            checkpoints = os.path.join(self.project_dir, "checkpoints")
+            input_dir = state_io.latest_state(checkpoints)
             if input_dir is None:
                 raise FileNotFoundError(f"load_state(): no complete saved state in {self.project_dir}/checkpoints")
+            # The next save_state goes past every directory there, the damaged ones a crash left included
+            # (Accelerate refuses an existing checkpoint_<n>, and its own load_state leaves the count at 0).
+            self.project_configuration.iteration = state_io.next_iteration(checkpoints)
         seen = []
         handle = self.register_load_state_pre_hook(lambda models, directory: seen.append(directory))
         try:
@@ -467,6 +474,21 @@ def _is_autocast_wrapper(forward) -> bool:
 def _cpu_only_multiprocess() -> bool:
     """Launched with several processes (torchrun sets WORLD_SIZE) on a machine without CUDA."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 and not torch.cuda.is_available()
+
+
+def init_for_restart_attempt(cpu: bool, handlers=()) -> None:
+    """Under torchrun / ``accelerate launch`` the process group is made here, over the restart attempt's own
+    keys in the agent's store (zero_core.attempt_store), before Accelerate would make it over the plain store,
+    where the ranks of a ``--max_restarts`` restart read the dead attempt's addresses and fail or hang. Without
+    a torchelastic agent Accelerate makes the group as before."""
+    if dist.is_initialized() or "RANK" not in os.environ:
+        return
+    timeout = next((h.timeout for h in handlers if isinstance(h, InitProcessGroupKwargs)), None)
+    store = zero_core.attempt_store(timeout)
+    if store is None:
+        return
+    dist.init_process_group("gloo" if cpu else "cpu:gloo,cuda:nccl", store=store, rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]), **({"timeout": timeout} if timeout else {}))
 
 
 def _ensure_process_group(device: torch.device) -> None:

@@ -133,3 +133,11 @@ def latest_state(checkpoints_dir) -> Optional[Path]:
             return candidate
         warnings.warn(f"skipping incomplete or damaged state '{candidate}': {problem}", stacklevel=3)
     return None
+
+
+def next_iteration(checkpoints_dir) -> int:
+    """One past the highest ``checkpoint_<n>`` in ``checkpoints_dir``: where ``automatic_checkpoint_naming``
+    saves next after a resume."""
+    numbers = [int(p.name.rpartition("_")[2]) for p in Path(checkpoints_dir).glob("checkpoint_*")
+               if p.name.rpartition("_")[2].isdigit()]
+    return max(numbers, default=-1) + 1

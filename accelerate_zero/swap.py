@@ -22,13 +22,22 @@ def install() -> None:
     import accelerate
     import accelerate.accelerator
 
-    from .accelerator import ZeroAccelerator
+    from .accelerator import ZeroAccelerator, init_for_restart_attempt
     from .plugin import ZeroPlugin
     from .pretrained import install_if_stage3
 
     accelerate.Accelerator = ZeroAccelerator
     accelerate.accelerator.Accelerator = ZeroAccelerator
     install_if_stage3(ZeroPlugin.from_env())  # stage 3: from_pretrained builds the model partitioned
+    # Before the script runs: a Hugging Face TrainingArguments makes the process group before any Accelerator.
+    init_for_restart_attempt(cpu=os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes")
+                             or not _cuda_available())
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv=None) -> None:

@@ -41,6 +41,19 @@ AVERAGED_KEY = "weight_averaging_state_dict"
 CURRENT_KEY = "current_model_state"
 
 
+def newest_checkpoint(resume: str, checkpoint_callback) -> Optional[Path]:
+    """``ZeroStrategy(resume=...)``: the newest complete, verified checkpoint in the directory ``resume`` names
+    ("latest": the ModelCheckpoint's ``dirpath``); None when there is none yet (a first run)."""
+    if resume == "latest":
+        directory = getattr(checkpoint_callback, "dirpath", None)
+        if directory is None:
+            raise ValueError("ZeroStrategy(resume='latest') looks in the ModelCheckpoint's dirpath, but this Trainer "
+                             "has no ModelCheckpoint with a directory; pass resume='<directory>' instead")
+    else:
+        directory = resume
+    return zero_core.latest_checkpoint(directory)
+
+
 def client_state_of(checkpoint: dict) -> dict:
     """Everything the engine does not save itself."""
     rest = {k: v for k, v in checkpoint.items() if k not in ENGINE_KEYS}

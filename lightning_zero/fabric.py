@@ -30,9 +30,11 @@ import zero_core
 
 from . import checkpoint_io
 from .config import base_config, run_config
+from .deepspeed_args import apply_deepspeed_args, given_keywords
 from .optimizer import optimizer_index
 from .state_dict import StateDictType, checked_state_dict_type, module_state_dict
 from .placement import to_device_around_partitioned
+from .restarts import init_process_group
 from .precision import ZeroFabricPrecision, as_zero_precision, clip_grad_value
 from .strategy import SUPPORTED_ACCELERATORS, _placeholder_optimizer
 
@@ -48,7 +50,8 @@ class _EngineSyncControl(_BackwardSyncControl):
 
 class ZeroFabricStrategy(DDPStrategy, _Sharded):
     """ZeRO data parallelism for Fabric; ``stage``, ``config`` and ``state_dict_type`` (what
-    ``get_module_state_dict`` returns) as for :class:`lightning_zero.ZeroStrategy`.
+    ``get_module_state_dict`` returns), and DeepSpeedStrategy's keywords (``reduce_bucket_size``,
+    ``stage3_param_persistence_threshold``, ``loss_scale``, ...) as for :class:`lightning_zero.ZeroStrategy`.
 
     One model per strategy, set up together with its optimizers (``fabric.setup(model, optimizer)``, or several:
     ``fabric.setup(model, opt_g, opt_d)``, each stepping its own parameters), or alone for evaluation
@@ -67,11 +70,34 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         state_dict_type: StateDictType = "full",
+        allgather_bucket_size: Optional[int] = None,
+        reduce_bucket_size: Optional[int] = None,
+        allgather_partitions: Optional[bool] = None,
+        reduce_scatter: Optional[bool] = None,
+        overlap_comm: Optional[bool] = None,
+        contiguous_gradients: Optional[bool] = None,
+        sub_group_size: Optional[int] = None,
+        prefetch_bucket_size: Optional[int] = None,
+        param_persistence_threshold: Optional[int] = None,
+        model_persistence_threshold: Optional[int] = None,
+        max_live_parameters: Optional[int] = None,
+        max_reuse_distance: Optional[int] = None,
+        stage3_prefetch_bucket_size: Optional[int] = None,
+        stage3_param_persistence_threshold: Optional[int] = None,
+        stage3_model_persistence_threshold: Optional[int] = None,
+        stage3_max_live_parameters: Optional[int] = None,
+        stage3_max_reuse_distance: Optional[int] = None,
+        loss_scale: Optional[float] = None,
+        initial_scale_power: Optional[int] = None,
+        loss_scale_window: Optional[int] = None,
+        hysteresis: Optional[int] = None,
+        min_loss_scale: Optional[float] = None,
     ) -> None:
+        keywords = given_keywords(locals())
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io, precision=precision,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self.zero_config = base_config(stage, config)
+        self.zero_config = apply_deepspeed_args(base_config(stage, config), keywords, "ZeroFabricStrategy")
         self.state_dict_type = checked_state_dict_type(state_dict_type)
         self._backward_sync_control = _EngineSyncControl(self)
         self._engine: Optional[zero_core.ZeroEngine] = None
@@ -100,6 +126,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                                f"{type(self.accelerator).__name__}; use Fabric(accelerator='cpu') or 'gpu'")
         super().setup_environment()
         self.precision.device_type = self.root_device.type
+
+    def _setup_distributed(self) -> None:
+        self._set_world_ranks()
+        init_process_group(self)  # a restarted torchrun attempt gets its own store keys
 
     # -- model and optimizer -------------------------------------------------------------------------------
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler=None):

@@ -10,6 +10,7 @@ docs/lightning.md is the user's guide.
 from __future__ import annotations
 
 import contextlib
+import os
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
@@ -25,15 +26,18 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.strategy import _ForwardRedirection
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import WarningCache
 
 import zero_core
 
 from . import checkpoint_io
 from .config import base_config, differing_fields, run_config
+from .deepspeed_args import apply_deepspeed_args, given_keywords
 from .offload_args import OFFLOAD_STRATEGIES, OffloadArg, apply_offload_args
 from .state_dict import checked_state_dict_type, module_state_dict
 from .optimizer import ZeroOptimizer
+from .restarts import init_process_group
 from .placement import is_partitioned, to_device_around_partitioned
 from .precision import ZeroPrecision, as_zero_precision
 from .weight_averaging import masters_take_averaged, refuse_at_stage3
@@ -58,6 +62,13 @@ class ZeroStrategy(DDPStrategy):
             checkpoint holds the weights; nothing is gathered). Checkpoints are sharded directories either way.
         offload_optimizer, offload_parameters: True/"cpu"/"nvme" set the config's offload_optimizer / offload_param
             device (True means "nvme" when ``nvme_path`` is given); ``nvme_path``: their swap directory.
+        resume: "latest" (the newest complete, verified checkpoint in the ModelCheckpoint's directory) or a
+            directory to take it from: ``fit`` without ``ckpt_path`` resumes from there by itself, and starts
+            fresh when there is none (so one script serves the first run and every restart).
+        allgather_bucket_size, reduce_bucket_size, ..., stage3_max_reuse_distance: DeepSpeedStrategy's keywords
+            (and DeepSpeed's ``stage3_*`` names), each setting the zero_optimization field of that name; None
+            leaves the config's value. ``loss_scale``, ``initial_scale_power``, ``loss_scale_window``,
+            ``hysteresis``, ``min_loss_scale`` set the fp16 block. A keyword the config contradicts is an error.
         The other arguments are DDP's.
     """
 
@@ -79,7 +90,31 @@ class ZeroStrategy(DDPStrategy):
         offload_optimizer: OffloadArg = None,
         offload_parameters: OffloadArg = None,
         nvme_path: Optional[str] = None,
+        resume: Optional[str] = None,
+        allgather_bucket_size: Optional[int] = None,
+        reduce_bucket_size: Optional[int] = None,
+        allgather_partitions: Optional[bool] = None,
+        reduce_scatter: Optional[bool] = None,
+        overlap_comm: Optional[bool] = None,
+        contiguous_gradients: Optional[bool] = None,
+        sub_group_size: Optional[int] = None,
+        prefetch_bucket_size: Optional[int] = None,
+        param_persistence_threshold: Optional[int] = None,
+        model_persistence_threshold: Optional[int] = None,
+        max_live_parameters: Optional[int] = None,
+        max_reuse_distance: Optional[int] = None,
+        stage3_prefetch_bucket_size: Optional[int] = None,
+        stage3_param_persistence_threshold: Optional[int] = None,
+        stage3_model_persistence_threshold: Optional[int] = None,
+        stage3_max_live_parameters: Optional[int] = None,
+        stage3_max_reuse_distance: Optional[int] = None,
+        loss_scale: Optional[float] = None,
+        initial_scale_power: Optional[int] = None,
+        loss_scale_window: Optional[int] = None,
+        hysteresis: Optional[int] = None,
+        min_loss_scale: Optional[float] = None,
     ) -> None:
+        keywords = given_keywords(locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -90,9 +125,13 @@ class ZeroStrategy(DDPStrategy):
             timeout=timeout,
             start_method=start_method,
         )
-        self.zero_config = apply_offload_args(base_config(stage, config), offload_optimizer, offload_parameters,
-                                              nvme_path)
+        zero_config = apply_deepspeed_args(base_config(stage, config), keywords)
+        self.zero_config = apply_offload_args(zero_config, offload_optimizer, offload_parameters, nvme_path)
         self.state_dict_type = checked_state_dict_type(state_dict_type)
+        if resume is not None and not isinstance(resume, (str, os.PathLike)):
+            raise TypeError(f"ZeroStrategy(resume={resume!r}): give 'latest' (the ModelCheckpoint's directory) or "
+                            "a directory of checkpoints")
+        self.resume = None if resume is None else os.fspath(resume)
         self._forward_redirection = _ForwardRedirection()
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -156,6 +195,11 @@ class ZeroStrategy(DDPStrategy):
             )
         super().setup_environment()
 
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        init_process_group(self)  # a restarted torchrun attempt gets its own store keys
+
     # -- model and optimizer -------------------------------------------------------------------------------
     def setup(self, trainer) -> None:
         self.accelerator.setup(trainer)
@@ -179,6 +223,18 @@ class ZeroStrategy(DDPStrategy):
         else:
             self._setup_plain_for_inference()
         self.setup_precision_plugin()
+        if fitting and self.resume is not None:
+            self._resume_by_itself(trainer)
+
+    def _resume_by_itself(self, trainer) -> None:
+        """``resume=``: restore as ``fit(ckpt_path=<newest verified checkpoint>)`` would, through the Trainer's
+        checkpoint connector (Lightning has no public hook between choosing ckpt_path and restoring). Lightning's
+        own restore then finds no ckpt_path and keeps what this loaded (loops and optimizers follow from it)."""
+        path = checkpoint_io.newest_checkpoint(self.resume, trainer.checkpoint_callback)
+        path = self.broadcast(str(path) if path is not None else None)  # rank 0's view decides
+        if path is not None:
+            trainer._checkpoint_connector._restore_modules_and_callbacks(path)
+            self._resumed_from = path
 
     def _resolved_config(self, trainer) -> zero_core.ZeroConfig:
         return run_config(self.zero_config, self.precision_plugin.precision, trainer.accumulate_grad_batches)
@@ -319,6 +375,10 @@ class ZeroStrategy(DDPStrategy):
         checkpoint_io.save_sharded(self._engine, checkpoint, path)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
+        if getattr(self, "_resumed_from", None) is not None:
+            raise ValueError(f"ZeroStrategy(resume={self.resume!r}) already resumed this fit from "
+                             f"'{self._resumed_from}'; fit(ckpt_path={str(checkpoint_path)!r}) names a checkpoint "
+                             "too. Pass one of them")
         path = self._resume_path(Path(self.broadcast(str(checkpoint_path))))
         sharded = checkpoint_io.is_sharded_checkpoint(path)
         if not sharded and not path.is_file():
@@ -388,6 +448,7 @@ class ZeroStrategy(DDPStrategy):
         if self._engine is not None:
             self._engine.close(wait=not getattr(self, "_failed", False))
         self._failed = False
+        self._resumed_from = None
         self.cluster_environment.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()

@@ -5,8 +5,11 @@ rank it belongs to, on every rank. The store has no authentication, so these are
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import threading
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -16,11 +19,14 @@ import zero_core
 from distributed import run_distributed
 from zero_core.comm.wire import (
     MAX_BYTES,
+    MAX_HEARTBEAT,
     Call,
     decode_failure,
+    decode_heartbeat,
     decode_history,
     decode_whereabouts,
     encode_failure,
+    encode_heartbeat,
     encode_whereabouts,
 )
 
@@ -123,6 +129,48 @@ def test_a_posted_failure_round_trips_and_a_pickled_one_is_refused(tmp_path):
     assert not marker.exists()
 
 
+BEAT = {"seq": 7, "last": CALLS[0], "idle_s": 1.5, "waiting": False, "stack": "train.py:29 in f: time.sleep(1)",
+        "pid": 4242, "host": "node-3", "sent": 1.7e9}
+
+
+def test_a_heartbeat_round_trips_as_plain_json():
+    for beat in (BEAT, {**BEAT, "last": None}):
+        raw = encode_heartbeat(**beat)
+        json.loads(raw)
+        back = decode_heartbeat(raw, "ns/alive/1", 1)
+        assert back == beat and (back["last"] is None or type(back["last"]) is Call)
+
+
+def test_a_long_stack_is_cut_to_fit_a_heartbeat():
+    for stack in ("x" * 50000, "\u00e9" * 50000, "\U0001F600" * 50000):
+        raw = encode_heartbeat(**{**BEAT, "stack": stack, "host": "h" * 1000, "last": CALLS[0]._replace(label="m" * 5000)})
+        assert len(raw) <= MAX_HEARTBEAT
+        back = decode_heartbeat(raw, "ns/alive/1", 1)
+        assert back["stack"].startswith(stack[:100]) and back["stack"].endswith("...")
+        assert back["host"] == "h" * 255 and back["last"].label == "m" * 256
+
+
+@pytest.mark.parametrize("raw, problem", [
+    (pickle.dumps(BEAT), "not UTF-8 JSON"),
+    (b"[1]", "not a JSON object with exactly the fields"),
+    (json.dumps({**BEAT, "last": None, "extra": 1}).encode(), "exactly the fields"),
+    (json.dumps({k: v for k, v in BEAT.items() if k not in ("last", "pid")}).encode(), "exactly the fields"),
+    (json.dumps({**BEAT, "last": None, "seq": True}).encode(), "field 'seq' is not a int"),
+    (json.dumps({**BEAT, "last": None, "idle_s": 2}).encode(), "field 'idle_s' is not a float"),
+    (json.dumps({**BEAT, "last": None, "idle_s": float("nan")}).encode(), "not a finite number"),
+    (json.dumps({**BEAT, "last": None, "waiting": 0}).encode(), "field 'waiting' is not a bool"),
+    (json.dumps({**BEAT, "last": [1, "x"]}).encode(), "not a collective record"),
+    (json.dumps({**BEAT, "last": None, "pid": -1}).encode(), "out of range"),
+    (json.dumps({**BEAT, "last": None, "host": "h" * 300}).encode(), "longer than 255"),
+    (json.dumps({**BEAT, "last": None, "stack": "s" * MAX_HEARTBEAT}).encode(), f"more than the {MAX_HEARTBEAT}"),
+])
+def test_a_malformed_heartbeat_is_an_error_naming_key_and_rank(raw, problem):
+    with pytest.raises(zero_core.StoreMessageError) as caught:
+        decode_heartbeat(raw, "zero_core/guard/0-1/0/alive/1", 1)
+    message = str(caught.value)
+    assert "rank 1's key 'zero_core/guard/0-1/0/alive/1'" in message and problem in message, message
+
+
 # -- a crafted pickle planted in a running job ------------------------------------------------------------
 def _plant_pickle_at_the_first_step(rank: int, world_size: int, marker: str) -> dict:
     """Rank 1 posts its step note; before rank 0 posts its own, an outsider (played by rank 0, on its own store
@@ -151,6 +199,54 @@ def test_a_pickle_planted_under_a_guard_key_never_runs_and_stops_every_rank(tmp_
     for rank, result in enumerate(results):
         assert result["error"] is not None, f"rank {rank} did not stop"
         assert "rank 1's key 'zero_core/guard/0-1/" in result["error"] and "/step/0/1'" in result["error"], result
+        assert "not UTF-8 JSON" in result["error"] and result["seconds"] < 30
+
+
+def _plant_pickle_in_a_heartbeat(rank: int, world_size: int, marker: str) -> dict:
+    """Rank 1 reaches the step barrier 4 s late; meanwhile an outsider (a thread of rank 0, on its own store
+    connection) keeps overwriting rank 1's heartbeat with a crafted pickle (rank 1's guard thread re-posts the
+    real one twice a second). Rank 0, stalled at the barrier after 1 s, reads rank 1's heartbeat to tell a stuck
+    rank from a slow one, and posts the error as the job's failure. Rank 1 passes the barrier (rank 0's note is
+    there) and blocks in the step's reduce-scatter; its guard thread keeps the posted failure once that stalls
+    (it posts its status first), and it raises it when rank 0 (which hosts the store) exits."""
+    os.environ["ZERO_CORE_GUARD_STALL_S"] = "1"
+    model = torch.nn.Linear(4, 2)
+    engine = zero_core.setup(model, torch.optim.SGD(model.parameters(), lr=0.1), {"stage": 2})
+    stop = threading.Event()
+    if rank == 0:
+        outsider = torch.distributed.PrefixStore(engine.comm.guard._namespace,
+                                                 torch.distributed.distributed_c10d._get_default_store().clone())
+
+        def plant() -> None:
+            while not stop.is_set():
+                outsider.set("alive/1", crafted_pickle(Path(marker)))
+                stop.wait(0.005)
+
+        threading.Thread(target=plant, daemon=True).start()
+    started = time.monotonic()
+    try:
+        for _ in range(3):
+            engine.backward(model(torch.ones(3, 4)).sum())
+            if rank == 1:
+                time.sleep(4)
+            engine.step()
+    except zero_core.StoreMessageError as error:
+        return {"error": str(error), "seconds": time.monotonic() - started}
+    finally:
+        stop.set()
+        if rank == 0:  # until rank 1's guard has read the failure
+            outsider.wait(["status/1"], timedelta(seconds=60))
+            time.sleep(1)
+    return {"error": None}
+
+
+def test_a_pickle_planted_under_a_heartbeat_key_never_runs_and_stops_every_rank(tmp_path):
+    marker = tmp_path / "marker"
+    results = run_distributed(_plant_pickle_in_a_heartbeat, 2, str(marker), timeout=90)
+    assert not marker.exists(), "the planted pickle was unpickled"
+    for rank, result in enumerate(results):
+        assert result["error"] is not None, f"rank {rank} did not stop"
+        assert "rank 1's key 'zero_core/guard/0-1/" in result["error"] and "/alive/1'" in result["error"], result
         assert "not UTF-8 JSON" in result["error"] and result["seconds"] < 30
 
 

@@ -27,6 +27,7 @@ from zero_core.checkpoint import (
     write_hf_config,
 )
 from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
+from zero_core.comm.restarts import accumulation_for, attempt_store, init_process_group_for_attempt, restart_attempt
 from zero_core.config import ZeroConfig, ZeroConfigError
 from zero_core.stage3.debug_access import (
     safe_get_full_fp32_param,
@@ -55,6 +56,10 @@ __all__ = [
     "StoreMessageError",
     "consolidate",
     "latest_checkpoint",
+    "accumulation_for",
+    "attempt_store",
+    "init_process_group_for_attempt",
+    "restart_attempt",
     "load_checkpoint",
     "load_full_state_dict",
     "load_pretrained",

@@ -26,7 +26,9 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import warnings
 import os
+import sys
 import threading
 import time
 import weakref
@@ -37,11 +39,13 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from zero_core.comm import heartbeat
 from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
 from zero_core.comm.topology import Topology
 from zero_core.comm.wire import (
     Call,
     decode_failure,
+    decode_heartbeat,
     decode_history,
     decode_whereabouts,
     encode_failure,
@@ -69,6 +73,12 @@ class CollectiveGuard:
         self.stall_s = float(os.environ.get("ZERO_CORE_GUARD_STALL_S", "5"))
         self.poll = timedelta(seconds=min(1.0, self.stall_s))
         self.stall = timedelta(seconds=self.stall_s)
+        # A rank that issues no collective this long while others wait for it is an error (heartbeat.py).
+        self.stuck_s = float(os.environ.get("ZERO_CORE_GUARD_STUCK_S", "300"))
+        self.last_collective_at = time.monotonic()
+        self.waiting = False
+        self._named: set = set()  # (rank, seq) already warned about
+        self._beats: dict = {}  # rank -> (its latest heartbeat's bytes, when this rank first saw them, decoded)
         # NCCL: wait() makes the current stream wait for the collective, but wait(timeout) blocks the host until
         # it is done, which would stall every overlapped gather and reduction; there waits are plain and a
         # stall is left to NCCL's own watchdog (TORCH_NCCL timeouts). The step barrier still compares ranks.
@@ -87,6 +97,9 @@ class CollectiveGuard:
         group = "-".join(map(str, members)) if len(members) <= 8 else f"{zlib.crc32(repr(members).encode()):x}"
         self._namespace = f"zero_core/guard/{group}/{next(_GUARD_IDS[members])}/"
         self._step_hooks: list[tuple[Callable[[], object], Callable[[list], None]]] = []
+        if self.enabled:  # heartbeats let the others name this rank if it gets stuck; the first one now
+            self._get_store().set(f"alive/{self.rank}", heartbeat.beat(0, None, self.last_collective_at, False))
+            _Watchdog.watch(self)
 
     # -- recording (every collective) ----------------------------------------------------------------------
     def record(self, kind: str, numel: int, dtype, label: str) -> Optional[Call]:
@@ -104,6 +117,7 @@ class CollectiveGuard:
         self.fingerprint = hash((self.fingerprint, known[1], numel))
         self.history.append(call)
         self.seq += 1
+        self.last_collective_at = time.monotonic()
         return call
 
     def wait(self, work: Optional[dist.Work], call: Optional[Call]) -> None:
@@ -113,10 +127,14 @@ class CollectiveGuard:
         if call is None or self.stream_ordered:
             work.wait()
             return
-        if call[1] in _WAIT_IGNORES_TIMEOUT:
-            self._wait_blocking(work, call)
-        elif not self._poll(work, call):
-            self._wait_stalled(work, call)
+        self.waiting = True
+        try:
+            if call[1] in _WAIT_IGNORES_TIMEOUT:
+                self._wait_blocking(work, call)
+            elif not self._poll(work, call):
+                self._wait_stalled(work, call)
+        finally:
+            self.waiting = False
 
     def _poll(self, work: dist.Work, call: Call) -> bool:
         """Wait one poll interval: True once the collective completed, False while it still runs."""
@@ -163,6 +181,14 @@ class CollectiveGuard:
         while self.stale_keys:
             self._cleanup_store.delete_key(self.stale_keys.popleft())
 
+    def post_heartbeat(self) -> None:
+        """From the watchdog thread, on its own connection: this rank's heartbeat (heartbeat.py)."""
+        if self._cleanup_store is None:
+            self._cleanup_store = dist.PrefixStore(self._namespace, dist.distributed_c10d._get_default_store().clone())
+        last = self.history[-1] if self.history else None
+        self._cleanup_store.set(f"alive/{self.rank}", heartbeat.beat(self.seq, last, self.last_collective_at,
+                                                                     self.waiting))
+
     def post_if_stalled(self) -> None:
         """From the watchdog thread: post the blocked call's status once it has waited ``stall_s``."""
         blocked = self.blocked
@@ -176,6 +202,26 @@ class CollectiveGuard:
             # hosts it), and this rank's blocked wait then fails with only the transport's error.
             if self._failure is None and store.check(["failure"]):
                 self._failure = self._read_failure(store)
+            self._exit_if_peer_stuck(call)
+
+    def _exit_if_peer_stuck(self, call: Call) -> None:
+        """From the watchdog thread, while the main thread is blocked in a wait that cannot time out: a stuck
+        peer (or a malformed heartbeat, which leaves the ranks unable to tell) is an error that only ending the
+        process can deliver (the wait itself would last the group's timeout). It is posted as the job's failure
+        first, so the other ranks raise it too."""
+        error = CollectiveMismatchError
+        try:
+            problem = self._stuck_peer(call.seq, f"collective #{call.seq} ({call.kind})", self._cleanup_store)
+        except StoreMessageError as malformed:
+            problem, error = str(malformed), StoreMessageError
+        if problem is not None:
+            try:
+                if not self._cleanup_store.check(["failure"]):
+                    self._cleanup_store.set("failure", encode_failure(self.rank, error, problem))
+            finally:
+                sys.stderr.write(f"zero_core: {problem}\n")
+                sys.stderr.flush()
+                os._exit(1)
 
     # -- the step barrier ----------------------------------------------------------------------------------
     def on_step(self, provide: Callable[[], object], consume: Callable[[list], None]) -> None:
@@ -198,7 +244,11 @@ class CollectiveGuard:
         store = self._get_store()
         keys = [f"step/{self.step}/{r}" for r in range(self.world_size)]
         store.set(keys[self.rank], encode_whereabouts(mine))
-        self._wait_keys(keys, mine)
+        self.waiting = True
+        try:
+            self._wait_keys(keys, mine)
+        finally:
+            self.waiting = False
         everyone = [self._decode(value, keys[r], r, len(notes), history=False)
                     for r, value in enumerate(store.multi_get(keys))]
         if self.step >= 2:  # every rank has read step - 2's keys before posting step - 1's; off the step's path
@@ -254,6 +304,35 @@ class CollectiveGuard:
                 problem = self._conflict(status, theirs, rank)
                 if problem:
                     self._fail(problem)
+        where = f"collective #{mine['seq']} ({mine['call'].kind})" if mine["where"] == "collective" else \
+            f"the optimizer step of step {mine['step']}"
+        problem = self._decoded(lambda: self._stuck_peer(mine["seq"], where, store))
+        if problem is not None:
+            self._fail(problem)
+
+    def _stuck_peer(self, seq: int, where: str, store: dist.Store) -> Optional[str]:
+        """Name (a warning) every rank whose heartbeat shows it behind this rank and in no collective; return the
+        error for one that has been so for ``stuck_s`` seconds. A malformed heartbeat raises StoreMessageError
+        naming its key and rank (wire.py): nothing read is unpickled."""
+        for rank in range(self.world_size):
+            key = f"alive/{rank}"
+            if rank == self.rank or not store.check([key]):
+                continue
+            raw = store.get(key)
+            seen = self._beats.get(rank)
+            if seen is None or seen[0] != raw:  # decoded once per new heartbeat
+                seen = self._beats[rank] = (raw, time.monotonic(), decode_heartbeat(raw, self._namespace + key, rank))
+            theirs, silent_s = seen[2], time.monotonic() - seen[1]
+            if not heartbeat.behind(seq, theirs):
+                continue
+            text = heartbeat.describe(rank, theirs, self.rank, where, silent_s)
+            if theirs["idle_s"] + silent_s >= self.stuck_s:
+                return heartbeat.stuck_message(text, self.stuck_s)
+            if (rank, theirs["seq"]) not in self._named:
+                self._named.add((rank, theirs["seq"]))
+                warnings.warn(f"zero_core: {text} (an error after ZERO_CORE_GUARD_STUCK_S={self.stuck_s:g} s)",
+                              RuntimeWarning, stacklevel=2)
+        return None
 
     def _status_of(self, rank: int, step: int) -> Optional[dict]:
         """The other rank's latest posted whereabouts: at this step's barrier, or stalled in a collective."""
@@ -268,7 +347,8 @@ class CollectiveGuard:
         return self._decoded(lambda: decode_whereabouts(raw, self._namespace + key, rank, notes, history))
 
     def _decoded(self, decode: Callable[[], object]):
-        """``decode()``; a malformed value stops every rank (they cannot be compared)."""
+        """``decode()`` (or anything that decodes a value read from the store); a malformed value stops every
+        rank (they cannot be compared)."""
         try:
             return decode()
         except StoreMessageError as error:
@@ -405,6 +485,7 @@ class _Watchdog:
         guard then never leaves the weak set)."""
         for guard in list(cls._guards):
             try:
+                guard.post_heartbeat()
                 guard.post_if_stalled()
                 guard.delete_stale_keys()
             except Exception:  # noqa: BLE001 - the store may be gone at exit; the main thread reports errors

@@ -11,6 +11,7 @@ the rank the key belongs to. docs/reliability.md, "What crosses the store", list
 from __future__ import annotations
 
 import json
+import math
 from typing import NamedTuple, Optional
 
 from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
@@ -18,6 +19,8 @@ from zero_core.comm.errors import CollectiveMismatchError, StoreMessageError
 MAX_BYTES = 64 * 1024  # a step note of 16 calls is about 1 kB
 MAX_MESSAGE = 16 * 1024  # a posted failure's text
 MAX_HISTORY = 64  # the guard keeps 16 calls
+MAX_HEARTBEAT = 4 * 1024  # a heartbeat is about 600 bytes; its frames are cut to fit
+MAX_HOST = 255  # a host name's longest
 _LONG_LABEL = 256  # module names are cut to this only where a message would exceed MAX_BYTES
 _INT64 = 1 << 63
 _SCALARS = (bool, int, float, str, type(None))  # what a step hook's note may be
@@ -127,9 +130,56 @@ def decode_failure(raw: bytes, key: str) -> tuple[type, str]:
     return error, failure["message"]
 
 
-def _parse(raw: bytes):
-    if len(raw) > MAX_BYTES:
-        raise _Malformed(f"{len(raw)} bytes, more than the {MAX_BYTES} allowed")
+_HEARTBEAT = {"seq": int, "last": list, "idle_s": float, "waiting": bool, "stack": str, "pid": int, "host": str,
+              "sent": float}
+
+
+def encode_heartbeat(seq: int, last: Optional[Call], idle_s: float, waiting: bool, stack: str, pid: int,
+                     host: str, sent: float) -> bytes:
+    """A rank's heartbeat (heartbeat.py) as compact JSON of at most ``MAX_HEARTBEAT`` bytes: a long module name
+    and host are cut, then the frames (innermost first) are cut from their outer end to fit."""
+    if last is not None and len(last.label) > _LONG_LABEL:
+        last = last._replace(label=last.label[:_LONG_LABEL])
+    message = {"seq": seq, "last": last, "idle_s": float(idle_s), "waiting": bool(waiting), "stack": stack,
+               "pid": pid, "host": host[:MAX_HOST], "sent": float(sent)}
+    raw = json.dumps(message, separators=(",", ":")).encode()
+    if len(raw) > MAX_HEARTBEAT:  # the rest fits with room to spare: at most ~3.3 kB even if all escaped
+        stack, message["stack"] = stack, ""
+        room = MAX_HEARTBEAT - len(json.dumps(message, separators=(",", ":")).encode()) - len("...")
+        while len(json.dumps(stack)) - 2 > room:  # escaped length; cut in proportion, at least one character
+            stack = stack[:min(len(stack) - 1, len(stack) * room // (len(json.dumps(stack)) - 2))]
+        message["stack"] = stack + "..."
+        raw = json.dumps(message, separators=(",", ":")).encode()
+    return raw
+
+
+def decode_heartbeat(raw: bytes, key: str, rank: int) -> dict:
+    """The heartbeat a rank posted under ``key``, with ``last`` a ``Call`` (or None before its first collective);
+    StoreMessageError naming the key and the rank if it is anything else."""
+    try:
+        beat = _parse(raw, MAX_HEARTBEAT)
+        if type(beat) is not dict or beat.keys() != _HEARTBEAT.keys():
+            raise _Malformed("not a JSON object with exactly the fields " + ", ".join(_HEARTBEAT))
+        for field, kind in _HEARTBEAT.items():
+            if field == "last" and beat[field] is None:
+                continue
+            _check(beat[field], kind, field, MAX_HEARTBEAT)
+        if not 0 <= beat["seq"] < _INT64 or not 0 <= beat["pid"] < _INT64:
+            raise _Malformed("seq or pid out of range")
+        if not (math.isfinite(beat["idle_s"]) and math.isfinite(beat["sent"])):
+            raise _Malformed("idle_s or sent is not a finite number")
+        if len(beat["host"]) > MAX_HOST:
+            raise _Malformed(f"field 'host' is longer than {MAX_HOST} characters")
+        if beat["last"] is not None:
+            beat["last"] = _call(beat["last"], "last")
+    except _Malformed as problem:
+        raise _error(key, rank, raw, problem) from None
+    return beat
+
+
+def _parse(raw: bytes, limit: int = MAX_BYTES):
+    if len(raw) > limit:
+        raise _Malformed(f"{len(raw)} bytes, more than the {limit} allowed")
     try:
         return json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as error:
