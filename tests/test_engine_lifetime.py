@@ -70,6 +70,9 @@ def test_the_collective_guard_watchdog_keeps_no_dropped_guard():
         def __init__(self):
             self.tended = threading.Event()
 
+        def post_heartbeat(self):
+            pass
+
         def post_if_stalled(self):
             self.tended.set()
 
