@@ -5,7 +5,9 @@
 A 119M-parameter Llama (vocabulary 32000, hidden 768, 10 layers, untied head) is saved once with
 ``save_pretrained`` as fp32 safetensors shards (about 456 MiB in 5 files). Then, each in fresh processes:
 
-- ``plain, 1 process``: ``from_pretrained`` without any engine (the time to beat);
+- ``plain, 1 process``: ``from_pretrained`` without any engine. transformers 5 maps the files, so this reads
+  nothing yet; ``plain, 1 process, weights read`` also touches every parameter once (the time to beat: the
+  weights in memory, as ours are);
 - ``plain, every rank``: the same on N ranks (every rank holds the whole model);
 - ``zero_core.Init``: ``with zero_core.Init(config={"stage": 3}): from_pretrained(...)`` at N ranks (each rank
   reads its own slices into its shard);
@@ -113,6 +115,10 @@ def worker(mode: str, model_dir: str, out: str) -> None:
                 model = AutoModelForCausalLM.from_pretrained(model_dir)
         else:
             model = AutoModelForCausalLM.from_pretrained(model_dir)
+            if mode == "plain_read":  # transformers maps the files: the values are read when first used
+                with torch.no_grad():
+                    for param in model.parameters():
+                        param.sum()
     seconds = time.perf_counter() - start
     Path(out, f"{rank}.json").write_text(json.dumps({
         "rank": rank, "seconds": seconds, "growth": peak.peak - base_rss, "growth_anon": peak.peak_anon - base_anon,
@@ -134,7 +140,7 @@ def launch(python: str, mode: str, ranks: int, model_dir: Path) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
         env["PYTHONPATH"] = str(WORKER.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
-        if ranks == 1 and mode == "plain":
+        if ranks == 1 and mode.startswith("plain"):
             cmd = [python, str(WORKER), "--worker", mode, str(model_dir), out]
         else:
             cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port", str(_free_port()),
@@ -161,7 +167,8 @@ def main() -> None:
         params = save_model(model_dir, args.layers)
         size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         files = len(list(model_dir.glob("*.safetensors")))
-        rows = [("plain, 1 process", 1, launch(sys.executable, "plain", 1, model_dir))]
+        rows = [("plain, 1 process", 1, launch(sys.executable, "plain", 1, model_dir)),
+                ("plain, 1 process, weights read", 1, launch(sys.executable, "plain_read", 1, model_dir))]
         for ranks in args.ranks:
             rows.append(("zero_core.Init", ranks, launch(sys.executable, "zero", ranks, model_dir)))
             rows.append(("zero_core.Init rank0_reads", ranks, launch(sys.executable, "zero_rank0", ranks, model_dir)))
