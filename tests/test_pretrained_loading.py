@@ -19,6 +19,7 @@ from zero_core.layout import Range
 from zero_core.pretrained.files import WeightFiles
 
 WORLD = 3
+FULLY_PARTITIONED = {"stage": 3, "stage3_param_persistence_threshold": 0}  # small test models would stay whole
 
 
 def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -83,7 +84,7 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
         if name == "tied":
             assert model.lm_head.weight is model.model.embed_tokens.weight
             # and it trains from there: one stage-3 step gives the reference's loss
-            engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), {"stage": 3})
+            engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), FULLY_PARTITIONED)
             ids = torch.arange(24).view(2, 12) % 96
             loss = model(input_ids=ids, labels=ids).loss
             assert abs(loss.item() - reference(input_ids=ids, labels=ids).loss.item()) <= 1e-6
@@ -166,7 +167,7 @@ def _load_pretrained_cases(rank: int, world: int, tmp: str) -> dict:
     # under an engine: the fp32 masters take the weights
     with zero_core.Init(config={"stage": 3}):
         trained = Net()
-    engine = zero_core.setup(trained, torch.optim.AdamW(trained.parameters()), {"stage": 3})
+    engine = zero_core.setup(trained, torch.optim.AdamW(trained.parameters()), FULLY_PARTITIONED)
     zero_core.load_pretrained(trained, tmp / "net")
     _equal({n: zero_core.safe_get_full_fp32_param(p) for n, p in trained.named_parameters()}, expected)
     engine.close()
