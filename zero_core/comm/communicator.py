@@ -11,7 +11,7 @@ the direct exchange, independent of the transport's algorithm: an all-gather sen
 other member, a reduce-scatter and an all-to-all one slice to each, an all-reduce twice its 1/n slice (a
 reduce-scatter then an all-gather), a broadcast the whole tensor from the root to each member.
 
-ZeRO++ and MiCS paths (docs/multinode.md) live in comm_paths.py; this class routes each call to them.
+ZeRO++ and MiCS paths (docs/multinode.md) live in ``zero_core.comm.paths``; this class routes each call to them.
 """
 
 from __future__ import annotations
@@ -71,12 +71,12 @@ class Communicator:
         self.topology = topology
         self.options = options
         self._stats: dict[str, dict[str, int]] = defaultdict(lambda: dict(_EMPTY))
-        # Debug mode (DESIGN.md): before each collective, every rank shows what it is about to call, so a
+        # Debug mode (docs/reliability.md): before each collective, every rank shows what it is about to call, so a
         # mismatch becomes an error naming both sides instead of a hang. Stage 3 also turns it on while it
         # records its first trace.
         self.always_check = os.environ.get("ZERO_CORE_CHECK_COLLECTIVES", "0") == "1"
         self.check = self.always_check
-        # Always on (collective_guard.py): a fingerprint per call, a step barrier and a stall watchdog.
+        # Always on (``CollectiveGuard``): a fingerprint per call, a step barrier and a stall watchdog.
         self.guard = CollectiveGuard(topology)
         self._recent_works: deque = deque(maxlen=_RETAINED_WORKS)  # see _RETAINED_WORKS
         self._peers: dict = {}  # group -> (in-node peers, cross-node peers) of this rank

@@ -18,7 +18,7 @@ a divergence into an error on every rank that names the ranks, the module, the s
   waits.
 
 Everything posted to the store is plain JSON in a fixed schema, read back without executing anything (wire.py).
-``ZERO_CORE_CHECK_COLLECTIVES=1`` (comm.py) remains the debug mode that compares every call before issuing it;
+``ZERO_CORE_CHECK_COLLECTIVES=1`` (the ``Communicator``'s ``check``) remains the debug mode that compares every call before issuing it;
 ``ZERO_CORE_COLLECTIVE_GUARD=0`` turns this guard off. docs/reliability.md explains what is promised.
 """
 

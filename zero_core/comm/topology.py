@@ -4,7 +4,7 @@
   world, or with MiCS (``mics_shard_size``) a block of that many consecutive ranks. Everything that shards
   (layouts, buckets, units, checkpoints) sees only this group.
 - The *replicate group* joins the ranks that hold the same shard in different MiCS groups; gradients are
-  all-reduced over it after the reduce-scatter in the shard group (comm.py). One member, and ``None``, without MiCS.
+  all-reduced over it after the reduce-scatter in the shard group (by the ``Communicator``). One member, and ``None``, without MiCS.
 - The *secondary group* (hpZ, ``zero_hpz_partition_size``) partitions a second copy of the 16-bit parameters
   inside a node; the backward gathers from it.
 - ``node_of`` maps every global rank to its node, read from the launcher's environment, so that the comm layer
