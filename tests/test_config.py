@@ -26,7 +26,7 @@ from zero_core.config import (
     field_paths,
     markdown_tables,
 )
-from zero_core.config_loading import ALIASES, DEEPSPEED_IGNORED_KEYS, RUN_FIELDS
+from zero_core.config.deepspeed import ALIASES, DEEPSPEED_IGNORED_KEYS, RUN_FIELDS
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -218,7 +218,7 @@ def test_deprecated_name_maps_and_warns(given, new, check):
         assert check(cfg)
         assert record and all(w.category is FutureWarning for w in record)
         assert any(re.search(r"is deprecated; use .*" + re.escape(new), str(w.message)) for w in record)
-        assert {w.filename for w in record} == {__file__}  # warnings point at the caller, not at config.py
+        assert {w.filename for w in record} == {__file__}  # warnings point at the caller, not into zero_core.config
 
 
 def test_deprecated_names_count_as_explicit():
