@@ -68,7 +68,6 @@ def _offloads(block) -> bool:
     return block is not None and block.device != "none"
 
 
-
 def _plain(value: Any) -> Any:
     return dataclasses.asdict(value) if dataclasses.is_dataclass(value) else value
 
