@@ -1,5 +1,6 @@
 """Tests for zero_core.config: DeepSpeed names and defaults, every way in, errors, "auto", status."""
 
+import ast
 import contextlib
 import copy
 import dataclasses
@@ -14,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+import zero_core.config
 from zero_core.config import (
     FIELD_STATUS,
     BF16Config,
@@ -26,7 +28,7 @@ from zero_core.config import (
     field_paths,
     markdown_tables,
 )
-from zero_core.config_loading import ALIASES, DEEPSPEED_IGNORED_KEYS, RUN_FIELDS
+from zero_core.config.deepspeed import ALIASES, DEEPSPEED_IGNORED_KEYS, RUN_FIELDS
 
 DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -218,7 +220,7 @@ def test_deprecated_name_maps_and_warns(given, new, check):
         assert check(cfg)
         assert record and all(w.category is FutureWarning for w in record)
         assert any(re.search(r"is deprecated; use .*" + re.escape(new), str(w.message)) for w in record)
-        assert {w.filename for w in record} == {__file__}  # warnings point at the caller, not at config.py
+        assert {w.filename for w in record} == {__file__}  # warnings point at the caller, not into zero_core.config
 
 
 def test_deprecated_names_count_as_explicit():
@@ -720,3 +722,17 @@ def test_deepspeed_checkpoint_block_is_read():
         ZeroConfig.from_dict({"zero_optimization": {}, "checkpoint": {"tag_validation": "Loud"}})
     with pytest.raises(ZeroConfigError, match="did you mean 'use_node_local_storage'"):
         ZeroConfig.from_dict({"zero_optimization": {}, "checkpoint": {"use_node_local": True}})
+
+
+def test_config_package_imports_no_other_core_module():
+    """The config sits below every runtime: its files import each other, and zero_core.describe (torch, nothing of
+    the core) for one error message, nothing else of zero_core."""
+    allowed = ("zero_core.config", "zero_core.describe")
+    found = []
+    for path in sorted(pathlib.Path(zero_core.config.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else []
+            found += [f"{path.name}: {m}" for m in modules
+                      if m.split(".")[0] == "zero_core" and not m.startswith(allowed)]
+    assert not found, "zero_core/config/ imports other core modules:\n" + "\n".join(found)

@@ -12,20 +12,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_core.config import ZeroConfig
 from zero_core.contracts import CheckpointedEngine  # a Protocol: whatever satisfies it is an engine here
-
-_SHORT = 60
-
-
-def described(value: Any) -> str:
-    """``value`` for an error message: its type, and a short repr where that is readable on one line."""
-    kind = type(value).__name__ if not isinstance(value, type) else f"the class {value.__name__}"
-    if isinstance(value, (nn.Module, torch.Tensor, torch.optim.Optimizer, type)):
-        return kind
-    text = repr(value)
-    if "\n" in text or len(text) > _SHORT or text.startswith("<"):  # multi-line, long, or an address
-        return kind
-    return f"{kind} {text}"
+from zero_core.describe import described  # also imported from here by the entry points
 
 
 def check_module(value: Any, call: str, argument: str, fix: str) -> None:
@@ -37,8 +26,6 @@ def check_init_module(module: Any) -> None:
     """``zero_core.Init``'s first argument is the module (DeepSpeed's order), not the configuration."""
     if module is None or isinstance(module, nn.Module):
         return
-    from zero_core.config import ZeroConfig  # local: config.py's imports reach modules that import this one
-
     if isinstance(module, (Mapping, str, os.PathLike, ZeroConfig)):
         raise TypeError(
             f"zero_core.Init: the first argument (module) is the model to partition, got {described(module)}. "

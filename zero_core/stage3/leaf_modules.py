@@ -16,13 +16,6 @@ from typing import Iterable, Sequence, Union
 
 from torch import nn
 
-# What DeepSpeed declares by default: Hugging Face's sparse MoE blocks, which loop over their experts.
-DEFAULT_LEAF_CLASSES = (
-    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
-    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
-    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
-)
-
 _LEAVES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
 ClassSpec = Union[type, str]

@@ -1,303 +1,46 @@
 """ZeroConfig: every setting of DeepSpeed's ``zero_optimization`` block plus the run-level fields
-(fp16, bf16, gradient_clipping, gradient_accumulation_steps) that the ZeRO engine reads.
+(fp16, bf16, gradient_clipping, gradient_accumulation_steps, ...) that the ZeRO engine reads.
 
-One dataclass per block, one documented field per setting, DeepSpeed's names, aliases and defaults.
-Values are checked in ``__post_init__``; every error is a ZeroConfigError naming the field's dotted
-path. ``python -m zero_core.config`` prints the field tables of docs/config.md.
+One dataclass, one documented field per setting, DeepSpeed's names, aliases and defaults; the nested blocks are
+their own dataclasses. Values are checked in ``__post_init__``; every error is a ZeroConfigError naming the field's
+dotted path. ``python -m zero_core.config`` prints the field tables of docs/config.md.
 """
 
 import dataclasses
 import functools
-import json
 import os
 import sys
 from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, ClassVar, Optional, Union
+from typing import Any, Optional, Union
 
-from zero_core.config_fields import Block, checked_init, setting, documented, rule_text, type_text
-from zero_core.stage3.leaf_modules import DEFAULT_LEAF_CLASSES
-from zero_core.config_loading import (
+from zero_core.config.blocks import (
+    ActivationCheckpointingConfig,
+    AioConfig,
+    BF16Config,
+    CheckpointConfig,
+    FP16Config,
+    LeafModuleConfig,
+    OffloadOptimizerConfig,
+    OffloadParamConfig,
+)
+from zero_core.config.deepspeed import (
     ALIASES,
-    DEEPSPEED_IGNORED_KEYS,
-    DEPRECATED,
     RUN_FIELDS,
     ZERO_SECTION,
-    ZeroConfigError,
     flatten_deepspeed_config,
     is_whole_config,
     key_path,
     normalize_names,
     pop_autos,
-    read_config_file,
-    require_str_keys,
-    unknown_key_error,
-    warn,
 )
-
-__all__ = [
-    "ActivationCheckpointingConfig", "AioConfig", "BF16Config", "CheckpointConfig", "FIELD_STATUS", "FP16Config", "LeafModuleConfig", "OffloadOptimizerConfig",
-    "OffloadParamConfig",
-    "ZeroConfig", "ZeroConfigError",
-]
-
-HONOURED = "honoured"
-NOT_YET = "not yet implemented"
-
-
-def _mapped(how: str) -> str:
-    return f"mapped: {how}"
-
-
-# What the engine does with each ZeroConfig field; warn_unimplemented() reads it.
-FIELD_STATUS = {
-    "stage": HONOURED,
-    "contiguous_gradients": _mapped("gradients are always copied into contiguous bucket buffers"),
-    "reduce_scatter": HONOURED,
-    "reduce_bucket_size": HONOURED,
-    "allgather_partitions": HONOURED,
-    "allgather_bucket_size": HONOURED,
-    "overlap_comm": HONOURED,
-    "load_from_fp32_weights": HONOURED,
-    "elastic_checkpoint": _mapped("checkpoints always load at any world size"),
-    "offload_param": HONOURED,
-    "offload_optimizer": HONOURED,
-    "sub_group_size": _mapped("the optimizer steps one piece per parameter fragment, in tiles of whole pieces up to "
-                              "this many elements (on the accelerator also at most reduce_bucket_size) wherever "
-                              "gradients need an fp32 copy or live offloaded"),
-    "prefetch_bucket_size": HONOURED,
-    "param_persistence_threshold": HONOURED,
-    "model_persistence_threshold": HONOURED,
-    "max_live_parameters": HONOURED,
-    "max_reuse_distance": HONOURED,
-    "gather_16bit_weights_on_model_save": HONOURED,
-    "ignore_unused_parameters": HONOURED,
-    "legacy_stage1": _mapped("there is one stage 1 implementation"),
-    "round_robin_gradients": NOT_YET,
-    "zero_hpz_partition_size": HONOURED,
-    "zero_quantized_weights": HONOURED,
-    "zero_quantized_nontrainable_weights": _mapped("frozen units keep 8-bit shards (codes, per-block scales and "
-                                                   "minima) in memory and gather them as such; persistent or "
-                                                   "offloaded frozen units stay 16-bit"),
-    "zero_quantized_gradients": HONOURED,
-    "mics_shard_size": HONOURED,
-    "mics_hierarchical_params_gather": HONOURED,
-    "memory_efficient_linear": _mapped("stage 3 hooks never keep gathered weights for backward"),
-    "pipeline_loading_checkpoint": NOT_YET,
-    "override_module_apply": HONOURED,
-    "leaf_module": HONOURED,
-    "shard_alignment": HONOURED,
-    "generation_max_live_parameters": HONOURED,
-    "weights_ema_decay": HONOURED,
-    "fp16": HONOURED,
-    "bf16": HONOURED,
-    "gradient_clipping": HONOURED,
-    "gradient_accumulation_steps": _mapped("read by the front-ends; with the core API use engine.no_sync()"),
-    "aio": _mapped("a thread pool doing positioned reads and writes (docs/offload.md)"),
-    "checkpoint": HONOURED,
-    "activation_checkpointing": _mapped("read by zero_core.checkpointing.checkpoint (and Hugging Face's gradient "
-                                        "checkpointing routed through it); field by field below"),
-}
-
-# Fields of a block whose status differs from the block's own FIELD_STATUS (shown in docs/config.md).
-BLOCK_FIELD_STATUS = {
-    "checkpoint.tag_validation": _mapped("a checkpoint is a directory that all ranks agree on at every save step; "
-                                         "there is no tag to validate"),
-    "checkpoint.load_universal": _mapped("checkpoints always load at any world size and stage"),
-    **{f"activation_checkpointing.{name}": HONOURED for name in (
-        "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
-        "synchronize_checkpoint_boundary")},
-    "activation_checkpointing.profile": NOT_YET,
-}
-
-OFFLOAD_DEVICES = ("none", "cpu", "nvme")
-
-
-def _check_nvme(block) -> None:
-    if block.device == "nvme" and not block.nvme_path:
-        raise ZeroConfigError(f"{block._PATH}.nvme_path is required when device is 'nvme'; "
-                              f"set it to a directory on the NVMe drive, or use device 'cpu'")
-
-
-@checked_init
-@documented
-@dataclass
-class OffloadParamConfig(Block):
-    """Parameter offload (``zero_optimization.offload_param``); DeepSpeed allows it with stage 3 only."""
-
-    _PATH: ClassVar[str] = f"{ZERO_SECTION}.offload_param"
-
-    device: str = setting(
-        "none", choices=OFFLOAD_DEVICES,
-        doc="Where to offload parameters: none, cpu or nvme.")
-    nvme_path: Optional[str] = setting(None, doc="Directory on the NVMe drive; required when device is nvme.")
-    buffer_count: int = setting(5, minimum=0, doc="Number of buffers in the pool for NVMe parameter offload.")
-    buffer_size: int = setting(100_000_000, minimum=0, doc="Size in elements of each NVMe offload buffer.")
-    max_in_cpu: int = setting(
-        1_000_000_000, minimum=0,
-        doc="Number of parameter elements kept in CPU memory when offloading to NVMe.")
-    pin_memory: bool = setting(
-        False,
-        doc="Offload to page-locked CPU memory: faster copies, more host memory.")
-
-    def _check_combinations(self) -> None:
-        _check_nvme(self)
-
-
-@checked_init
-@documented
-@dataclass
-class OffloadOptimizerConfig(Block):
-    """Optimizer-state offload (``zero_optimization.offload_optimizer``); stages 1, 2 and 3."""
-
-    _PATH: ClassVar[str] = f"{ZERO_SECTION}.offload_optimizer"
-
-    device: str = setting(
-        "none", choices=OFFLOAD_DEVICES,
-        doc="Where to offload optimizer state: none, cpu or nvme; the step runs on the CPU.")
-    nvme_path: Optional[str] = setting(None, doc="Directory on the NVMe drive; required when device is nvme.")
-    buffer_count: int = setting(
-        4, minimum=0,
-        doc="Number of buffers for NVMe offload; at least the optimizer's states per parameter (Adam: 4).")
-    pin_memory: bool = setting(
-        False,
-        doc="Offload to page-locked CPU memory: faster copies, more host memory.")
-    pipeline_read: bool = setting(
-        False,
-        doc="Overlap reading the next tile with the step on the current one.")
-    pipeline_write: bool = setting(
-        False,
-        doc="Overlap writing the previous tile with the step on the current one.")
-    fast_init: bool = setting(False, doc="Fast optimizer initialisation when offloading to NVMe.")
-
-    def _check_combinations(self) -> None:
-        _check_nvme(self)
-
-
-@checked_init
-@documented
-@dataclass
-class FP16Config(Block):
-    """Float16 mixed precision with loss scaling (the top-level ``fp16`` block of a DeepSpeed config)."""
-
-    _PATH: ClassVar[str] = "fp16"
-
-    enabled: bool = setting(False, doc="Train with float16 parameters and dynamic or static loss scaling.")
-    auto_cast: bool = setting(False, doc="Cast the inputs of the model's forward to float16.")
-    loss_scale: float = setting(0.0, minimum=0, doc="Static loss scale; 0 means dynamic loss scaling.")
-    initial_scale_power: int = setting(16, minimum=0, doc="Dynamic scaling starts at 2**initial_scale_power.")
-    loss_scale_window: int = setting(
-        1000, minimum=1,
-        doc="Steps without overflow before the dynamic loss scale is raised.")
-    hysteresis: int = setting(
-        2, minimum=1,
-        doc="Overflows tolerated before the dynamic loss scale is lowered.")
-    consecutive_hysteresis: bool = setting(
-        False,
-        doc="Refill the hysteresis after each step without overflow.")
-    min_loss_scale: float = setting(1.0, above=0, doc="Lower bound of the dynamic loss scale.")
-
-
-@checked_init
-@documented
-@dataclass
-class BF16Config(Block):
-    """BFloat16 mixed precision (the top-level ``bf16`` block; DeepSpeed also reads ``bfloat16``)."""
-
-    _PATH: ClassVar[str] = "bf16"
-
-    enabled: bool = setting(False, doc="Train with bfloat16 parameters (no loss scaling needed).")
-
-
-@checked_init
-@documented
-@dataclass
-class AioConfig(Block):
-    """Asynchronous I/O for NVMe offload (the top-level ``aio`` block); served by a thread pool."""
-
-    _PATH: ClassVar[str] = "aio"
-
-    block_size: int = setting(1_048_576, above=0, doc="Bytes per read or write request.")
-    queue_depth: int = setting(8, minimum=1, doc="Requests of one transfer in flight per thread.")
-    thread_count: int = setting(1, minimum=1, doc="I/O threads.")
-    single_submit: bool = setting(False, doc="Submit requests one at a time instead of in batches.")
-    overlap_events: bool = setting(True, doc="Overlap NVMe transfers with the optimizer step and read parameter "
-                                   "shards ahead of their gather; with an accelerator, copy offloaded tiles on a thread.")
-
-
-@checked_init
-@documented
-@dataclass
-class CheckpointConfig(Block):
-    """Checkpoint saving (the top-level ``checkpoint`` block); docs/checkpoints.md."""
-
-    _PATH: ClassVar[str] = "checkpoint"
-
-    tag_validation: str = setting("Warn", choices=("Ignore", "Warn", "Fail"),
-                                  doc="DeepSpeed's check that all ranks save under the same tag.")
-    load_universal: bool = setting(False, doc="DeepSpeed: load a universal (world-size independent) checkpoint.")
-    use_node_local_storage: bool = setting(
-        False,
-        doc="Each node writes only its own ranks' files, and its own manifest, to the checkpoint path on its own "
-            "(not shared) disk; `zero-checkpoint gather` joins the node directories into one checkpoint.")
-
-
-@checked_init
-@documented
-@dataclass
-class LeafModuleConfig(Block):
-    """Stage 3 leaf modules (``zero_optimization.leaf_module``): a leaf's whole subtree is gathered and released as
-    one unit, so children that run on some ranks only need no collective of their own (docs/stage3.md)."""
-
-    _PATH: ClassVar[str] = f"{ZERO_SECTION}.leaf_module"
-
-    classes: list[str] = setting(
-        factory=lambda: list(DEFAULT_LEAF_CLASSES),
-        doc="Module classes to make leaves, by class name or dotted path; by default Hugging Face's Mixtral, "
-            "Qwen2-MoE and Qwen3-MoE sparse MoE blocks, as in DeepSpeed.")
-    names: list[str] = setting(factory=list, doc="Module names (as in model.named_modules()) to make leaves.")
-    name_suffixes: list[str] = setting(factory=list, doc="Make leaves of the modules whose name ends with one of these.")
-
-
-@checked_init
-@documented
-@dataclass
-class ActivationCheckpointingConfig(Block):
-    """Activation checkpoints (the top-level ``activation_checkpointing`` block): how the inputs that
-    ``zero_core.checkpointing.checkpoint`` keeps for recomputation are held (docs/stage3.md, "Activation
-    checkpoints")."""
-
-    _PATH: ClassVar[str] = "activation_checkpointing"
-
-    partition_activations: bool = setting(
-        False,
-        doc="Keep 1/N of each checkpointed input on each of the N ranks of the model-parallel group given to "
-            "zero_core.checkpointing.configure(mpu_), gathered back before recomputation; an error without one "
-            "(data-parallel ranks hold no redundant activations).")
-    cpu_checkpointing: bool = setting(
-        False,
-        doc="Keep each checkpointed input in host memory (pinned with CUDA) and bring it back ahead of its "
-            "recomputation (on a side stream with CUDA).")
-    contiguous_memory_optimization: bool = setting(
-        False,
-        doc="Copy the checkpointed inputs into one buffer allocated once (number_checkpoints slots), so they "
-            "do not fragment memory.")
-    number_checkpoints: Optional[int] = setting(
-        None, minimum=1,
-        doc="Checkpoints per forward pass: the slots of the contiguous_memory_optimization buffer.")
-    synchronize_checkpoint_boundary: bool = setting(
-        False,
-        doc="Synchronize the accelerator at the start and end of each checkpoint's forward and recomputation.")
-    profile: bool = setting(False, doc="DeepSpeed: log the forward and backward time of each checkpoint.")
-
-    def _check_combinations(self) -> None:
-        if self.contiguous_memory_optimization and self.number_checkpoints is None:
-            raise ZeroConfigError(f"{self._PATH}.contiguous_memory_optimization needs {self._PATH}."
-                                  "number_checkpoints (the checkpoints per forward pass: the buffer's slots)")
-
+from zero_core.config.errors import ZeroConfigError, require_str_keys, unknown_key_error, warn
+from zero_core.config.fields import Block, checked_init, documented, setting
+from zero_core.config.files import read_config_file
+from zero_core.config.status import BLOCK_FIELD_STATUS, FIELD_STATUS, NOT_YET
 
 # Block fields of ZeroConfig: field name -> (class, may be None).
-_BLOCKS = {
+BLOCKS = {
     "leaf_module": (LeafModuleConfig, False),
     "offload_param": (OffloadParamConfig, True),
     "offload_optimizer": (OffloadOptimizerConfig, True),
@@ -323,7 +66,6 @@ def _as_block(path: str, value: Any, cls, optional: bool) -> Any:
 
 def _offloads(block) -> bool:
     return block is not None and block.device != "none"
-
 
 
 def _plain(value: Any) -> Any:
@@ -489,7 +231,7 @@ class ZeroConfig(Block):
     @classmethod
     def _prepare_kwargs(cls, kwargs: dict) -> tuple:
         kwargs = normalize_names(kwargs, [f.name for f in fields(cls)])
-        block_fields = {name: [f.name for f in fields(block)] for name, (block, _) in _BLOCKS.items()}
+        block_fields = {name: [f.name for f in fields(block)] for name, (block, _) in BLOCKS.items()}
         return pop_autos(kwargs, block_fields)
 
     def _record_given(self, names: tuple, autos: tuple) -> None:
@@ -502,8 +244,8 @@ class ZeroConfig(Block):
         return key_path(name)
 
     def _checked(self, f: dataclasses.Field) -> Any:
-        if f.name in _BLOCKS:
-            block, optional = _BLOCKS[f.name]
+        if f.name in BLOCKS:
+            block, optional = BLOCKS[f.name]
             return _as_block(self._path(f.name), getattr(self, f.name), block, optional)
         return super()._checked(f)
 
@@ -597,7 +339,7 @@ class ZeroConfig(Block):
             return cls.from_dict(obj)
         if isinstance(obj, (str, os.PathLike)):
             return cls.from_file(obj)
-        from zero_core.arg_checks import described  # arg_checks imports this module
+        from zero_core.describe import described  # lazily: it imports torch, which reading a config does not need
 
         raise TypeError(f"{argument} must be a ZeroConfig, a dict (e.g. {{'stage': 3}}), a path to a DeepSpeed "
                         f".json/.yaml/.yml file (str or os.PathLike) or None, got {described(obj)}")
@@ -651,7 +393,7 @@ class ZeroConfig(Block):
         for path, status in BLOCK_FIELD_STATUS.items():
             block, _, leaf = path.partition(".")
             if status == NOT_YET and block in self._explicit and getattr(getattr(self, block), leaf) != \
-                    _default(_BLOCKS[block][0], leaf):
+                    _default(BLOCKS[block][0], leaf):
                 names.append(path)
         return tuple(names)
 
@@ -686,8 +428,8 @@ def field_paths() -> tuple:
     paths = []
     for f in fields(ZeroConfig):
         paths.append(f.name)
-        if f.name in _BLOCKS:
-            paths += [f"{f.name}.{sub.name}" for sub in fields(_BLOCKS[f.name][0])]
+        if f.name in BLOCKS:
+            paths += [f"{f.name}.{sub.name}" for sub in fields(BLOCKS[f.name][0])]
     return tuple(paths)
 
 
@@ -700,79 +442,3 @@ def _canonical_path(key: str) -> str:
         raise ZeroConfigError(f"resolve_auto: {err}")
     return path
 
-
-# ----------------------------------------------------------------------------- docs tables
-
-_CROSS_RULES = {
-    "offload_param": "device other than none needs stage 3",
-    "offload_optimizer": "device other than none needs stage 1-3",
-    "fp16": "not together with bf16.enabled",
-    "nvme_path": "required when device is nvme",
-    "zero_hpz_partition_size": "> 1 needs stage 3; divides the world size; not with mics_shard_size",
-    "zero_quantized_weights": "needs stage 3",
-    "zero_quantized_nontrainable_weights": "needs stage 3",
-    "zero_quantized_gradients": "needs stage 3; not with mics_shard_size",
-    "mics_shard_size": "divides the world size",
-    "mics_hierarchical_params_gather": "shard group spanning nodes: a multiple of the ranks per node",
-}
-
-
-def _other_names(path: str) -> str:
-    names = [f"`{old}` (alias)" for old, new in ALIASES.items() if new == path]
-    names += [f"`{old}` (deprecated)" for old, new in DEPRECATED.items() if path in new.split(" / ")]
-    return ", ".join(names)
-
-
-def _shown_default(f: dataclasses.Field) -> str:
-    value = f.default
-    if value is MISSING:
-        value = f.default_factory() if f.default_factory is not MISSING else None
-        if not isinstance(value, list):
-            return "its block's defaults"
-    if value is sys.maxsize:
-        return "`sys.maxsize`"
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10_000:
-        return f"`{value:,}`"
-    return f"`{json.dumps(value)}`"
-
-
-def _row(cls, f: dataclasses.Field, path: str, status: str) -> str:
-    rule = "; ".join(r for r in (type_text(cls, f), rule_text(f.metadata), _CROSS_RULES.get(f.name)) if r)
-    cells = [f"`{path}`", _other_names(path), _shown_default(f), rule, status, f.metadata["doc"]]
-    return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
-
-
-def _table(title: str, cls, names, prefix: str = "", status: str = "") -> list:
-    lines = [f"### {title}", "", "| Field | Other names | Default | Constraint | Status | Description |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for f in fields(cls):
-        if f.name in names:
-            path = prefix + f.name
-            lines.append(_row(cls, f, path, BLOCK_FIELD_STATUS.get(path) or status or FIELD_STATUS[f.name]))
-    return lines + [""]
-
-
-def markdown_tables() -> str:
-    """The field tables of docs/config.md (regenerate with ``python -m zero_core.config``)."""
-    zero_names = [f.name for f in fields(ZeroConfig) if f.name not in RUN_FIELDS]
-    lines = _table(f"`{ZERO_SECTION}` block", ZeroConfig, zero_names)
-    for name in ("offload_param", "offload_optimizer", "leaf_module"):
-        block = _BLOCKS[name][0]
-        title = f"`{ZERO_SECTION}.{name}` block"
-        lines += _table(title, block, _names(block), f"{name}.", FIELD_STATUS[name])
-    lines += _table("Top-level run fields", ZeroConfig, RUN_FIELDS)
-    for name in ("fp16", "bf16", "aio", "checkpoint", "activation_checkpointing"):
-        block = _BLOCKS[name][0]
-        lines += _table(f"`{name}` block", block, _names(block), f"{name}.", FIELD_STATUS[name])
-    lines += ["### Other DeepSpeed top-level keys", "",
-              "A whole DeepSpeed config may also hold these keys; ZeroConfig reads past them:", "",
-              ", ".join(f"`{key}`" for key in sorted(DEEPSPEED_IGNORED_KEYS)) + "."]
-    return "\n".join(lines).rstrip() + "\n"
-
-
-def _names(cls) -> list:
-    return [f.name for f in fields(cls)]
-
-
-if __name__ == "__main__":
-    print(markdown_tables(), end="")

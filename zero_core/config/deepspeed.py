@@ -1,25 +1,16 @@
-"""Reading ZeroConfig input: key names, "auto" values, whole DeepSpeed configs, JSON/YAML files.
+"""DeepSpeed's way of writing a ZeRO config, turned into ZeroConfig keyword arguments: the section and top-level
+key names, aliases (stage3_*), deprecated names (cpu_offload, ...), "auto" values and whole DeepSpeed configs.
 
-This module knows DeepSpeed's key names (aliases, deprecated names, top-level keys) but not the
-field types; ``zero_core.config`` owns the dataclasses and passes field names in.
+It knows DeepSpeed's key names but not the field types; the schema owns the dataclasses and passes field names in.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import difflib
-import json
-import os
-import sys
-import warnings
 from collections.abc import Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
-
-class ZeroConfigError(ValueError):
-    """A config key, value or file that ZeroConfig cannot accept; the message names the field."""
-
+from zero_core.config.errors import ZeroConfigError, did_you_mean, require_str_keys, type_error, unknown_key_error, warn
 
 ZERO_SECTION = "zero_optimization"
 
@@ -69,75 +60,6 @@ def key_path(name: str) -> str:
     """Dotted path of a ZeroConfig field (or alias) as it is written in a whole DeepSpeed config."""
     root = name.split(".", 1)[0]
     return name if root in _OUR_TOP_KEYS else f"{ZERO_SECTION}.{name}"
-
-
-# ----------------------------------------------------------------------------- messages
-
-
-def _internal_frame(frame) -> bool:
-    code = frame.f_code
-    here = os.path.dirname(os.path.abspath(__file__))
-    name = code.co_filename
-    in_config = os.path.dirname(name) == here and os.path.basename(name).startswith("config")
-    return in_config or (code.co_filename == "<string>" and code.co_name == "__init__")  # dataclass __init__
-
-
-def warn(message: str, category: type[Warning]) -> None:
-    """Warn at the first frame outside the config modules, so the warning points at user code."""
-    frame, level = sys._getframe(1), 2
-    while frame.f_back is not None and _internal_frame(frame):
-        frame, level = frame.f_back, level + 1
-    warnings.warn(message, category, stacklevel=level)
-
-
-def did_you_mean(key: str, candidates: Iterable[str]) -> str | None:
-    close = difflib.get_close_matches(key, list(candidates), n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def unknown_key_error(where: str, key: str, candidates: Iterable[str]) -> ZeroConfigError:
-    """`where` is the full dotted path of the bad key; the suggestion is a bare key name."""
-    candidates = sorted(candidates)
-    match = did_you_mean(key, candidates)
-    if match:
-        hint = f"; did you mean {match!r}?"
-    elif len(candidates) <= 12:
-        hint = f"; valid keys: {', '.join(candidates)}"
-    else:
-        hint = "; docs/config.md lists the valid keys"
-    return ZeroConfigError(f"unknown key {where!r}{hint}")
-
-
-def type_error(path: str, expected: str, value: Any) -> ZeroConfigError:
-    hint = ""
-    if isinstance(value, str) and value == "auto":
-        hint = "; 'auto' is only understood by ZeroConfig itself (kwargs, from_dict, from_file)"
-    elif isinstance(value, str) and _is_number(value):
-        hint = "; write the number without quotes"
-    return ZeroConfigError(f"{path} must be {expected}, got {value!r} ({type(value).__name__}){hint}")
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def require_str_keys(d: Mapping, where: str = "the config") -> None:
-    for key in d:
-        if not isinstance(key, str):
-            raise ZeroConfigError(f"keys of {where} must be strings, got {key!r} ({type(key).__name__})")
-
-
-def check_keys(mapping: Mapping, prefix: str, valid: Iterable[str]) -> None:
-    """Raise on the first non-string or unknown key of `mapping`, whose dotted path is `prefix`."""
-    valid = set(valid)
-    require_str_keys(mapping, prefix)
-    for key in mapping:
-        if key not in valid:
-            raise unknown_key_error(f"{prefix}.{key}" if prefix else key, key, valid)
 
 
 # ----------------------------------------------------------------------------- key names
@@ -286,69 +208,3 @@ def _unknown_top_level(key: str, zero_names: set) -> ZeroConfigError:
         return ZeroConfigError(
             f"unknown top-level key {key!r}: it belongs inside '{ZERO_SECTION}'; move it there")
     return unknown_key_error(key, key, (*_OUR_TOP_KEYS, *DEEPSPEED_IGNORED_KEYS))
-
-
-# ----------------------------------------------------------------------------- files
-
-SUFFIXES = (".json", ".yaml", ".yml")
-
-
-def read_config_file(path: str | os.PathLike) -> Mapping:
-    """Read a .json/.yaml/.yml file whose top level is a mapping; every failure names the file."""
-    p = Path(path)
-    if p.suffix.lower() not in SUFFIXES:
-        raise ZeroConfigError(f"config file '{p}' has suffix {p.suffix!r}; use one of {', '.join(SUFFIXES)}")
-    try:
-        text = p.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise ZeroConfigError(f"config file '{p}' does not exist") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise ZeroConfigError(f"cannot read config file '{p}': {err}") from None
-    data = _parse_json(p, text) if p.suffix.lower() == ".json" else _parse_yaml(p, text)
-    if not isinstance(data, Mapping):
-        raise ZeroConfigError(f"config file '{p}' must hold a mapping at the top level, "
-                              f"got {type(data).__name__}")
-    return data
-
-
-def _no_duplicates(pairs: list) -> dict:
-    # json keeps the last duplicate silently; DeepSpeed rejects duplicates, and so do we.
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise ZeroConfigError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _parse_json(p: Path, text: str) -> Any:
-    try:
-        return json.loads(text, object_pairs_hook=_no_duplicates)
-    except json.JSONDecodeError as err:
-        where = f"line {err.lineno} column {err.colno}"
-        raise ZeroConfigError(f"config file '{p}' is not valid JSON: {err.msg} at {where}") from None
-    except ZeroConfigError as err:
-        raise ZeroConfigError(f"config file '{p}' is not valid: {err}") from None
-
-
-def _parse_yaml(p: Path, text: str) -> Any:
-    import yaml
-
-    try:
-        return yaml.load(text, Loader=_yaml_loader())
-    except yaml.YAMLError as err:
-        raise ZeroConfigError(f"config file '{p}' is not valid YAML: {err}") from None
-
-
-def _yaml_loader():
-    """A SafeLoader that reads 5e8 as a number: YAML 1.1 wants a dot (5.0e8), DeepSpeed users don't."""
-    import re
-
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    number = re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$")
-    Loader.add_implicit_resolver("tag:yaml.org,2002:float", number, list("-+0123456789"))
-    return Loader

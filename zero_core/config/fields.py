@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from dataclasses import MISSING, field, fields
 from typing import Any, ClassVar, Union
 
-from zero_core.config_loading import ZeroConfigError, check_keys, type_error
+from zero_core.config.errors import ZeroConfigError, check_keys, type_error
 
 
 def setting(default=MISSING, *, doc: str, factory=MISSING, minimum=None, above=None, choices=None,
