@@ -14,6 +14,7 @@ all persistent) runs the original method unchanged.
 from __future__ import annotations
 
 import functools
+import inspect
 import sys
 from typing import Callable
 
@@ -31,15 +32,28 @@ def install_if_loaded() -> None:
 
 
 def _refusing_partitioned(original: Callable) -> Callable:
+    signature = inspect.signature(original)
+
     @functools.wraps(original)
     def save_pretrained(self, save_directory, *args, **kwargs):
-        if kwargs.get("state_dict") is None:
+        if _given_state_dict(signature, self, save_directory, args, kwargs) is None:
             released = _first_released(self)
             if released is not None:
                 raise RuntimeError(_message(type(self).__name__, released))
         return original(self, save_directory, *args, **kwargs)
 
     return save_pretrained
+
+
+def _given_state_dict(signature: inspect.Signature, self, save_directory, args: tuple, kwargs: dict):
+    """The ``state_dict`` argument, by name or position (transformers'), or in ``**kwargs`` (PEFT's); None if
+    not given (or the arguments do not fit: the original method then reports that itself)."""
+    try:
+        arguments = signature.bind(self, save_directory, *args, **kwargs).arguments
+    except TypeError:
+        return None
+    extra = next((arguments.get(p.name, {}) for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), {})
+    return arguments.get("state_dict", extra.get("state_dict"))
 
 
 def _first_released(model):

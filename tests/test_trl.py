@@ -132,3 +132,21 @@ def test_save_pretrained_on_rank_0_alone_at_stage_3_is_a_clear_error_naming_the_
 def test_peft_save_pretrained_given_the_gathered_state_on_rank_0_saves_ddps_adapter(runs, kind):
     given = load_file(runs[f"zero3_autocast_{kind}"]["directory"] / "given" / "adapter_model.safetensors")
     assert _max_difference(given, runs[f"ddp_{kind}"]["weights"]) <= TOLERANCE
+
+
+def test_save_pretrained_sees_a_state_dict_given_by_name_by_position_or_through_kwargs():
+    """The stage 3 check lets every call that passes ``state_dict`` through: transformers' takes it by name or
+    third positionally, PEFT's through ``**kwargs``."""
+    import inspect
+
+    from peft import PeftModel
+    from transformers import PreTrainedModel
+
+    from accelerate_zero.save_pretrained import _given_state_dict
+
+    hf, peft = inspect.signature(PreTrainedModel.save_pretrained), inspect.signature(PeftModel.save_pretrained)
+    given = {"w": torch.zeros(1)}
+    assert _given_state_dict(hf, None, "dir", (True, given), {}) is given
+    assert _given_state_dict(hf, None, "dir", (), {"state_dict": given}) is given
+    assert _given_state_dict(peft, None, "dir", (), {"state_dict": given}) is given
+    assert _given_state_dict(hf, None, "dir", (), {}) is None and _given_state_dict(peft, None, "dir", (), {}) is None
