@@ -37,7 +37,7 @@ from torch.distributed.algorithms.join import Join
 import zero_core
 from zero_core import ZeroConfigError, cast_floating_inputs
 
-from . import hf_trainer, state_io, weights
+from . import hf_trainer, save_pretrained, state_io, weights
 from .managed import ManagedModel
 from .optimizer import ZeroAcceleratedOptimizer
 from .plugin import ZeroPlugin
@@ -169,6 +169,8 @@ class ZeroAccelerator(Accelerator):
                 "and accelerator.backward cannot tell which model a loss comes from): use bf16"
             )
         engine = zero_core.setup(model, optimizers, cfg)
+        if cfg.stage == 3:  # save_pretrained on one rank: a clear error (peft/transformers are imported by now)
+            save_pretrained.install_if_loaded()
         _convert_io(model, cfg)
         if self.native_amp:
             _autocast_forward(model, get_mixed_precision_context_manager(self.native_amp, self.autocast_handler))

@@ -2,8 +2,9 @@
 
 Against DDP + torch's ``AveragedModel(multi_avg_fn=get_ema_multi_avg_fn(decay))`` updated after every step, on 2
 ranks at stages 1-3 (fp32; stage 3 also with CPU offload): the average swapped in by ``engine.ema_weights()``, the trained weights back after
-it, 1/N of the masters per rank; at stage 3 also the 16-bit export of the average, and a checkpoint round trip
-that reshards (loaded at stage 2 on the same ranks, then on one rank) and resumes exactly.
+it, 1/N of the masters per rank; at stage 3 also the 16-bit export of the average, a checkpoint round trip
+that reshards (loaded at stage 2 on the same ranks, then on one rank) and resumes exactly, and offline
+consolidation of the average (``zero-checkpoint consolidate --weights_ema``) against the one the engine held.
 """
 
 from __future__ import annotations
@@ -78,7 +79,8 @@ def worker(rank: int, world_size: int, directory: str) -> dict:
         model, engine = zero_run(stage, rank, **extra)  # cpu offload: the average beside the host masters
         train(model, engine, rank, range(STEPS))
         masters = sum(m.numel() for part in engine.runtime.parts for m in part.masters)
-        out[label] = {"ema": max_abs_diff(averaged(model, engine), reference),
+        average = averaged(model, engine)
+        out[label] = {"ema": max_abs_diff(average, reference),
                       "trained_after": max_abs_diff(full_params(model), trained),
                       "ema_numel": sum(t.numel() for t in engine.weights_ema.tensors()), "masters": masters,
                       "ema_bytes": engine.memory_stats()["weights_ema"],
@@ -87,6 +89,7 @@ def worker(rank: int, world_size: int, directory: str) -> dict:
     engine.save_checkpoint(f"{directory}/ckpt")
     if rank == 0:
         torch.save(reference, f"{directory}/reference.pt")
+        torch.save(average, f"{directory}/engine_average.pt")  # the last run's, which the checkpoint holds
     out["trained_after_export"] = max_abs_diff(full_params(model), trained)
     model2, engine2 = zero_run(2, rank)  # another stage: other shard ranges
     engine2.load_checkpoint(f"{directory}/ckpt")
@@ -104,10 +107,12 @@ def one_rank(rank: int, world_size: int, directory: str) -> dict:
     engine.load_checkpoint(f"{directory}/ckpt")
     out = {"loaded": max_abs_diff(averaged(model, engine), torch.load(f"{directory}/reference.pt"))}
     plain = OddMLP()
+    plain_engine = zero_core.setup(plain, torch.optim.AdamW(plain.parameters()), {"stage": 2})
     try:
-        averaged(plain, zero_core.setup(plain, torch.optim.AdamW(plain.parameters()), {"stage": 2}))
+        averaged(plain, plain_engine)
     except RuntimeError as error:
         out["off"] = str(error)
+    plain_engine.save_checkpoint(f"{directory}/no_average")  # for consolidate --weights_ema: an error
     try:  # torch's AveragedModel copies the model: at stage 3 the error names the engine's average
         AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(DECAY))
     except RuntimeError as error:
@@ -115,7 +120,7 @@ def one_rank(rank: int, world_size: int, directory: str) -> dict:
     return out
 
 
-def test_weights_ema_matches_averaged_model_and_round_trips(tmp_path):
+def test_weights_ema_matches_averaged_model_round_trips_and_consolidates(tmp_path):
     from safetensors.torch import load_file
 
     ranks = run_distributed(worker, 2, str(tmp_path), timeout=150)
@@ -138,6 +143,31 @@ def test_weights_ema_matches_averaged_model_and_round_trips(tmp_path):
     assert alone["loaded"] <= TOL, alone  # saved on 2 ranks, loaded on 1
     assert "weights_ema_decay" in alone.get("off", ""), alone  # ema_weights() without an average: named
     assert "AveragedModel" in alone.get("averaged_model", "") and "weights_ema_decay" in alone["averaged_model"]
+    check_offline_consolidation(tmp_path)
+
+
+def check_offline_consolidation(directory) -> None:
+    """``zero-checkpoint consolidate --weights_ema``: the average the stage 3 engine held when it saved, exactly,
+    from the checkpoint alone; a checkpoint without an average is refused by name."""
+    from safetensors.torch import load_file
+
+    from zero_core.checkpoint import consolidated_state_dict
+    from zero_core.checkpoint.cli import main as zero_checkpoint
+    from zero_core.checkpoint.format import CheckpointError
+
+    held = torch.load(directory / "engine_average.pt")
+    zero_checkpoint(["consolidate", str(directory / "ckpt"), str(directory / "out"), "--weights-ema", "true",
+                     "--progress", "false"])
+    written = {}
+    for file in (directory / "out").glob("*.safetensors"):
+        written.update(load_file(file))
+    in_memory = consolidated_state_dict(directory / "ckpt", weights_ema=True)
+    trained = consolidated_state_dict(directory / "ckpt")
+    for name, average in held.items():
+        assert torch.equal(written[name], average) and torch.equal(in_memory[name], average), name
+    assert max_abs_diff({n: trained[n] for n in held}, held) > 1e-3  # the trained weights are another thing
+    with pytest.raises(CheckpointError, match="no moving average of the weights.*weights_ema_decay"):
+        consolidated_state_dict(directory / "no_average", weights_ema=True)
 
 
 def test_weights_ema_with_nvme_offload_is_a_config_error():

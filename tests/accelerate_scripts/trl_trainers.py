@@ -5,7 +5,11 @@
 Each RUN is a name, or ``name=<ZeRO config as JSON>`` (set as ``ACCELERATE_ZERO_CONFIG`` before its trainer
 is built). A name ending in ``_dpo`` runs ``DPOTrainer`` (with its own reference model, prepared for
 evaluation), ``_grpo`` ``GRPOTrainer`` (generation inside the step, a length reward), ``_peft`` ``SFTTrainer``
-with a LoRA adapter (PEFT), any other ``SFTTrainer``.
+with a LoRA adapter (PEFT), ``_hfpeft`` the plain ``transformers.Trainer`` with a LoRA adapter, any other
+``SFTTrainer``. After each run, rank 0 alone also calls the model's own ``save_pretrained`` (PEFT's for an
+adapter), as a script that saves ``if accelerator.is_main_process`` does, into ``OUT_DIR/<name>/rank0``
+(result.json records its error, if any); after an adapter run, also with
+``state_dict=accelerator.get_state_dict(model)`` (taken on every rank) into ``OUT_DIR/<name>/given``.
 TRL installs its fused LM head on the model instance (``add_fused_lm_head``: a patched forward that reads
 ``lm_head.weight`` directly); each run trains a few steps with ``bf16=True``; ``save_model`` writes
 ``OUT_DIR/<name>/final``, rank 0 the logged losses to ``OUT_DIR/<name>/result.json``.
@@ -18,9 +22,9 @@ from pathlib import Path
 
 import torch
 from datasets import Dataset
-from peft import LoraConfig
+from peft import LoraConfig, get_peft_model
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Trainer, TrainingArguments
 from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 VOCAB, SEQ = 64, 12
@@ -69,7 +73,15 @@ def arguments(config_class, out: Path, steps: int, batch: int = 2, **extra):
                         bf16=True, dataloader_num_workers=0, **extra)
 
 
+def adapter() -> LoraConfig:
+    return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+
+
 def trainer_for(name: str, out: Path):
+    if name.endswith("_hfpeft"):  # the plain Trainer: labels are the inputs (the model shifts them)
+        rows = data().map(lambda row: {"labels": row["input_ids"]})
+        return Trainer(model=get_peft_model(tiny_llama(), adapter()), args=arguments(TrainingArguments, out, 4),
+                       train_dataset=rows)
     if name.endswith("_grpo"):
         args = arguments(GRPOConfig, out, 2, batch=4, num_generations=4, max_completion_length=6)
         return GRPOTrainer(model=tiny_llama(), reward_funcs=length_reward, args=args, train_dataset=prompts(),
@@ -77,22 +89,34 @@ def trainer_for(name: str, out: Path):
     if name.endswith("_dpo"):
         return DPOTrainer(model=tiny_llama(), ref_model=tiny_llama(), args=arguments(DPOConfig, out, 3),
                           train_dataset=preferences(), processing_class=tokenizer())
-    adapter = None
-    if name.endswith("_peft"):
-        adapter = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     return SFTTrainer(model=tiny_llama(), args=arguments(SFTConfig, out, 4), train_dataset=data(),
-                      processing_class=tokenizer(), peft_config=adapter)
+                      processing_class=tokenizer(), peft_config=adapter() if name.endswith("_peft") else None)
 
 
 def run(name: str, out: Path) -> None:
     trainer = trainer_for(name, out)
     trainer.train()
     trainer.save_model(str(out / "final"))
+    adapter_run = name.endswith("peft")
+    whole = trainer.accelerator.get_state_dict(trainer.model) if adapter_run else None  # every rank: a collective
     if trainer.accelerator.is_main_process:
         losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
-        accelerator = type(trainer.accelerator).__name__
-        (out / "result.json").write_text(json.dumps({"loss": losses, "accelerator": accelerator}))
+        result = {"loss": losses, "accelerator": type(trainer.accelerator).__name__,
+                  "rank0_save_error": save_on_rank0(trainer, out / "rank0")}  # save_pretrained as is
+        if adapter_run:  # and with the whole state given
+            trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(out / "given"), state_dict=whole)
+        (out / "result.json").write_text(json.dumps(result))
     trainer.accelerator.wait_for_everyone()
+
+
+def save_on_rank0(trainer, directory: Path):
+    """The model's own ``save_pretrained`` (PEFT's for an adapter), on this rank only; the error it raised
+    (type and message), or None."""
+    try:
+        trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(directory))
+    except Exception as error:  # recorded for the test, which checks it names the way out
+        return f"{type(error).__name__}: {error}"
+    return None
 
 
 def main(out: Path, runs: list) -> None:

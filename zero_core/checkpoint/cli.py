@@ -1,6 +1,7 @@
 """``zero-checkpoint``: consolidate, inspect and export sharded checkpoints, without a process group.
 
     zero-checkpoint consolidate CKPT OUT --dtype bf16 --max-shard-size 5GB [--hf_config MODEL_DIR/config.json]
+                                [--weights_ema true]   (the moving average of the weights: weights_ema_decay)
     zero-checkpoint inspect CKPT [--verify true] [--tensors true]
     zero-checkpoint export-optimizer CKPT OUT.pt
     zero-checkpoint gather NODE_DIR... --out CKPT      (node-local checkpoints: checkpoint.use_node_local_storage)
@@ -20,7 +21,7 @@ from jsonargparse import auto_cli
 
 def consolidate(checkpoint: str, out: str, dtype: Literal["fp32", "bf16", "fp16"] = "fp32",
                 max_shard_size: str = "5GB", verify: bool = True, progress: bool = True,
-                hf_config: Optional[str] = None) -> None:
+                hf_config: Optional[str] = None, weights_ema: bool = False) -> None:
     """Write the checkpoint's model as Hugging Face-style sharded safetensors plus model.safetensors.index.json.
 
     Args:
@@ -32,11 +33,13 @@ def consolidate(checkpoint: str, out: str, dtype: Literal["fp32", "bf16", "fp16"
         progress: Show a progress bar.
         hf_config: The model's Hugging Face config.json (or its directory): written into OUT naming --dtype, so
             from_pretrained loads the weights in the dtype they were written in.
+        weights_ema: Write the moving average of the weights that the checkpoint holds (trained with
+            zero_optimization.weights_ema_decay) instead of the trained weights.
     """
     from zero_core.checkpoint.consolidate import consolidate as run
 
     out_dir = run(checkpoint, out, dtype=dtype, max_shard_size=max_shard_size, verify=verify, progress=progress,
-                  hf_config=hf_config)
+                  hf_config=hf_config, weights_ema=weights_ema)
     print(f"wrote {out_dir}")
 
 

@@ -16,9 +16,11 @@ import torch
 from tqdm.auto import tqdm
 
 from zero_core.layout import Range
+from zero_core.optim.weights_ema import EMA_KIND
 
 from zero_core.checkpoint.files import atomic_directory, atomic_file
-from zero_core.checkpoint.format import CheckpointError, PathLike, group_optimizers, optimizer_classes, read_manifest
+from zero_core.checkpoint.format import (MASTER_KIND, CheckpointError, PathLike, group_optimizers, optimizer_classes,
+                                         read_manifest)
 from zero_core.checkpoint.hf_config import ConfigSource, write_config
 from zero_core.checkpoint.hf_shards import INDEX, ShardedWriter, parse_size
 from zero_core.checkpoint.node_local import require_whole
@@ -30,40 +32,46 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 
 
 def consolidate(path: PathLike, out: PathLike, dtype: DtypeName = "fp32", max_shard_size: Union[int, str] = "5GB",
-                verify: bool = True, progress: bool = True, hf_config: Optional[ConfigSource] = None) -> Path:
+                verify: bool = True, progress: bool = True, hf_config: Optional[ConfigSource] = None,
+                weights_ema: bool = False) -> Path:
     """Write the model of checkpoint ``path`` to directory ``out`` as sharded safetensors plus an index.
 
     Floating tensors are cast to ``dtype`` (from the fp32 masters); tied weights are written once, under their
     first name, and listed in the index's ``metadata.tied_weights``. ``hf_config`` (the model's ``config.json``,
     its directory, or a dict): written beside the weights naming ``dtype``, so ``from_pretrained`` loads them
-    as written. ``out`` appears only when complete.
+    as written. ``weights_ema``: write the moving average of the weights the checkpoint holds
+    (``weights_ema_decay``) instead of the trained weights; buffers are written as they are. ``out`` appears
+    only when complete.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path, out = Path(path), Path(out).absolute()
     max_bytes = parse_size(max_shard_size)
     manifest = _checked_manifest(path, verify)
+    kind = _weights_kind(path, manifest, weights_ema)
     with atomic_directory(out, marker=INDEX) as temp:
-        _write_model(path, manifest, temp, DTYPES[dtype], max_bytes, progress, dtype)
+        _write_model(path, manifest, temp, DTYPES[dtype], max_bytes, progress, dtype, kind)
         if hf_config is not None:
             write_config(hf_config, temp, DTYPES[dtype])
     return out
 
 
 def consolidated_state_dict(path: PathLike, dtype: DtypeName = "fp32", tied_weights: bool = True,
-                            verify: bool = True) -> dict[str, torch.Tensor]:
+                            verify: bool = True, weights_ema: bool = False) -> dict[str, torch.Tensor]:
     """The model of checkpoint ``path`` as one state dict of CPU tensors, held whole in memory (for a model
     too large for that, :func:`consolidate` streams it to files). No process group needed.
 
     Floating tensors are cast to ``dtype`` from the fp32 masters. ``tied_weights``: a tied weight appears under
     each of its names, as ``module.state_dict()`` has it; False: once, under its first name (safetensors
-    refuses tensors that share memory)."""
+    refuses tensors that share memory). ``weights_ema``: the parameters' moving average (``weights_ema_decay``)
+    instead of the trained weights."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     path = Path(path)
     manifest = _checked_manifest(path, verify)
+    kind = _weights_kind(path, manifest, weights_ema)
     with ShardedSource(path, manifest) as source:
-        state = dict(_whole_tensors(source, _tensor_names(manifest), DTYPES[dtype], progress=False))
+        state = dict(_whole_tensors(source, _tensor_names(manifest), DTYPES[dtype], progress=False, kind=kind))
     if tied_weights:
         for alias, canonical in manifest["aliases"].items():
             state[alias] = state[canonical]
@@ -77,14 +85,28 @@ def _checked_manifest(path: Path, verify: bool) -> dict:
     return manifest
 
 
+def _weights_kind(path: Path, manifest: dict, weights_ema: bool) -> str:
+    """Which stored values are the weights to write: the masters, or (``weights_ema``) their moving average."""
+    if not weights_ema:
+        return MASTER_KIND
+    if manifest.get("weights_ema") is None:
+        raise CheckpointError(
+            f"the checkpoint {path} holds no moving average of the weights: it was saved by an engine without "
+            "zero_optimization.weights_ema_decay. Consolidate its trained weights (leave out --weights_ema), or "
+            "train with weights_ema_decay set"
+        )
+    return EMA_KIND
+
+
 def _tensor_names(manifest: dict) -> list[str]:
     return [p["name"] for p in manifest["parameters"]] + [r["name"] for r in manifest["replicated"]]
 
 
-def _whole_tensors(source: ShardedSource, names: list[str], dtype: torch.dtype, progress: bool):
-    """(name, whole tensor) one at a time, floating ones cast to ``dtype``."""
+def _whole_tensors(source: ShardedSource, names: list[str], dtype: torch.dtype, progress: bool,
+                   kind: str = MASTER_KIND):
+    """(name, whole tensor) one at a time, floating ones cast to ``dtype``; parameters' values of ``kind``."""
     for name in tqdm(names, desc="consolidating", unit="tensor", disable=not progress):
-        tensor = source.read_whole(name)
+        tensor = source.read_whole(name, kind)
         if tensor.is_floating_point():
             tensor = tensor.to(dtype)  # the fp32 copy goes now
         yield name, tensor
@@ -92,13 +114,14 @@ def _whole_tensors(source: ShardedSource, names: list[str], dtype: torch.dtype, 
 
 
 def _write_model(path: Path, manifest: dict, temp: Path, dtype: torch.dtype, max_bytes: int, progress: bool,
-                 dtype_label: str) -> None:
+                 dtype_label: str, kind: str = MASTER_KIND) -> None:
     names = _tensor_names(manifest)
     writer = ShardedWriter(temp, max_bytes)
     with ShardedSource(path, manifest) as source:
-        for name, tensor in _whole_tensors(source, names, dtype, progress):
+        for name, tensor in _whole_tensors(source, names, dtype, progress, kind):
             writer.add(name, tensor)
     index = writer.finish({"dtype": dtype_label, "tied_weights": manifest["aliases"],
+                           "weights": "ema" if kind == EMA_KIND else "trained",
                            "source_checkpoint": str(path.absolute())})
     if sorted(index["weight_map"]) != sorted(names):
         raise CheckpointError(f"consolidation wrote {len(index['weight_map'])} tensors, expected {len(names)}")

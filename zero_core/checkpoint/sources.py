@@ -115,7 +115,9 @@ class ShardedSource:
                                   f"{piece.get_shape()}, the manifest says [{numel}]")
         return piece
 
-    def read_whole(self, name: str) -> torch.Tensor:
+    def read_whole(self, name: str, kind: str = MASTER_KIND) -> torch.Tensor:
+        """The whole tensor ``name``: a parameter's fp32 master (or its moving average, ``kind=EMA_KIND``), or a
+        replicated buffer (which has no average: its value either way)."""
         if name in self.replicated:
             entry = self.replicated[name]
             piece = self.files.slice(REPLICATED, entry["key"])
@@ -124,7 +126,7 @@ class ShardedSource:
                                       f"{piece.get_shape()}, the manifest says {entry['shape']}")
             return piece[...]
         shape = self.params[name]["shape"]
-        return self.read(name, Range(0, math.prod(shape))).view(shape)
+        return self.read(name, Range(0, math.prod(shape)), kind).view(shape)
 
     # -- optimizer -----------------------------------------------------------------------------------------
     def state_keys(self) -> list[str]:
