@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 import zero_core
 
 from . import checkpoint_io
+from .activation_checkpointing import Policy, apply_activation_checkpointing, check_policy
 from .config import base_config, differing_fields, run_config
 from .deepspeed_args import apply_deepspeed_args, given_keywords
 from .offload_args import OFFLOAD_STRATEGIES, OffloadArg, apply_offload_args
@@ -65,6 +66,11 @@ class ZeroStrategy(DDPStrategy):
         resume: "latest" (the newest complete, verified checkpoint in the ModelCheckpoint's directory) or a
             directory to take it from: ``fit`` without ``ckpt_path`` resumes from there by itself, and starts
             fresh when there is none (so one script serves the first run and every restart).
+        activation_checkpointing_policy: as FSDPStrategy's: the submodules whose activations are recomputed in
+            backward, as a set of module classes (``{Block}``), an FSDP policy (``ModuleWrapPolicy``,
+            ``CustomPolicy``) or a policy function. They run under ``zero_core.checkpointing.checkpoint``, so the
+            config's ``activation_checkpointing`` block applies (``cpu_checkpointing``, ...); modules keep their
+            names (no wrapper).
         allgather_bucket_size, reduce_bucket_size, ..., stage3_max_reuse_distance: DeepSpeedStrategy's keywords
             (and DeepSpeed's ``stage3_*`` names), each setting the zero_optimization field of that name; None
             leaves the config's value. ``loss_scale``, ``initial_scale_power``, ``loss_scale_window``,
@@ -91,6 +97,7 @@ class ZeroStrategy(DDPStrategy):
         offload_parameters: OffloadArg = None,
         nvme_path: Optional[str] = None,
         resume: Optional[str] = None,
+        activation_checkpointing_policy: Optional[Policy] = None,
         allgather_bucket_size: Optional[int] = None,
         reduce_bucket_size: Optional[int] = None,
         allgather_partitions: Optional[bool] = None,
@@ -132,6 +139,7 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError(f"ZeroStrategy(resume={resume!r}): give 'latest' (the ModelCheckpoint's directory) or "
                             "a directory of checkpoints")
         self.resume = None if resume is None else os.fspath(resume)
+        self.activation_checkpointing_policy = check_policy(activation_checkpointing_policy, "ZeroStrategy")
         self._forward_redirection = _ForwardRedirection()
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -208,6 +216,7 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             refuse_at_stage3(trainer, self.stage)  # Lightning's WeightAveraging: the engine's average instead
+            apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing_policy)
         existing = zero_core.engine_of(self.lightning_module)
         if existing is not None and fitting:
             self._refit(existing, trainer)
