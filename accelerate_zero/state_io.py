@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from . import elastic
+
 ZERO_STATE_FILE = "zero_state.json"
 
 
@@ -57,15 +59,20 @@ def save_engines(accelerator, directory) -> None:
     # node-local checkpoints: every machine's directory is its own, so each machine's first process records it
     node_local = any(m.engine.config.checkpoint.use_node_local_storage for m in accelerator._managed)
     if accelerator.is_main_process or (node_local and accelerator.is_local_main_process):
-        (directory / ZERO_STATE_FILE).write_text(json.dumps({"models": entries}, indent=2) + "\n")
+        record = {"models": entries, elastic.KEY: elastic.batch_record(accelerator)}
+        (directory / ZERO_STATE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     accelerator.wait_for_everyone()
 
 
 def load_engines(accelerator, directory) -> None:
-    """Every rank: each ZeRO model from its sharded checkpoint, or from plain Accelerate files if there is none."""
+    """Every rank: each ZeRO model from its sharded checkpoint, or from plain Accelerate files if there is none;
+    then the accumulation re-planned when the state was saved at another world size (elastic.py)."""
     from zero_core import load_checkpoint
 
     directory = Path(directory)
+    record = directory / ZERO_STATE_FILE
+    if record.is_file():
+        elastic.keep_global_batch(accelerator, json.loads(record.read_text()).get(elastic.KEY))
     for managed, model_index, opt_indices in _positions(accelerator):
         sharded = directory / zero_dir_name(model_index)
         if sharded.is_dir():
