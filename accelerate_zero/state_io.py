@@ -65,14 +65,10 @@ def save_engines(accelerator, directory) -> None:
 
 
 def load_engines(accelerator, directory) -> None:
-    """Every rank: each ZeRO model from its sharded checkpoint, or from plain Accelerate files if there is none;
-    then the accumulation re-planned when the state was saved at another world size (elastic.py)."""
+    """Every rank: each ZeRO model from its sharded checkpoint, or from plain Accelerate files if there is none."""
     from zero_core import load_checkpoint
 
     directory = Path(directory)
-    record = directory / ZERO_STATE_FILE
-    if record.is_file():
-        elastic.keep_global_batch(accelerator, json.loads(record.read_text()).get(elastic.KEY))
     for managed, model_index, opt_indices in _positions(accelerator):
         sharded = directory / zero_dir_name(model_index)
         if sharded.is_dir():
@@ -114,6 +110,12 @@ def _model_file(directory: Path, model_index: int) -> Path:
             "(written by plain Accelerate)"
         )
     return found
+
+
+def saved_global_batch(directory) -> Optional[dict]:
+    """What ``save_engines`` recorded of the global batch (elastic.py), None for a state without it."""
+    record = Path(directory) / ZERO_STATE_FILE
+    return json.loads(record.read_text()).get(elastic.KEY) if record.is_file() else None
 
 
 def latest_state(checkpoints_dir) -> Optional[Path]:
