@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 KEY = "lightning_zero_global_batch"  # the checkpoint's entry: {"world_size": W, "accumulate_grad_batches": A}
@@ -47,6 +48,12 @@ def keep_global_batch(trainer: Any, checkpoint: dict, world_size: int) -> Option
     new = replanned_accumulation(saved, world_size, trainer.accumulate_grad_batches)
     if new == trainer.accumulate_grad_batches and saved["world_size"] == world_size:
         return None
+    if any(isinstance(c, GradientAccumulationScheduler) for c in getattr(trainer, "callbacks", ())):
+        raise ValueError(
+            f"this fit resumes on {world_size} ranks from a checkpoint saved on {saved['world_size']}, and its "
+            "GradientAccumulationScheduler sets accumulate_grad_batches each epoch, so the global batch cannot be "
+            "kept by re-planning it; scale the scheduler's values by the world sizes' ratio and pass "
+            "ZeroStrategy(keep_global_batch=False)")
     _move_epoch_progress(checkpoint, saved["accumulate_grad_batches"], new)
     rank_zero_info(f"ZeroStrategy: resumed on {world_size} ranks from a checkpoint saved on {saved['world_size']}; "
                    f"accumulate_grad_batches {trainer.accumulate_grad_batches} -> {new} keeps the global batch")

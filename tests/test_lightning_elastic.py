@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 
 from lightning_scripts.launch import run
 from lightning_zero.elastic import KEY, keep_global_batch, replanned_accumulation
@@ -26,6 +27,7 @@ def test_resume_on_fewer_ranks_keeps_the_global_batch_and_the_weights(tmp_path):
 
 class _Trainer:
     accumulate_grad_batches = 1
+    callbacks = ()
 
 
 def test_replanning_keeps_world_times_accumulation_or_says_why_not():
@@ -44,3 +46,7 @@ def test_replanning_keeps_world_times_accumulation_or_says_why_not():
     with pytest.raises(ValueError, match="middle of an accumulation cycle"):
         keep_global_batch(_Trainer(), {KEY: {"world_size": 2, "accumulate_grad_batches": 2},
                                        "loops": checkpoint["loops"]}, 1)
+    scheduled = _Trainer()
+    scheduled.callbacks = [GradientAccumulationScheduler({0: 1})]
+    with pytest.raises(ValueError, match="GradientAccumulationScheduler sets accumulate_grad_batches each epoch"):
+        keep_global_batch(scheduled, {KEY: {"world_size": 2, "accumulate_grad_batches": 1}}, 1)
