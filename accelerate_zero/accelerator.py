@@ -37,7 +37,7 @@ from torch.distributed.algorithms.join import Join
 import zero_core
 from zero_core import ZeroConfigError, cast_floating_inputs
 
-from . import hf_trainer, save_pretrained, state_io, weights
+from . import elastic, hf_trainer, save_pretrained, state_io, weights
 from .managed import ManagedModel
 from .optimizer import ZeroAcceleratedOptimizer
 from .plugin import ZeroPlugin
@@ -340,6 +340,9 @@ class ZeroAccelerator(Accelerator):
         finally:
             handle.remove()
         state_io.load_engines(self, seen[-1])
+        # At another world size: the accumulation that keeps the global batch (not for the HF Trainer, whose
+        # own TrainingArguments drive its accumulation; it loads through hf_trainer.py).
+        elastic.keep_global_batch(self, state_io.saved_global_batch(seen[-1]))
 
     @contextlib.contextmanager
     def _accelerate_objects_only(self) -> Iterator[None]:

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Optional
 
+from . import elastic
+
 ZERO_STATE_FILE = "zero_state.json"
 
 
@@ -57,7 +59,8 @@ def save_engines(accelerator, directory) -> None:
     # node-local checkpoints: every machine's directory is its own, so each machine's first process records it
     node_local = any(m.engine.config.checkpoint.use_node_local_storage for m in accelerator._managed)
     if accelerator.is_main_process or (node_local and accelerator.is_local_main_process):
-        (directory / ZERO_STATE_FILE).write_text(json.dumps({"models": entries}, indent=2) + "\n")
+        record = {"models": entries, elastic.KEY: elastic.batch_record(accelerator)}
+        (directory / ZERO_STATE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     accelerator.wait_for_everyone()
 
 
@@ -107,6 +110,12 @@ def _model_file(directory: Path, model_index: int) -> Path:
             "(written by plain Accelerate)"
         )
     return found
+
+
+def saved_global_batch(directory) -> Optional[dict]:
+    """What ``save_engines`` recorded of the global batch (elastic.py), None for a state without it."""
+    record = Path(directory) / ZERO_STATE_FILE
+    return json.loads(record.read_text()).get(elastic.KEY) if record.is_file() else None
 
 
 def latest_state(checkpoints_dir) -> Optional[Path]:

@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 import zero_core
 
 from . import checkpoint_io
+from .activation_checkpointing import Policy, apply_activation_checkpointing, check_policy
 from .config import base_config, run_config
 from .deepspeed_args import apply_deepspeed_args, given_keywords
 from .optimizer import optimizer_index
@@ -51,7 +52,8 @@ class _EngineSyncControl(_BackwardSyncControl):
 class ZeroFabricStrategy(DDPStrategy, _Sharded):
     """ZeRO data parallelism for Fabric; ``stage``, ``config`` and ``state_dict_type`` (what
     ``get_module_state_dict`` returns), and DeepSpeedStrategy's keywords (``reduce_bucket_size``,
-    ``stage3_param_persistence_threshold``, ``loss_scale``, ...) as for :class:`lightning_zero.ZeroStrategy`.
+    ``stage3_param_persistence_threshold``, ``loss_scale``, ...) and ``activation_checkpointing_policy`` (as
+    FSDPStrategy's) as for :class:`lightning_zero.ZeroStrategy`.
 
     One model per strategy, set up together with its optimizers (``fabric.setup(model, optimizer)``, or several:
     ``fabric.setup(model, opt_g, opt_d)``, each stepping its own parameters), or alone for evaluation
@@ -70,6 +72,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         process_group_backend: Optional[str] = None,
         timeout: Optional[timedelta] = default_pg_timeout,
         state_dict_type: StateDictType = "full",
+        activation_checkpointing_policy: Optional[Policy] = None,
         allgather_bucket_size: Optional[int] = None,
         reduce_bucket_size: Optional[int] = None,
         allgather_partitions: Optional[bool] = None,
@@ -99,6 +102,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                          process_group_backend=process_group_backend, timeout=timeout)
         self.zero_config = apply_deepspeed_args(base_config(stage, config), keywords, "ZeroFabricStrategy")
         self.state_dict_type = checked_state_dict_type(state_dict_type)
+        self.activation_checkpointing_policy = check_policy(activation_checkpointing_policy, "ZeroFabricStrategy")
         self._backward_sync_control = _EngineSyncControl(self)
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -133,6 +137,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
 
     # -- model and optimizer -------------------------------------------------------------------------------
     def setup_module_and_optimizers(self, module: Module, optimizers: list[Optimizer], scheduler=None):
+        apply_activation_checkpointing(module, self.activation_checkpointing_policy)
         self._start_engine(module, optimizers)
         return module, list(self._engine.optimizers), scheduler
 

@@ -32,8 +32,10 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 import zero_core
 
 from . import checkpoint_io
+from .activation_checkpointing import Policy, apply_activation_checkpointing, check_policy
 from .config import base_config, differing_fields, run_config
 from .deepspeed_args import apply_deepspeed_args, given_keywords
+from .elastic import KEY as GLOBAL_BATCH_KEY, batch_plan, keep_global_batch
 from .offload_args import OFFLOAD_STRATEGIES, OffloadArg, apply_offload_args
 from .state_dict import checked_state_dict_type, module_state_dict
 from .optimizer import ZeroOptimizer
@@ -65,6 +67,14 @@ class ZeroStrategy(DDPStrategy):
         resume: "latest" (the newest complete, verified checkpoint in the ModelCheckpoint's directory) or a
             directory to take it from: ``fit`` without ``ckpt_path`` resumes from there by itself, and starts
             fresh when there is none (so one script serves the first run and every restart).
+        activation_checkpointing_policy: as FSDPStrategy's: the submodules whose activations are recomputed in
+            backward, as a set of module classes (``{Block}``), an FSDP policy (``ModuleWrapPolicy``,
+            ``CustomPolicy``) or a policy function. They run under ``zero_core.checkpointing.checkpoint``, so the
+            config's ``activation_checkpointing`` block applies (``cpu_checkpointing``, ...); modules keep their
+            names (no wrapper).
+        keep_global_batch: a fit that resumes at another world size (``torchrun --nnodes MIN:MAX`` after a lost
+            node) sets ``accumulate_grad_batches`` so that world size x accumulation is the checkpoint's again,
+            or raises saying why it cannot (default True; False keeps the Trainer's accumulation).
         allgather_bucket_size, reduce_bucket_size, ..., stage3_max_reuse_distance: DeepSpeedStrategy's keywords
             (and DeepSpeed's ``stage3_*`` names), each setting the zero_optimization field of that name; None
             leaves the config's value. ``loss_scale``, ``initial_scale_power``, ``loss_scale_window``,
@@ -91,6 +101,8 @@ class ZeroStrategy(DDPStrategy):
         offload_parameters: OffloadArg = None,
         nvme_path: Optional[str] = None,
         resume: Optional[str] = None,
+        activation_checkpointing_policy: Optional[Policy] = None,
+        keep_global_batch: bool = True,
         allgather_bucket_size: Optional[int] = None,
         reduce_bucket_size: Optional[int] = None,
         allgather_partitions: Optional[bool] = None,
@@ -132,6 +144,8 @@ class ZeroStrategy(DDPStrategy):
             raise TypeError(f"ZeroStrategy(resume={resume!r}): give 'latest' (the ModelCheckpoint's directory) or "
                             "a directory of checkpoints")
         self.resume = None if resume is None else os.fspath(resume)
+        self.activation_checkpointing_policy = check_policy(activation_checkpointing_policy, "ZeroStrategy")
+        self.keep_global_batch = bool(keep_global_batch)
         self._forward_redirection = _ForwardRedirection()
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -208,6 +222,7 @@ class ZeroStrategy(DDPStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             refuse_at_stage3(trainer, self.stage)  # Lightning's WeightAveraging: the engine's average instead
+            apply_activation_checkpointing(self.lightning_module, self.activation_checkpointing_policy)
         existing = zero_core.engine_of(self.lightning_module)
         if existing is not None and fitting:
             self._refit(existing, trainer)
@@ -372,6 +387,9 @@ class ZeroStrategy(DDPStrategy):
                 "ZeroStrategy saves each checkpoint as a sharded directory. For one file that load_from_checkpoint "
                 "or a DDP run can read: python -m lightning_zero.convert <dir> <file.ckpt>"
             )
+        trainer = self.lightning_module._trainer if self.lightning_module is not None else None
+        if trainer is not None:  # what a resume at another world size needs to keep the global batch
+            checkpoint[GLOBAL_BATCH_KEY] = batch_plan(self.world_size, trainer.accumulate_grad_batches)
         checkpoint_io.save_sharded(self._engine, checkpoint, path)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
@@ -390,7 +408,10 @@ class ZeroStrategy(DDPStrategy):
             self._start_engine(_placeholder_optimizer(module), self._resolved_config(module.trainer))
         fitting = module.trainer.state.fn == TrainerFn.FITTING
         if sharded:
-            return checkpoint_io.load_sharded(self._engine, path, fitting, module.strict_loading)
+            checkpoint = checkpoint_io.load_sharded(self._engine, path, fitting, module.strict_loading)
+            if fitting and self.keep_global_batch:
+                keep_global_batch(module.trainer, checkpoint, self.world_size)
+            return checkpoint
         checkpoint = self._read_file(path, weights_only)
         return checkpoint_io.load_full(self._engine, checkpoint, len(self.optimizers) if fitting else None,
                                        module.strict_loading)

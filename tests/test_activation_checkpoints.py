@@ -5,11 +5,13 @@ Each honoured field trains at stage 3 (2 ranks, AdamW, full partitioning) to the
 ``torch.utils.checkpoint``, and does what it says (inputs kept in host memory, in one buffer's slots, partitioned
 over a model-parallel group, boundaries synchronized: the counters of ``zero_core.checkpointing.current()``).
 Hugging Face's ``gradient_checkpointing_enable()`` trains at stage 3 to DDP's weights, plain and routed through
-``cpu_checkpointing``. ``profile`` is warned about by name; ``partition_activations`` without a model-parallel
-group is an error naming that need."""
+``cpu_checkpointing``. ``profile`` times each checkpointed forward and recomputation, and rank 0 logs one line
+per pass; ``partition_activations`` without a model-parallel group is an error naming that need."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import warnings
 
 import pytest
@@ -36,6 +38,7 @@ BLOCKS = {
     "contiguous": {"contiguous_memory_optimization": True, "number_checkpoints": 2},
     "cpu+contiguous": {"cpu_checkpointing": True, "contiguous_memory_optimization": True, "number_checkpoints": 2},
     "synchronize": {"synchronize_checkpoint_boundary": True},
+    "profile+cpu": {"profile": True, "cpu_checkpointing": True},
 }
 
 
@@ -65,11 +68,30 @@ def _fields_section(rank):
     reference = train_ddp(CheckpointedTransformer, transformer_batch, STEPS).params
     out = {}
     for name, block in BLOCKS.items():
-        result, engine = train_engine(EngineCheckpointedTransformer, transformer_batch, _whole(block), STEPS)
+        with _logged("zero_core.checkpointing") as lines:
+            result, engine = train_engine(EngineCheckpointedTransformer, transformer_batch, _whole(block), STEPS)
+            last = checkpointing.log_profile()  # the last pass's timings (the others were logged as they ended)
         stats = checkpointing.current().stats
-        out[name] = {"diff": max_abs_diff(result.params, reference), "stats": vars(stats).copy()}
+        out[name] = {"diff": max_abs_diff(result.params, reference), "stats": vars(stats).copy(), "lines": lines,
+                     "last": None if last is None else vars(last).copy()}
         engine.close()
     return out
+
+
+@contextlib.contextmanager
+def _logged(name: str):
+    """The messages logger ``name`` emits at INFO inside the block."""
+    lines, logger = [], logging.getLogger(name)
+    handler = logging.Handler(logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
 
 
 def _error_section(rank):
@@ -159,6 +181,20 @@ def test_each_field_trains_to_ddp_with_torch_checkpoint(ranks):
 
 
 @pytest.mark.timeout(220)
+def test_profile_times_forwards_and_recomputations_and_rank_0_logs_each_pass(ranks):
+    for rank, found in enumerate(_section(ranks, "fields")):
+        profiled = found["profile+cpu"]
+        assert profiled["diff"] < TOL and profiled["stats"]["stashed"] == STEPS * 2  # composes with cpu_checkpointing
+        last = profiled["last"]
+        assert last["forwards"] == last["recomputations"] == 2 and last["forward_s"] > 0 and last["recompute_s"] > 0
+        lines = profiled["lines"]
+        assert len(lines) == (STEPS if rank == 0 else 0), lines  # one line per forward-backward pass, rank 0 only
+        assert all(line.startswith("activation checkpoints: 2 forwards ") and "2 recomputations" in line
+                   for line in lines), lines
+        assert found["cpu"]["last"] is None and found["cpu"]["lines"] == []  # off unless asked for
+
+
+@pytest.mark.timeout(220)
 def test_partition_activations_over_a_model_parallel_group(ranks):
     for found in _section(ranks, "partition"):
         for name, run in found.items():
@@ -183,16 +219,13 @@ def test_hf_gradient_checkpointing_trains_at_stage_3(ranks):
         assert found["plain"]["stashed"] == 0 and found["cpu"]["stashed"] >= STEPS * 2  # two GPT-2 blocks
 
 
-def test_profile_is_warned_by_name():
+def test_profile_is_honoured_not_warned():
     config = zero_core.ZeroConfig.from_dict(_whole({"profile": True, "cpu_checkpointing": True}))
-    assert config.unimplemented_fields() == ("activation_checkpointing.profile",)
+    assert config.unimplemented_fields() == ()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        config.warn_unimplemented()
-        checkpointing.configure(profile=True)
-    messages = [str(w.message) for w in caught]
-    assert len(messages) == 2 and all("activation_checkpointing.profile" in m for m in messages), messages
-    assert "cpu_checkpointing" not in messages[0]  # honoured fields are not named
+        assert checkpointing.configure(profile=True).active
+    assert [str(w.message) for w in caught] == []
     checkpointing.configure()
 
 

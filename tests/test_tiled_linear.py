@@ -2,7 +2,9 @@
 weights (split inputs and outputs, bias in each row's last tile, input_is_already_split, combine_out_splits=False),
 trains at stages 1-3 on 2 ranks to the weights DDP gives the ``nn.Linear`` model, and at stage 3 each tile is a
 unit of its own (inside a block too) and the engine's gathered-element peak over a 4x4-tiled layer's forward and
-backward is one tile plus the next one prefetched, where the untiled layer gathers the whole weight."""
+backward is one tile plus the next one prefetched, where the untiled layer gathers the whole weight.
+TiledLinearReturnBias (Megatron-style layers returning (output, bias) unadded) computes what its untiled layer
+does and trains at stage 3 to DDP's weights with it."""
 
 from __future__ import annotations
 
@@ -109,6 +111,30 @@ class PeakModel(nn.Module):
         return F.mse_loss(self.layer(x.detach().requires_grad_(self.input_grad)).sum(-1, keepdim=True), y)
 
 
+class LinearReturnBias(nn.Linear):
+    """Megatron's skip_bias_add: the output without the bias, and the bias, for the caller to add."""
+
+    def forward(self, x):
+        return F.linear(x, self.weight), self.bias
+
+
+class ReturnBiasMLP(nn.Module):
+    """13 -> 24 -> (tiled 3x2 or plain) LinearReturnBias 18 -> 7; the caller adds the returned bias."""
+
+    def __init__(self, tiled: bool = True):
+        super().__init__()
+        torch.manual_seed(7)
+        self.inp = nn.Linear(13, HIDDEN)
+        plain = LinearReturnBias(HIDDEN, WIDE)
+        self.out = nn.Linear(WIDE, 7)
+        self.mid = zero_core.TiledLinearReturnBias(HIDDEN, WIDE, in_splits=3, out_splits=2,
+                                                   linear_cls=LinearReturnBias, init_linear=plain) if tiled else plain
+
+    def forward(self, x, y):
+        h, bias = self.mid(torch.tanh(self.inp(x)))
+        return F.mse_loss(self.out(torch.tanh(h + bias)), y)
+
+
 def peak_batch(rank, step, micro):
     g = torch.Generator().manual_seed(100 * rank + step)
     return torch.randn(8, 64, generator=g), torch.randn(8, 1, generator=g)
@@ -144,6 +170,16 @@ def _block_section(rank):
     return {"owners": owners, "diff": max_abs_diff(whole, reference)}
 
 
+def _return_bias_section(rank):
+    """TiledLinearReturnBias at stage 3 against DDP with the untiled LinearReturnBias."""
+    reference = train_ddp(lambda: ReturnBiasMLP(tiled=False), mlp_batch, STEPS).params
+    result, engine = train_engine(ReturnBiasMLP, mlp_batch, _config(3), STEPS)
+    whole = {k: v for k, v in result.params.items() if not k.startswith("mid.")}
+    whole.update(tiled_weights(engine.module.mid, "mid", result.params))
+    engine.close()
+    return max_abs_diff(whole, reference)
+
+
 def _peak_section(rank):
     """The gathered-element peak over the second step's forward and backward (prefetch follows the trace)."""
     out = {}
@@ -177,7 +213,8 @@ def tiled_worker(rank, world_size):
     from stage3_support import capture
 
     return {name: capture(fn, rank) for name, fn in
-            {"train": _train_section, "block": _block_section, "peak": _peak_section, "copy": _copy_section}.items()}
+            {"train": _train_section, "block": _block_section, "peak": _peak_section, "copy": _copy_section,
+             "return_bias": _return_bias_section}.items()}
 
 
 @pytest.fixture(scope="module")
@@ -291,3 +328,28 @@ def test_peak_is_one_tile_plus_the_next(ranks):
 @pytest.mark.timeout(200)
 def test_copy_params_from_at_stage_3(ranks):
     assert all(diff < 1e-6 for diff in _section(ranks, "copy"))
+
+
+def test_return_bias_trains_to_ddp_weights_at_stage_3(ranks):
+    assert all(diff < TOL for diff in _section(ranks, "return_bias"))
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_return_bias_equals_its_untiled_layer(bias):
+    torch.manual_seed(2)
+    plain = LinearReturnBias(HIDDEN, WIDE, bias=bias)
+    tiled = zero_core.TiledLinearReturnBias(HIDDEN, WIDE, bias, in_splits=3, out_splits=2,
+                                            linear_cls=LinearReturnBias, init_linear=plain)
+    x = torch.randn(5, HIDDEN)
+    out, out_bias = tiled(x)
+    expected, expected_bias = plain(x)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    if bias:  # passed through, never summed into the output
+        torch.testing.assert_close(out_bias, expected_bias, atol=0, rtol=0)
+    else:
+        assert out_bias is None
+    rows = zero_core.TiledLinearReturnBias(HIDDEN, WIDE, in_splits=3, out_splits=2, combine_out_splits=False,
+                                           linear_cls=LinearReturnBias, init_linear=LinearReturnBias(HIDDEN, WIDE))
+    assert [tuple(o.shape) + tuple(b.shape) for o, b in rows(x)] == [(5, 9, 9), (5, 9, 9)]
+    with pytest.raises(TypeError, match="linear_cls must return"):
+        zero_core.TiledLinearReturnBias(HIDDEN, WIDE, in_splits=2)(x)  # nn.Linear returns the output alone

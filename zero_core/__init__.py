@@ -47,7 +47,7 @@ from zero_core.stage3.leaf_modules import get_z3_leaf_modules, set_z3_leaf_modul
 from zero_core.optim.mixed_precision import cast_floating_inputs
 from zero_core.optim.sharded_optimizer import ShardedOptimizer
 from zero_core.registry import engine_of, is_partitioned
-from zero_core.tiling import TiledLinear
+from zero_core.tiling import TiledLinear, TiledLinearReturnBias
 from zero_core import checkpointing
 
 __all__ = [
@@ -83,6 +83,7 @@ __all__ = [
     "unset_z3_leaf_modules",
     "z3_leaf_module",
     "TiledLinear",
+    "TiledLinearReturnBias",
     "checkpointing",
     "safe_get_full_fp32_param",
     "safe_get_full_grad",

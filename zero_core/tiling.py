@@ -6,6 +6,7 @@ dimension is split along ``in_parts``, each row of tiles sums its partial produc
 (or returned as a list). The bias lives in the last tile of each row (``in_id == in_splits - 1``). At stage 3 each
 tile is its own unit, gathered just before it runs and released after it, with the next tile prefetched
 (stage3/tile_units.py), so a layer larger than the gather budget runs; at stages 0-2 it is an ordinary layer.
+``TiledLinearReturnBias`` is the same for Megatron-style ``linear_cls`` that return ``(output, bias)`` unadded.
 """
 
 from __future__ import annotations
@@ -127,3 +128,25 @@ class TiledLinear(nn.Module):
                         tile.weight.copy_(weight[r0:r1, c0:c1])
                         if tile.bias is not None:
                             tile.bias.copy_(other_bias[r0:r1])
+
+
+class TiledLinearReturnBias(TiledLinear):
+    """DeepSpeed's ``TiledLinearReturnBias``: ``TiledLinear`` for a ``linear_cls`` that returns ``(output, bias)``
+    with the bias not added (Megatron-LM's ``skip_bias_add``), so the caller can fuse it into what follows.
+    ``forward`` returns ``(output, bias)``: the rows' outputs and the rows' biases each concatenated (``bias`` None
+    when no tile has one); with ``combine_out_splits=False``, one ``(output, bias)`` per row."""
+
+    def _reduce_local_output(self, in_id: int, out_id: int, current_out, new_out):
+        if not isinstance(new_out, tuple) or len(new_out) != 2 or new_out[0] is None:
+            raise TypeError(f"TiledLinearReturnBias: linear_cls must return (output, bias), got "
+                            f"{type(new_out).__name__} from tile ({out_id}, {in_id}); use TiledLinear for a layer "
+                            "that returns its output alone")
+        old_tensor, old_bias = current_out if current_out is not None else (None, None)
+        tensor, bias = new_out
+        tensor = super()._reduce_local_output(in_id, out_id, old_tensor, tensor)
+        return tensor, old_bias if bias is None else bias  # the bias is returned, never summed
+
+    def _combine_output_splits(self, outputs: list):
+        tensor = super()._combine_output_splits([out[0] for out in outputs])
+        biases = [out[1] for out in outputs if out[1] is not None]
+        return tensor, super()._combine_output_splits(biases) if biases else None

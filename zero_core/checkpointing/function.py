@@ -27,10 +27,13 @@ def checkpoint(function, *args, **kwargs):
     options = {k: kwargs.pop(k) for k in _OPTIONS if k in kwargs}
     settings = current()
     positions = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.is_floating_point()]
+    if settings.profiler is not None and torch.is_grad_enabled():
+        tensors = [a for a in args if torch.is_tensor(a)]
+        function = settings.profiler.timed(function, tensors[0].device if tensors else torch.device("cpu"))
     if not settings.active or not positions or not torch.is_grad_enabled():
         return torch_checkpoint.checkpoint(function, *args, use_reentrant=False, **options, **kwargs)
     device = args[positions[0]].device
-    if not settings.stashes:  # synchronize_checkpoint_boundary alone: torch keeps the inputs
+    if not settings.stashes:  # synchronize_checkpoint_boundary or profile alone: torch keeps the inputs
         return torch_checkpoint.checkpoint(_bounded(function, settings, device), *args, use_reentrant=False,
                                            **options, **kwargs)
     inputs = list(args)

@@ -16,6 +16,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from zero_core.checkpointing.profile import Profiler
+
 
 @dataclass
 class Stats:
@@ -38,6 +40,7 @@ class Settings:
     contiguous: bool = False  # contiguous_memory_optimization
     number_checkpoints: Optional[int] = None
     synchronize: bool = False  # synchronize_checkpoint_boundary
+    profiler: Optional[Any] = None  # a profile.Profiler when the block's profile is on
     stats: Stats = field(default_factory=Stats)
     pending: list = field(default_factory=list)  # weak references to stashes not yet restored, in forward order
     buffers: dict = field(default_factory=dict)  # (device, pinned) -> ContiguousBuffer (stash.py)
@@ -51,7 +54,7 @@ class Settings:
     @property
     def active(self) -> bool:
         """Whether ``checkpoint`` does anything torch.utils.checkpoint does not."""
-        return self.stashes or self.synchronize
+        return self.stashes or self.synchronize or self.profiler is not None
 
     def copy_stream(self, device: torch.device):
         """The side stream host copies run on (one per CUDA device), so they overlap compute."""
@@ -101,9 +104,7 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
     from zero_core.config import ZeroConfig  # the config imports no torch-heavy modules; keep it lazy anyway
 
     config = ZeroConfig.coerce(deepspeed_config)
-    config.warn_unimplemented()  # names activation_checkpointing.profile (once per config object)
-    if profile:
-        ZeroConfig(activation_checkpointing={"profile": True}).warn_unimplemented()
+    config.warn_unimplemented()  # names each field not honoured (once per config object)
     block = config.activation_checkpointing
     global _current, _model_parallel_group
     if mpu_ is not None:
@@ -125,7 +126,8 @@ def configure(mpu_=None, deepspeed_config=None, partition_activations: Optional[
         partition_group=group if partition else None,
         cpu=block.cpu_checkpointing if checkpoint_in_cpu is None else checkpoint_in_cpu,
         contiguous=contiguous, number_checkpoints=number,
-        synchronize=block.synchronize_checkpoint_boundary if synchronize is None else synchronize)
+        synchronize=block.synchronize_checkpoint_boundary if synchronize is None else synchronize,
+        profiler=Profiler() if (block.profile if profile is None else profile) else None)
     return _current
 
 

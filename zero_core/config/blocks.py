@@ -195,7 +195,8 @@ class ActivationCheckpointingConfig(Block):
     synchronize_checkpoint_boundary: bool = setting(
         False,
         doc="Synchronize the accelerator at the start and end of each checkpoint's forward and recomputation.")
-    profile: bool = setting(False, doc="DeepSpeed: log the forward and backward time of each checkpoint.")
+    profile: bool = setting(False, doc="Time each checkpointed function's forward and recomputation; rank 0 logs "
+                            "a summary per forward-backward pass (logger zero_core.checkpointing, INFO).")
 
     def _check_combinations(self) -> None:
         if self.contiguous_memory_optimization and self.number_checkpoints is None:

@@ -66,6 +66,5 @@ BLOCK_FIELD_STATUS = {
     "checkpoint.load_universal": _mapped("checkpoints always load at any world size and stage"),
     **{f"activation_checkpointing.{name}": HONOURED for name in (
         "partition_activations", "cpu_checkpointing", "contiguous_memory_optimization", "number_checkpoints",
-        "synchronize_checkpoint_boundary")},
-    "activation_checkpointing.profile": NOT_YET,
+        "synchronize_checkpoint_boundary", "profile")},
 }
