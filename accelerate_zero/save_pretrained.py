@@ -18,6 +18,8 @@ import inspect
 import sys
 from typing import Callable
 
+import zero_core
+
 _WRAPPED = "_accelerate_zero_save_pretrained_wrapped"
 _CLASSES = (("peft.peft_model", "PeftModel"), ("transformers.modeling_utils", "PreTrainedModel"))
 
@@ -58,9 +60,7 @@ def _given_state_dict(signature: inspect.Signature, self, save_directory, args: 
 
 def _first_released(model):
     """The name of the first parameter partitioned by stage 3 and not gathered on this rank now; None if none."""
-    from zero_core.stage3.partitioned_param import is_released
-
-    return next((name for name, param in model.named_parameters() if is_released(param)), None)
+    return next((name for name, param in model.named_parameters() if zero_core.is_released(param)), None)
 
 
 def _message(class_name: str, released: str) -> str:

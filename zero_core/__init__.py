@@ -41,6 +41,7 @@ from zero_core.stage3.generation import generation
 from zero_core.stage3.external_params import GatheredParameters, register_external_parameter, unregister_external_parameter
 from zero_core.fragments import Fragment
 from zero_core.stage3.init_context import Init
+from zero_core.stage3.partitioned_param import is_released
 from zero_core.pretrained.into_shards import load_pretrained
 from zero_core.layout import FlatLayout, Range, compute_layout
 from zero_core.stage3.leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
@@ -93,6 +94,7 @@ __all__ = [
     # the surface the front-ends build on (docs/core-api.md, "The public surface")
     "engine_of",
     "is_partitioned",
+    "is_released",
     "ShardedOptimizer",
     "cast_floating_inputs",
     "MANIFEST_FILE",
