@@ -1,6 +1,6 @@
 """Accelerate's own ``test_distributed_data_loop.py`` (as shipped in the wheel, unmodified) with ZeroAccelerator
 swapped in, at stages 1, 2 and 3: one ``accelerate launch`` of 2 CPU processes runs the three stages in sequence
-(tests/accelerate_scripts/data_loop.py), calling the script's test functions the way its ``main()`` does.
+(tests/accelerate/scripts/data_loop.py), calling the script's test functions the way its ``main()`` does.
 
 Which functions, and why (checked with plain Accelerate on CPU, 2 processes, accelerate 1.15):
 - plain passes ``test_default_ensures_even_batch_sizes``, ``test_can_disable_even_batches``,
@@ -19,7 +19,7 @@ Which functions, and why (checked with plain Accelerate on CPU, 2 processes, acc
 import json
 import sys
 
-from test_accelerate_launch import ACCELERATE_YAML, SCRIPTS, clean_env, run
+from accelerate_runs import ACCELERATE_YAML, SCRIPTS, clean_env, run
 
 PLAIN_PASSES = ["test_default_ensures_even_batch_sizes", "test_can_disable_even_batches",
                 "test_join_raises_warning_for_non_ddp_distributed", "test_pickle_accelerator", "test_data_loader"]

@@ -1,73 +1,14 @@
 """ZeroAccelerator through a real ``accelerate launch`` (CPU, 2 processes, gloo), compared with plain
 Accelerate DDP in the same launch. Each launch runs several checks in sequence and writes one JSON file
-(the scripts are in tests/accelerate_scripts/); the tests below read it.
+(the scripts are in tests/accelerate/scripts/); the tests below read it.
 """
 
 import json
-import os
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = ROOT / "tests" / "accelerate_scripts"
-TOLERANCE = 1e-5
-MAX_NORM = 0.3  # parity.py clips at this norm
-
-ACCELERATE_YAML = """\
-compute_environment: LOCAL_MACHINE
-distributed_type: MULTI_GPU
-num_processes: 2
-num_machines: 1
-mixed_precision: 'no'
-main_process_port: 0
-"""
-
-# use_cpu: this tier runs on CPUs wherever it runs (tests/gpu/ is the CUDA tier), also where a GPU is visible.
-ZERO_YAML = ACCELERATE_YAML + """\
-use_cpu: true
-zero_optimization:
-  stage: 2
-  overlap_comm: true
-  allgather_bucket_size: 300
-"""
-
-
-def clean_env(**extra) -> dict:
-    """The parent's environment without ZeRO/Accelerate settings that would change what is tested, and without
-    GPUs: this tier is the CPU one wherever it runs (tests/gpu/ launches on a GPU). Its launches run two ranks,
-    and with a GPU visible Accelerate's own barrier names device ``local_rank``, which a one-GPU machine lacks for
-    rank 1 (on an H200: 11 of 32 tests failed, each with "invalid device ordinal"; docs/benchmarks.md)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ACCELERATE_ZERO_", "ACCELERATE_USE_", "ACCELERATE_MIXED_PRECISION"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""),
-               CUDA_VISIBLE_DEVICES="", **extra)
-    return env
-
-
-def run(cmd: list, cwd: Path, env: dict, timeout: int = 240) -> str:
-    done = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, cmd))} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
-    return done.stdout
-
-
-def accelerate_launch(tmp: Path, script: str, *args, env: dict) -> None:
-    """Plain ``accelerate launch`` of a MULTI_GPU config without GPUs: a script whose first Accelerator is a plain
-    one (a DDP reference) would believe it is alone (DistributedType.NO) unless ACCELERATE_USE_CPU is set, as
-    ``accelerate-zero launch`` does itself. The script runs through then_destroy_group.py, so that a DDP reference
-    run, with no engine to tear gloo down, cannot abort at exit."""
-    config = tmp / "accelerate.yaml"
-    config.write_text(ACCELERATE_YAML)
-    run([sys.executable, "-m", "accelerate.commands.launch", "--config_file", config,
-         SCRIPTS / "then_destroy_group.py", SCRIPTS / script, *args], cwd=tmp, env={**env, "ACCELERATE_USE_CPU": "true"})
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert sorted(a) == sorted(b)
-    return max(max(abs(x - y) for x, y in zip(a[k], b[k])) for k in a)
+from accelerate_runs import MAX_NORM, SCRIPTS, TOLERANCE, ZERO_YAML, accelerate_launch, clean_env, max_diff, run
 
 
 # -- the example against DDP, launched by `accelerate-zero launch --config zero.yaml` ------------------------

@@ -43,9 +43,9 @@ def test_accelerate_offload_key_errors(tmp_path, text, words):
 
 def test_launch_with_offload_keys_trains_to_ddps_weights(tmp_path):
     """zero.yaml puts the optimizer and the parameter shards on NVMe with Accelerate's key names; the launched
-    example (accelerate_scripts/offload.py) ends within 1e-5 of plain Accelerate DDP, with the placement asked
+    example (accelerate/scripts/offload.py) ends within 1e-5 of plain Accelerate DDP, with the placement asked
     for; the engine's swap files are gone after end_training(), and every swap file once the processes exit."""
-    from test_accelerate_launch import SCRIPTS, TOLERANCE, ZERO_YAML, clean_env, max_diff, run
+    from accelerate_runs import SCRIPTS, TOLERANCE, ZERO_YAML, clean_env, max_diff, run
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()

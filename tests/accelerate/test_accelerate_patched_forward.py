@@ -1,6 +1,6 @@
 """A forward installed on the model instance survives ``ZeroAccelerator`` in every mode (one launch, 2 ranks).
 
-tests/accelerate_scripts/patched_forward.py patches a tiny model's forward as TRL's fused LM head does and
+tests/accelerate/scripts/patched_forward.py patches a tiny model's forward as TRL's fused LM head does and
 trains it under plain Accelerate DDP and under ``ZeroAccelerator`` (stages 2 and 3, Accelerate-style autocast,
 the engine's bf16, fp32, compiled by ``dynamo_backend``), patched before or after ``prepare``. Before the fix,
 ``prepare`` under autocast left the class's forward on the model (no autocast, no patch): TRL then failed with
@@ -11,7 +11,7 @@ import json
 
 import pytest
 
-from test_accelerate_launch import accelerate_launch, clean_env, max_diff
+from accelerate_runs import accelerate_launch, clean_env, max_diff
 
 TOLERANCE = 1e-5
 AUTOCAST_PAIRS = [("zero2_autocast", "ddp_autocast"), ("zero3_autocast", "ddp_autocast"),

@@ -11,10 +11,10 @@ import sys
 import pytest
 import torch
 
-from distributed import _free_port
-from restarts import REPO, assert_weights_equal, batch, launch, uninterrupted_weights
+from launch import ACCELERATE_SCRIPTS, free_port
+from restarts import assert_weights_equal, batch, launch, uninterrupted_weights
 
-SCRIPT = REPO / "tests" / "accelerate_scripts" / "crash_resume.py"
+SCRIPT = ACCELERATE_SCRIPTS / "crash_resume.py"
 ACCELERATE_YAML = """\
 compute_environment: LOCAL_MACHINE
 distributed_type: MULTI_GPU
@@ -29,7 +29,7 @@ use_cpu: true
 @pytest.mark.timeout(150)
 def test_killed_rank_restarts_and_load_state_resumes_to_the_uninterrupted_weights(tmp_path, monkeypatch):
     config = tmp_path / "accelerate.yaml"
-    config.write_text(ACCELERATE_YAML.format(port=_free_port()))
+    config.write_text(ACCELERATE_YAML.format(port=free_port()))
     # CPU ranks wherever this runs (a visible GPU would make Accelerate name device local_rank).
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
@@ -47,12 +47,12 @@ def test_hf_trainer_killed_rank_restarts_and_resume_from_checkpoint_true_resumes
     """The same for an ordinary Hugging Face Trainer script run through ``-m accelerate_zero.swap`` at stage 3:
     ``train(resume_from_checkpoint=True)`` in the restarted attempt resumes from checkpoint-4 (killed at 5)."""
     config = tmp_path / "accelerate.yaml"
-    config.write_text(ACCELERATE_YAML.format(port=_free_port()))
+    config.write_text(ACCELERATE_YAML.format(port=free_port()))
     monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     monkeypatch.setenv("ACCELERATE_ZERO_CONFIG",
                        '{"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 64}')
-    script = REPO / "tests" / "accelerate_scripts" / "hf_crash_resume.py"
+    script = ACCELERATE_SCRIPTS / "hf_crash_resume.py"
     launch([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--max_restarts", "1",
             "--monitor_interval", "0.5", "-m", "accelerate_zero.swap", str(script), str(tmp_path / "out"), "5"],
            timeout=120, cwd=tmp_path)

@@ -1,6 +1,6 @@
 """An unmodified Hugging Face ``Trainer`` script under ZeRO against plain ``accelerate launch`` (DDP).
 
-tests/accelerate_scripts/hf_trainer.py trains a tiny GPT-2 (accumulation, clipping, warmup + linear schedule)
+tests/accelerate/scripts/hf_trainer.py trains a tiny GPT-2 (accumulation, clipping, warmup + linear schedule)
 for 8 steps with a checkpoint at step 4, saves the model, then resumes a fresh Trainer from that checkpoint.
 It runs three times, 2 CPU processes each: plain ``accelerate launch`` (DDP); stage 3 through the documented
 recipe ``accelerate-zero launch --config zero.yaml --swap-accelerator``; stage 2 through ``accelerate launch
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from test_accelerate_launch import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
+from accelerate_runs import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
 
 TOLERANCE = 1e-5
 SCRIPT = "hf_trainer.py"

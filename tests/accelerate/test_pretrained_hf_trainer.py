@@ -1,6 +1,6 @@
 """An unmodified fine-tuning script that calls ``from_pretrained`` before its ``Trainer``, under the swap at stage 3.
 
-tests/accelerate_scripts/hf_pretrained.py loads a tiny Llama (tied embeddings, 4 safetensors shards, written by
+tests/accelerate/scripts/hf_pretrained.py loads a tiny Llama (tied embeddings, 4 safetensors shards, written by
 ``save_pretrained``) and trains it 4 steps. Plain ``accelerate launch`` (DDP) is the reference; ``accelerate-zero
 launch --swap-accelerator`` at stage 3 must build the model already partitioned (the role ``HfDeepSpeedConfig``
 plays for DeepSpeed) and end with DDP's losses and weights.
@@ -8,27 +8,17 @@ plays for DeepSpeed) and end with DDP's losses and weights.
 
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_accelerate_launch import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
+from accelerate_runs import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
+from pretrained_files import save_tiny_llama
 
 TOLERANCE = 1e-5
 SCRIPT = "hf_pretrained.py"
 ZERO3_YAML = ACCELERATE_YAML + "use_cpu: true\nzero_optimization:\n  stage: 3\n  stage3_param_persistence_threshold: 0\n"
-
-
-def save_tiny_llama(path: Path, tied: bool = True, shard_size: str = "20KB") -> None:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied,
-                         max_position_embeddings=32)
-    LlamaForCausalLM(config).save_pretrained(path, max_shard_size=shard_size)
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """TRL's ``SFTTrainer`` under the swap with Accelerate-style autocast (bf16) at stages 2 and 3, and in the
 engine's own bf16 at stage 3, against plain ``accelerate launch`` (DDP, autocast): two launches of
-tests/accelerate_scripts/trl_trainers.py, 2 CPU ranks each. Also a LoRA adapter (PEFT) at stage 3: the adapter
+tests/accelerate/scripts/trl_trainers.py, 2 CPU ranks each. Also a LoRA adapter (PEFT) at stage 3: the adapter
 ``save_model`` writes equals DDP's and loads with ``PeftModel.from_pretrained``; ``DPOTrainer`` (its own
 reference model) and ``GRPOTrainer`` (generation inside the step) at stage 3 with autocast.
 
@@ -19,7 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_accelerate_launch import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
+from accelerate_runs import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
 
 TOLERANCE = 1e-5
 # The engine's own bf16 (bf16 weights, fp32 masters) against DDP's autocast: bf16 rounding apart (measured: losses
@@ -78,7 +78,7 @@ def test_sft_trainer_in_the_engines_bf16_stays_within_bf16_rounding_of_ddp(runs)
     assert all(abs(a - b) <= BF16_LOSS_TOLERANCE for a, b in zip(zero["result"]["loss"], ddp["result"]["loss"]))
     differences = [(zero["weights"][k] - ddp["weights"][k]).abs().max().item() for k in ddp["weights"]]
     assert 0 < max(differences) <= BF16_WEIGHT_TOLERANCE
-    assert zero["config"]["dtype"] == "float32"  # the fp32 masters, named so (tests/test_saved_dtype.py)
+    assert zero["config"]["dtype"] == "float32"  # the fp32 masters, named so (tests/checkpoint/test_saved_dtype.py)
 
 
 def test_sft_trainer_with_a_lora_adapter_saves_ddps_adapter_which_peft_loads(runs):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from distributed import run_distributed
-from test_checkpoint_support import ZeroRun, identical
+from checkpoint_runs import ZeroRun, identical
 
 CONFIG = {"stage": 2, "reduce_bucket_size": 150, "allgather_bucket_size": 150}
 

@@ -12,7 +12,7 @@ import pytest
 import torch.distributed as dist
 
 from distributed import run_distributed
-from test_checkpoint_support import TOLERANCE, DDPRun, ZeroRun, max_difference, stages
+from checkpoint_runs import TOLERANCE, DDPRun, ZeroRun, max_difference, stages
 
 MODELS = ("transformer", "mlp")
 SMALL_BUCKETS = {"reduce_bucket_size": 150, "allgather_bucket_size": 150}

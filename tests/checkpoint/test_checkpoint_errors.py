@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distributed import run_distributed
-from test_checkpoint_support import ZeroRun
+from checkpoint_runs import ZeroRun
 
 SHARD0, SHARD1 = "shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"
 

@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from distributed import run_distributed
 from models import build_model, make_batch
-from test_checkpoint_support import ZeroRun, stages
+from checkpoint_runs import ZeroRun, stages
 
 
 def _config(stage: int) -> dict:

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from distributed import run_distributed
-from test_checkpoint_support import TOLERANCE, ZeroRun, identical, max_difference
+from checkpoint_runs import TOLERANCE, ZeroRun, identical, max_difference
 
 STAGES = (2, 3)
 MODEL = "transformer"

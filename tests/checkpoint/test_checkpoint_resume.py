@@ -15,7 +15,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from distributed import run_distributed
-from test_checkpoint_support import TOLERANCE, DDPRun, ZeroRun, identical, max_difference, stages
+from checkpoint_runs import TOLERANCE, DDPRun, ZeroRun, identical, max_difference, stages
 
 FP16 = {"enabled": True, "auto_cast": True, "initial_scale_power": 12, "loss_scale_window": 2, "hysteresis": 1}
 

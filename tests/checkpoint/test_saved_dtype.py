@@ -2,7 +2,7 @@
 
 ``from_pretrained`` (default dtype) builds the model in the dtype its config names. Before, ``Trainer.save_model``
 under the engine's bf16 wrote the fp32 masters beside a config saying bfloat16, so loading rounded the fine-tuned
-weights silently. One launch (2 ranks, tests/accelerate_scripts/saved_dtype.py) saves through ``save_model``,
+weights silently. One launch (2 ranks, tests/accelerate/scripts/saved_dtype.py) saves through ``save_model``,
 Accelerate's ``save_pretrained`` recipe and ``save_16bit_model`` at stages 2 and 3; here the step-2 checkpoint
 is also consolidated offline (API and ``zero-checkpoint consolidate --hf_config``). Each directory then loads
 with ``from_pretrained``: every tensor equals the one in the files, in the dtype the config names.
@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 import zero_core
-from test_accelerate_launch import ACCELERATE_YAML, SCRIPTS, clean_env, run
+from accelerate_runs import ACCELERATE_YAML, SCRIPTS, clean_env, run
 
 STAGES = (2, 3)
 SAVES = ("save_model", "save_pretrained", "save_16bit", "consolidated_bf16", "consolidated_fp32")

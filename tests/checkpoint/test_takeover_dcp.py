@@ -1,9 +1,9 @@
 """Taking over an FSDP2 / torchtitan run from DCP, and handing ours back as DCP (zero_core/checkpoint/foreign/).
 
-The fixtures in tests/fixtures/dcp/ were written by the real library (make_fixtures.py: FSDP2 on 2 CPU ranks, 4
-AdamW steps on tests/dcp_model.py's data). Every continued run must end where one process training all 8 steps
-ends: weights, Adam's moments and step, and the hyper-parameters carried over (the engines here are built with
-another learning rate, which only the loaded hyper-parameters undo).
+The fixtures in tests/checkpoint/fixtures/dcp/ were written by the real library (make_fixtures.py: FSDP2 on 2 CPU
+ranks, 4 AdamW steps on tests/support/dcp_model.py's data). Every continued run must end where one process training
+all 8 steps ends: weights, Adam's moments and step, and the hyper-parameters carried over (the engines here are built
+with another learning rate, which only the loaded hyper-parameters undo).
 """
 
 from __future__ import annotations

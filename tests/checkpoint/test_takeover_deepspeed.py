@@ -1,7 +1,7 @@
-"""Taking over a DeepSpeed run: checkpoints the real DeepSpeed 0.19.8 wrote (tests/fixtures/deepspeed, made by
-make_fixtures.py there: 4 AdamW steps at 2 ranks) loaded by our engine at other world sizes and stages.
+"""Taking over a DeepSpeed run: checkpoints the real DeepSpeed 0.19.8 wrote (tests/checkpoint/fixtures/deepspeed,
+made by make_fixtures.py there: 4 AdamW steps at 2 ranks) loaded by our engine at other world sizes and stages.
 
-The reference is one plain process training tests/takeover_model.py for all 8 steps; DeepSpeed's own view of its
+The reference is one plain process training tests/support/takeover_model.py for all 8 steps; DeepSpeed's own view of its
 masters and moments (`<fixture>-expected.pt`, from safe_get_full_fp32_param) checks the reader exactly.
 """
 

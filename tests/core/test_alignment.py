@@ -22,7 +22,7 @@ from distributed import run_distributed
 from models import build_model, make_batch
 from reference import train_ddp
 from stage3_support import full_params, train_engine
-from test_checkpoint_support import TOLERANCE, DDPRun, ZeroRun, max_difference
+from checkpoint_runs import TOLERANCE, DDPRun, ZeroRun, max_difference
 from zero_core.config import ZeroConfig
 from zero_core.layout import compute_layout
 from zero_core.planning import CUDA_ALIGNMENT, layout_alignment
@@ -41,7 +41,7 @@ EXACT = {
     "stage3 offload_optimizer, A=3": {**Z3, "shard_alignment": 3, "offload_optimizer": {"device": "cpu"}},
     "stage3 offload_param, A=64": {**Z3, "shard_alignment": 64, "offload_param": {"device": "cpu"}},
 }
-# ZeRO++ wire formats round values: compared with DDP through the loss, as tests/test_multinode.py does
+# ZeRO++ wire formats round values: compared with DDP through the loss, as tests/multinode/test_node_topology.py does
 QUANTIZED = {f"stage3 qwZ+qgZ, A={a}": {**Z3, "shard_alignment": a, "zero_quantized_weights": True,
                                         "zero_quantized_gradients": True} for a in (64, 3)}
 

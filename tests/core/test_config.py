@@ -28,7 +28,7 @@ from zero_core.config import (
 )
 from zero_core.config_loading import ALIASES, DEEPSPEED_IGNORED_KEYS, RUN_FIELDS
 
-DOCS = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
+DOCS = pathlib.Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 # Defaults copied from DeepSpeed's DeepSpeedZeroConfig documentation (the seed), not from our code.
 DEEPSPEED_ZERO_DEFAULTS = {

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.distributed import run_distributed
+from distributed import run_distributed
 
 
 class _Tied(nn.Module):

@@ -182,7 +182,7 @@ def _measure(rank: int, world_size: int) -> dict:
 
 @pytest.mark.timeout(180)
 def test_matches_the_engine_on_two_ranks():
-    """Every class of memory_stats(), on each rank, exactly (tests/test_estimator_plan.py covers more models)."""
+    """Every class of memory_stats(), on each rank, exactly (tests/core/test_estimator_plan.py covers more models)."""
     results = run_distributed(_measure, 2, timeout=150)
     model = build_model("transformer")
     for rank, result in enumerate(results):

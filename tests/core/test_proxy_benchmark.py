@@ -4,13 +4,11 @@ the same model to the same loss as plain training, so the times it compares are 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from launch import REPO, run
 
 
 @pytest.mark.timeout(180)
@@ -19,12 +17,11 @@ def test_the_proxy_compares_the_same_training(tmp_path, mode):
     out = tmp_path / "proxy.json"
     command = [sys.executable, "-m", "benchmarks.proxy", "--blocks", "3", "--steps", "2", "--warmup", "1",
                "--repeats", "1", "--fused", "--impls", "plain", "zero1", "zero2", "zero3", "--json", str(out), *mode]
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
+    output = run(command, timeout=150, cwd=REPO, stderr_apart=True)
     results = json.loads(out.read_text())["results"]
     assert set(results) == {"plain", "zero1", "zero2", "zero3"}
     for impl, result in results.items():
         assert result["step_s"] > 0
         assert abs(result["loss"] - results["plain"]["loss"]) <= 1e-5 * abs(results["plain"]["loss"]), (impl, results)
     assert results["zero3"]["units"] == 3  # one per block (persistence 0: every block is partitioned)
-    assert "| zero2 |" in done.stdout
+    assert "| zero2 |" in output

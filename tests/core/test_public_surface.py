@@ -10,7 +10,7 @@ from pathlib import Path
 
 import zero_core
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FRONT_ENDS = ("lightning_zero", "accelerate_zero")
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import lightning_zero
-from lightning_scripts.launch import REPO, run
+from lightning_runs import REPO, run
 
 EXAMPLE = REPO / "examples" / "lightning_gpt.py"
 YAML = REPO / "examples" / "lightning_cli.yaml"

@@ -1,11 +1,11 @@
 """A compiled LightningModule under ``Trainer(strategy="zero1/2/3")`` and a compiled model under Fabric at stages 1-3,
-each against the same compiled run under DDP (lightning_scripts/compiled.py, one 2-process launch)."""
+each against the same compiled run under DDP (lightning/scripts/compiled.py, one 2-process launch)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
+from lightning_runs import load_json, load_rank, max_diff, run
 
 WEIGHT_TOLERANCE = 1e-5
 

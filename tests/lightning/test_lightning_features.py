@@ -1,11 +1,11 @@
 """Real 2-process runs of what is not plain automatic fp32 training: manual optimization, bf16/fp16, sync_batchnorm,
-Fabric, and the errors that must be clear (lightning_scripts/features.py runs them all in one launch)."""
+Fabric, and the errors that must be clear (lightning/scripts/features.py runs them all in one launch)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
+from lightning_runs import load_json, load_rank, max_diff, run
 
 WEIGHT_TOLERANCE = 1e-5
 

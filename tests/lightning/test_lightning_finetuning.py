@@ -1,12 +1,12 @@
 """Lightning's BackboneFinetuning through a real 2-process Trainer.fit under zero1/2/3: the backbone, frozen at
 fit start, joins the optimizer at epoch 1 through add_param_group. The reference is DDP, helped to average the
-backbone it did not register (lightning_scripts/finetuning.py)."""
+backbone it did not register (lightning/scripts/finetuning.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
+from lightning_runs import load_json, load_rank, max_diff, run
 
 WEIGHT_TOLERANCE = 1e-5  # float reordering only
 

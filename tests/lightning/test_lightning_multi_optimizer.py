@@ -1,11 +1,11 @@
 """Real 2-process Trainer runs: several optimizers (a GAN under manual optimization) and a second fit of the same
-module, each against DDP (lightning_scripts/multi_optimizer.py runs them all in one launch)."""
+module, each against DDP (lightning/scripts/multi_optimizer.py runs them all in one launch)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
+from lightning_runs import load_json, load_rank, max_diff, run
 
 WEIGHT_TOLERANCE = 1e-5  # float reordering only
 

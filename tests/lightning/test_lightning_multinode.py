@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import finish, free_port, load_json, load_rank, max_diff, start
+from lightning_runs import finish, free_port, load_json, load_rank, max_diff, start
 
 
 @pytest.mark.timeout(300)

@@ -5,13 +5,13 @@ files are gone from nvme_path when fit returns (the strategy's teardown), also w
 none is left once the processes exit; its Trainer.save_checkpoint after fit (NVMe state streamed) resumes a
 fresh module to the same weights;
 zero3_offload_nvme on a missing /local_nvme fails before training, naming nvme_path
-(lightning_scripts/fit_offload.py)."""
+(lightning/scripts/fit_offload.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
+from lightning_runs import load_json, load_rank, max_diff, run
 
 WEIGHT_TOLERANCE = 1e-5  # float reordering only
 DEVICES = {"zero2_offload": ["cpu", "none"], "zero3_offload": ["cpu", "cpu"], "zero3_infinity": ["nvme", "nvme"]}

@@ -1,12 +1,12 @@
 """A forward patched on the model instance (TRL's fused LM head reads ``lm_head.weight`` directly) trains under
 ``ZeroStrategy`` stage 3 as under DDP, patched before ``fit`` or after the engine is set up, in 32-true and
-bf16-mixed; the patch stays on the model (lightning_scripts/patched_forward.py, one 2-process launch)."""
+bf16-mixed; the patch stays on the model (lightning/scripts/patched_forward.py, one 2-process launch)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
+from lightning_runs import load_json, load_rank, max_diff, run
 
 # 32-true: float reordering only. bf16-mixed: ZeroStrategy trains bf16 parameters with fp32 masters (DeepSpeed's
 # meaning, docs/lightning.md), DDP fp32 parameters under autocast, so only bf16 rounding apart after 6 Adam steps.

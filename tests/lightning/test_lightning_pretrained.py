@@ -1,12 +1,12 @@
 """``from_pretrained`` inside ``configure_model`` under ``zero3``: the model is built partitioned (each rank reads
-its own slices of the weight files) and fine-tunes to DDP's weights (lightning_scripts/pretrained.py)."""
+its own slices of the weight files) and fine-tunes to DDP's weights (lightning/scripts/pretrained.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
-from test_pretrained_hf_trainer import save_tiny_llama
+from lightning_runs import load_json, load_rank, max_diff, run
+from pretrained_files import save_tiny_llama
 
 WEIGHT_TOLERANCE = 1e-5
 

@@ -9,16 +9,16 @@ from __future__ import annotations
 import pytest
 import torch
 
-from distributed import _free_port
-from restarts import REPO, assert_weights_equal, launch, torchrun, uninterrupted_weights
+from launch import LIGHTNING_SCRIPTS, free_port
+from restarts import assert_weights_equal, launch, torchrun, uninterrupted_weights
 
-SCRIPT = REPO / "tests" / "lightning_scripts" / "crash_resume.py"
+SCRIPT = LIGHTNING_SCRIPTS / "crash_resume.py"
 STEPS = 10  # checkpoints every 3 steps
 
 
 @pytest.mark.timeout(150)
 def test_killed_ranks_restart_and_resume_to_the_uninterrupted_weights(tmp_path):
-    command = torchrun(SCRIPT, str(tmp_path), "4:1,7:0", port=_free_port(), restarts=2)
+    command = torchrun(SCRIPT, str(tmp_path), "4:1,7:0", port=free_port(), restarts=2)
     launch(command, timeout=140, cwd=tmp_path)
     result = torch.load(tmp_path / "result.pt")
     assert (result["attempt"], result["resumed_at"], result["global_step"]) == (2, 6, STEPS), result
@@ -28,8 +28,8 @@ def test_killed_ranks_restart_and_resume_to_the_uninterrupted_weights(tmp_path):
 
 @pytest.mark.timeout(150)
 def test_fabric_killed_rank_restarts_and_resumes_to_the_uninterrupted_weights(tmp_path):
-    script = REPO / "tests" / "lightning_scripts" / "fabric_crash_resume.py"
-    launch(torchrun(script, str(tmp_path), "4", port=_free_port()), timeout=120, cwd=tmp_path)
+    script = LIGHTNING_SCRIPTS / "fabric_crash_resume.py"
+    launch(torchrun(script, str(tmp_path), "4", port=free_port()), timeout=120, cwd=tmp_path)
     result = torch.load(tmp_path / "result.pt")
     assert (result["attempt"], result["resumed_at"]) == (1, 4), result  # killed after step 5, saved at 4
     assert_weights_equal(result["weights"], uninterrupted_weights(8))

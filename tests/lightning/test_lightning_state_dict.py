@@ -1,12 +1,12 @@
 """``lightning_module_state_dict()`` / Fabric's ``get_module_state_dict`` under ZeRO against DDP's, from one
-2-process launch (lightning_scripts/state_dict.py)."""
+2-process launch (lightning/scripts/state_dict.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from lightning_scripts.launch import load_rank, max_diff, run
+from lightning_runs import load_rank, max_diff, run
 
 WEIGHT_TOLERANCE = 1e-5  # float reordering only
 

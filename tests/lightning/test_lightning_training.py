@@ -1,6 +1,6 @@
 """Real 2-process Trainer.fit runs (Lightning's own launcher): ZeRO 1/2/3 against DDP, checkpoints, resume, convert.
 
-One launched script (lightning_scripts/fit_parity.py) fits DDP, zero1, zero2 and zero3 with gradient
+One launched script (lightning/scripts/fit_parity.py) fits DDP, zero1, zero2 and zero3 with gradient
 accumulation (a partial last window), norm clipping, a step-interval scheduler, torchmetrics metrics logged with
 sync_dist, a LearningRateMonitor and two ModelCheckpoints; then validate / test(ckpt_path="best") / predict.
 It resumes zero3 from its epoch-0 checkpoint, converts that checkpoint to one file and resumes DDP from it;
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
+from lightning_runs import load_json, load_rank, max_diff, run
 
 WEIGHT_TOLERANCE = 1e-5  # float reordering only
 STAGES = ("zero1", "zero2", "zero3")

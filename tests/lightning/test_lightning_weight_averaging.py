@@ -1,11 +1,11 @@
 """Lightning's EMAWeightAveraging under ZeroStrategy against DDP, and the engine's own average at stage 3
-(lightning_scripts/weight_averaging.py runs them all in one 2-process launch)."""
+(lightning/scripts/weight_averaging.py runs them all in one 2-process launch)."""
 
 from __future__ import annotations
 
 import pytest
 
-from lightning_scripts.launch import load_json, load_rank, max_diff, run
+from lightning_runs import load_json, load_rank, max_diff, run
 
 TOLERANCE = 1e-5
 

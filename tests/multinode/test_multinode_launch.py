@@ -2,57 +2,38 @@
 ``accelerate launch --num_machines 2 --machine_rank i``.
 
 The engine must find the nodes from the launcher's environment alone, and train like DDP under hpZ and MiCS
-(and close to it under full ZeRO++). The scripts are tests/core_scripts/two_nodes.py and
-tests/accelerate_scripts/two_machines.py. (Lightning's ``num_nodes=2``: tests/test_lightning_multinode.py.)
+(and close to it under full ZeRO++). The scripts are tests/core/scripts/two_nodes.py and
+tests/accelerate/scripts/two_machines.py. (Lightning's ``num_nodes=2``: tests/lightning/test_lightning_multinode.py.)
 """
 
 import json
-import os
-import socket
-import subprocess
 import sys
-from pathlib import Path
 
-import pytest
+from launch import ACCELERATE_SCRIPTS, CORE_SCRIPTS, child_env, finish, free_port, start, stop
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "tests" / "core_scripts" / "two_nodes.py"
+SCRIPT = CORE_SCRIPTS / "two_nodes.py"
 TIMEOUT_S = 240
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def _clean_env() -> dict:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_", "GROUP_", "WORLD_", "MASTER_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT) + os.pathsep + env.get("PYTHONPATH", ""))
-    return env
+    return {k: v for k, v in child_env().items() if not k.startswith("ACCELERATE_")}
 
 
 def _run_nodes(commands: list, cwd, env: dict) -> None:
     """Start one launcher per node (in ``cwd``, or ``cwd[i]``), wait for all (killing them after TIMEOUT_S), fail
     with the log of a bad one."""
     cwds = cwd if isinstance(cwd, list) else [cwd] * len(commands)
-    nodes = [subprocess.Popen(command, cwd=where, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for command, where in zip(commands, cwds)]
+    nodes = [start(command, env=env, cwd=where) for command, where in zip(commands, cwds)]
     try:
-        logs = [node.communicate(timeout=TIMEOUT_S)[0] for node in nodes]
+        for i, node in enumerate(nodes):
+            finish(node, TIMEOUT_S, f"node {i}")
     finally:
-        for node in nodes:
-            if node.poll() is None:
-                node.kill()
-                node.communicate()
-    for i, node in enumerate(nodes):
-        if node.returncode != 0:
-            pytest.fail(f"node {i} exited with {node.returncode}:\n{logs[i][-6000:]}")
+        for node in nodes:  # the other node, after one failed
+            stop(node)
 
 
 def test_torchrun_two_nodes_on_localhost(tmp_path):
-    out, port = tmp_path / "report.json", _free_port()
+    out, port = tmp_path / "report.json", free_port()
     _run_nodes([[sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(i),
                  "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port), str(SCRIPT),
                  str(out)] for i in range(2)], tmp_path, _clean_env())
@@ -66,10 +47,10 @@ def test_torchrun_two_nodes_on_localhost(tmp_path):
 
 
 def test_accelerate_launch_two_machines_on_localhost(tmp_path):
-    out, port = tmp_path / "report.json", _free_port()
+    out, port = tmp_path / "report.json", free_port()
     config = tmp_path / "accelerate.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: 'no'\n")
-    script = ROOT / "tests" / "accelerate_scripts" / "two_machines.py"
+    script = ACCELERATE_SCRIPTS / "two_machines.py"
     env = {**_clean_env(), "ACCELERATE_USE_CPU": "true"}
     _run_nodes([[sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                  "--num_machines", "2", "--machine_rank", str(i), "--num_processes", "4",
@@ -88,10 +69,10 @@ def test_accelerate_node_local_save_state_resumes_on_two_machines(tmp_path):
     """``checkpoint.use_node_local_storage`` through ``save_state``/``load_state``: each machine (its own working
     directory, the same relative path) holds its ranks' shards with its own manifest, and Accelerate's files
     (``save_on_each_node``); resuming ends like the uninterrupted run."""
-    port = _free_port()
+    port = free_port()
     config = tmp_path / "accelerate.yaml"
     config.write_text("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPU\nmixed_precision: 'no'\n")
-    script = ROOT / "tests" / "accelerate_scripts" / "node_local_state.py"
+    script = ACCELERATE_SCRIPTS / "node_local_state.py"
     machines = [tmp_path / f"machine{i}" for i in range(2)]
     for directory in machines:
         directory.mkdir()

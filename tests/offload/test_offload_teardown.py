@@ -1,8 +1,8 @@
 """The engine's teardown (``engine.close()``, what every front-end calls when training ends) takes the NVMe swap
 files out of ``nvme_path`` and stops the offload threads, also when the block ends with an exception; the engine
 stays usable (it trains on to the same weights as an engine without offload, and saves), and
-``remove_offload_files`` then frees the files' space. tests/test_lightning_offload_fit.py checks the same after a
-real ``Trainer.fit``."""
+``remove_offload_files`` then frees the files' space. tests/lightning/test_lightning_offload_fit.py checks the same
+after a real ``Trainer.fit``."""
 
 from __future__ import annotations
 

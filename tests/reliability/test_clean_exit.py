@@ -11,13 +11,12 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 
-from distributed import _free_port
+from launch import CORE_SCRIPTS, free_port
 
-SCRIPT = Path(__file__).parent / "core_scripts" / "train_and_exit.py"
+SCRIPT = CORE_SCRIPTS / "train_and_exit.py"
 RUNS = int(os.environ.get("ZERO_EXIT_RUNS", "30"))
 PARALLEL_JOBS = 3
 WORLD = 2
@@ -26,7 +25,7 @@ TIMEOUT_S = 90
 
 def run_job(mode: str) -> list[tuple[int, str]]:
     """One 2-rank job; (exit code, stderr tail) per rank. A negative code is the signal that killed it."""
-    port = _free_port()
+    port = free_port()
     ranks = []
     for rank in range(WORLD):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),

@@ -21,18 +21,15 @@ import pytest
 import torch
 
 import zero_core
-from distributed import _free_port
-from restarts import LAUNCHER_VARIABLES, REPO
+from launch import CORE_SCRIPTS, child_env, free_port
 
-SCRIPT = REPO / "tests" / "core_scripts" / "elastic.py"
+SCRIPT = CORE_SCRIPTS / "elastic.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import elastic  # noqa: E402  (the script's model and samples, for the reference)
 
 
 def start_agent(tmp: Path, port: int, name: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
+    env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
                "--max-restarts", "3", "--monitor-interval", "0.5", "--rdzv-backend", "c10d",
                "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
@@ -81,7 +78,7 @@ def fixed_size_weights() -> dict:
 
 @pytest.mark.timeout(170)
 def test_a_lost_node_continues_on_the_rest_and_grows_back(tmp_path):
-    port, deadline, agents = _free_port(), time.monotonic() + 150, []
+    port, deadline, agents = free_port(), time.monotonic() + 150, []
     try:
         agents.append(start_agent(tmp_path, port, "node0"))
         time.sleep(0.5)  # node 0 hosts the rendezvous store

@@ -93,7 +93,7 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
 
 
 def test_from_pretrained_under_init_reads_only_each_ranks_share_and_loads_exactly(tmp_path):
-    from test_pretrained_hf_trainer import save_tiny_llama
+    from pretrained_files import save_tiny_llama
 
     save_tiny_llama(tmp_path / "untied", tied=False, shard_size="30KB")
     save_tiny_llama(tmp_path / "tied", tied=True)

@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 import zero_core
-from distributed import _free_port
 from init_safety_models import CLIENTS, INIT_FUNCTIONS, TOUCHES, Toucher
+from launch import free_port
 from models import transformer_batch
 from reference import train_ddp
 from stage3_support import capture, full_params, max_abs_diff, run_once, train_engine, unwrap
@@ -56,7 +56,7 @@ REPRO = textwrap.dedent("""
 
 
 def test_issue_repro_runs_without_a_signal():
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1",
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
                OMP_NUM_THREADS="1")
     done = subprocess.run([sys.executable, "-c", REPRO], env=env, capture_output=True, text=True, timeout=120)
     if done.returncode < 0:

@@ -1,6 +1,6 @@
-"""The tiny model, data and optimizer of the DCP takeover fixtures (tests/fixtures/dcp/), shared by the script
-that made them and the tests that load them. Changing anything here invalidates the checked-in fixtures:
-regenerate them with ``python tests/fixtures/dcp/make_fixtures.py``.
+"""The tiny model, data and optimizer of the DCP takeover fixtures (tests/checkpoint/fixtures/dcp/), shared by the
+script that made them and the tests that load them. Changing anything here invalidates the checked-in fixtures:
+regenerate them with ``python tests/checkpoint/fixtures/dcp/make_fixtures.py``.
 
 Odd sizes and biases everywhere, so shards of 2 or 3 ranks cut rows and parameters unevenly. The global batch
 of each step has 12 rows, split evenly over 1, 2 or 3 ranks (each rank's loss is its rows' mean, and the

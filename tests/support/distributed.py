@@ -9,7 +9,6 @@ from __future__ import annotations
 import faulthandler
 import os
 import pickle
-import socket
 import time
 import traceback
 from datetime import timedelta
@@ -18,6 +17,8 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from launch import free_port
 
 SEED = 1234
 # How long a finished rank may take to exit (destroying its group) before it is killed.
@@ -45,7 +46,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, nodes: int
     """
     _check_importable(fn)
     context = get_context("spawn")
-    port = _free_port()
+    port = free_port()
     ranks = []
     finished = False
     try:
@@ -74,12 +75,6 @@ def _check_importable(fn) -> None:
         raise TypeError(
             f"run_distributed needs a module-level function (the child imports it by name); got {qualname!r}"
         )
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def _collect(ranks, timeout: float) -> list:

@@ -1,55 +1,25 @@
-"""Run a Lightning test script as its own process group, with a deadline, and report its output on failure.
+"""Lightning test scripts (tests/lightning/scripts/) run as their own process session, and their outputs read back.
 
-Lightning's launcher starts the other ranks as children of the script; they share its process group, so a
-timeout kills every rank, not only the first.
+Lightning's launcher starts the other ranks as children of the script; they share its session, so a timeout
+kills every rank, not only the first (``launch.finish``).
 """
 
 from __future__ import annotations
 
 import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
-SCRIPTS = Path(__file__).resolve().parent
-REPO = SCRIPTS.parents[1]
-# Set by a launcher around pytest itself; a script must start its own ranks.
-_LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-                       "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED")
+from launch import LIGHTNING_SCRIPTS as SCRIPTS
+from launch import REPO, child_env, finish, free_port, start as start_command
+
+__all__ = ["REPO", "SCRIPTS", "finish", "free_port", "load_json", "load_rank", "max_diff", "run", "start"]
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def start(script: str, *args: str, env: dict | None = None, cwd: Path | None = None) -> subprocess.Popen:
-    clean = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_VARIABLES}
-    clean.update(PYTHONUNBUFFERED="1", **(env or {}))
+def start(script: str, *args: str, env: dict | None = None, cwd=None):
+    """Start ``python SCRIPT ARGS`` (a name in tests/lightning/scripts/ or an absolute path)."""
     path = script if os.path.isabs(script) else str(SCRIPTS / script)
-    return subprocess.Popen([sys.executable, path, *args], env=clean, cwd=str(cwd or REPO), start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-
-
-def finish(process: subprocess.Popen, timeout: float, label: str) -> str:
-    """Wait for ``process``; on timeout or failure kill its whole group and raise with the output's tail."""
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"{label} ran past {timeout:g} s; all its ranks were killed:\n{output[-6000:]}")
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # a rank left behind by a crash
-        except ProcessLookupError:
-            pass
-    if process.returncode != 0:
-        raise AssertionError(f"{label} exited with {process.returncode}:\n{output[-6000:]}")
-    return output
+    return start_command([sys.executable, path, *args], env=child_env(**(env or {})), cwd=cwd or REPO)
 
 
 def run(script: str, *args: str, timeout: float = 240, **kwargs) -> str:

@@ -1,24 +1,19 @@
 """What the front-end restart tests share: a launcher run with a deadline, and the uninterrupted run's weights.
 
-The scripts (tests/*_scripts/crash_resume*.py) train the same model on batches drawn from (step, rank), so the
+The scripts (tests/*/scripts/crash_resume*.py) train the same model on batches drawn from (step, rank), so the
 uninterrupted run is the plain PyTorch loop below: a world-size-2 ZeRO step is DDP's, the mean of both ranks'
 losses. It runs here in the test process, in milliseconds, instead of as a second launched job.
 """
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from torch import nn
 
-REPO = Path(__file__).resolve().parents[1]
-LAUNCHER_VARIABLES = ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-                      "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+import launch as launching
 
 
 def batch(step: int, rank: int) -> torch.Tensor:
@@ -44,27 +39,9 @@ def uninterrupted_weights(steps: int, world_size: int = 2, lr: float = 1e-2, wei
 
 
 def launch(command: list[str], timeout: float, cwd: Path) -> str:
-    """Run a launcher (torchrun, accelerate launch) in its own session; on timeout or failure kill the whole
-    group and fail with the output's tail. The environment carries this checkout on PYTHONPATH."""
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARIABLES}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")])))
-    process = subprocess.Popen(command, env=env, cwd=str(cwd), start_new_session=True, stdout=subprocess.PIPE,
-                               stderr=subprocess.STDOUT, text=True)
-    try:
-        output, _ = process.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        output, _ = process.communicate()
-        raise AssertionError(f"{command[2:4]} ran past {timeout:g} s (a hang); killed:\n{output[-6000:]}")
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)  # a rank left behind
-        except ProcessLookupError:
-            pass
-    if process.returncode != 0:
-        raise AssertionError(f"exited with {process.returncode}:\n{output[-6000:]}")
-    return output
+    """Run a launcher (torchrun, accelerate launch) in its own session (``launch.run``); on timeout or failure kill
+    the whole session and fail with the output's tail. The environment carries this checkout on PYTHONPATH."""
+    return launching.run(command, timeout=timeout, cwd=cwd)
 
 
 def torchrun(script: Path, *args: str, port: int, restarts: int = 1, nproc: int = 2) -> list[str]:

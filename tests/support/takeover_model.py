@@ -1,7 +1,7 @@
 """The model, data, optimizer and schedule shared by the DeepSpeed fixtures and the take-over tests.
 
-tests/fixtures/deepspeed/make_fixtures.py trains it under the real DeepSpeed (in its own venv, with this
-folder on PYTHONPATH); tests/test_takeover_deepspeed.py continues the same run on our engine and checks it
+tests/checkpoint/fixtures/deepspeed/make_fixtures.py trains it under the real DeepSpeed (in its own venv, with this
+folder on PYTHONPATH); tests/checkpoint/test_takeover_deepspeed.py continues the same run on our engine and checks it
 against one plain process. Only torch is imported here, so both sides can use it.
 
 Each step's batch is global (GLOBAL_BATCH rows, seeded by the step) and a rank of ``world`` takes its

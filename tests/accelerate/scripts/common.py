@@ -12,7 +12,7 @@ from accelerate.utils import DataLoaderConfiguration
 
 from accelerate_zero import ZeroAccelerator, ZeroPlugin
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 STEPS = 12
 ACCUM = 2
 

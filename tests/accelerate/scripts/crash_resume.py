@@ -1,5 +1,5 @@
 """An Accelerate loop that saves with ``automatic_checkpoint_naming`` every 2 steps and resumes with
-``load_state()``; for tests/test_accelerate_restarts.py, under ``accelerate launch --max_restarts 1``.
+``load_state()``; for tests/accelerate/test_accelerate_restarts.py, under ``accelerate launch --max_restarts 1``.
 
 Usage: crash_resume.py OUT_DIR KILL_AFTER_STEP (-1: never). On the first attempt rank 1 SIGKILLs itself after step
 KILL_AFTER_STEP. Rank 0 writes the final weights and the step it resumed at to OUT_DIR/result.pt.
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from accelerate.utils import ProjectConfiguration
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared model and batches
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))  # tests/support: model, batches
 
 import zero_core  # noqa: E402
 from accelerate_zero import ZeroAccelerator, ZeroPlugin  # noqa: E402

@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from accelerate_zero import export_accelerate_state
 from common import make_accelerator, rank, to_lists, write_json
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared GAN
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))  # tests/support, for the shared GAN
 from models import GanPair, gan_dataset  # noqa: E402
 
 MAX_NORM = 0.05  # the generator's norm is above it: clipping acts

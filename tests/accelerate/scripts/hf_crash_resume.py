@@ -1,5 +1,5 @@
 """An ordinary Hugging Face ``Trainer`` script that saves every 2 steps and, when a checkpoint exists, resumes
-with ``train(resume_from_checkpoint=True)``; for tests/test_accelerate_restarts.py, under
+with ``train(resume_from_checkpoint=True)``; for tests/accelerate/test_accelerate_restarts.py, under
 ``accelerate launch --max_restarts 1 -m accelerate_zero.swap``.
 
 Usage: hf_crash_resume.py OUT_DIR KILL_AT_STEP (-1: never). On the first attempt rank 1 SIGKILLs itself when the
@@ -17,7 +17,7 @@ from torch import nn
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer_utils import get_last_checkpoint
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared model and batches
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))  # tests/support: model, batches
 
 from restarts import batch, make_model  # noqa: E402
 

@@ -1,6 +1,6 @@
 """``save_state``/``load_state`` with node-local checkpoints (``checkpoint.use_node_local_storage``) on two machines
-of two processes (``accelerate launch --num_machines 2 --machine_rank i``, tests/test_multinode_launch.py). Each
-machine runs in its own working directory and saves to the same relative path, as to its own local disk;
+of two processes (``accelerate launch --num_machines 2 --machine_rank i``, tests/multinode/test_multinode_launch.py).
+Each machine runs in its own working directory and saves to the same relative path, as to its own local disk;
 Accelerate's own files go to every machine too (``ProjectConfiguration(save_on_each_node=True)``).
 
     accelerate launch --num_machines 2 --machine_rank I --num_processes 4 ... node_local_state.py OUT_DIR

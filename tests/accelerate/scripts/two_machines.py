@@ -1,5 +1,6 @@
 """examples/accelerate_train.py under plain Accelerate DDP and under ZeroAccelerator with MiCS and hpZ, launched as
-two machines of two processes (``accelerate launch --num_machines 2 --machine_rank i``, tests/test_multinode_launch.py).
+two machines of two processes (``accelerate launch --num_machines 2 --machine_rank i``,
+tests/multinode/test_multinode_launch.py).
 
     accelerate launch --num_machines 2 --machine_rank I --num_processes 4 ... two_machines.py OUT.json
 

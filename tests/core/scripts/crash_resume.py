@@ -1,5 +1,5 @@
 """A job that saves every SAVE_EVERY steps and resumes by itself from zero_core.latest_checkpoint; for
-tests/test_crash_resume.py, launched by ``torchrun --max-restarts 1``.
+tests/reliability/test_torchrun_restarts.py, launched by ``torchrun --max-restarts 1``.
 
 Usage: python crash_resume.py CHECKPOINT_DIR OUT_FILE KILL_AT_STEP (-1: never). On the first attempt
 (TORCHELASTIC_RESTART_COUNT=0) rank 1 SIGKILLs itself after step KILL_AT_STEP; torchrun restarts both ranks,

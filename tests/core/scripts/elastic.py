@@ -1,5 +1,5 @@
-"""An elastic job for tests/test_elastic.py: ``torchrun --nnodes 1:2 --nproc-per-node 1`` with a c10d rendezvous,
-one torchrun agent per simulated node. It keeps GLOBAL samples per optimizer step at any world size by
+"""An elastic job for tests/reliability/test_elastic.py: ``torchrun --nnodes 1:2 --nproc-per-node 1`` with a c10d
+rendezvous, one torchrun agent per simulated node. It keeps GLOBAL samples per optimizer step at any world size by
 changing gradient accumulation (zero_core.accumulation_for), resumes from zero_core.latest_checkpoint at every
 start (checkpoints reshard on load), and draws each sample from (step, sample index), so the run equals a
 fixed-size one whatever sizes it ran at.

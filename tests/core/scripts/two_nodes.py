@@ -1,4 +1,4 @@
-"""One node's ranks of a 2-node run, launched by torchrun per node (tests/test_multinode_launch.py).
+"""One node's ranks of a 2-node run, launched by torchrun per node (tests/multinode/test_multinode_launch.py).
 
 Usage: torchrun --nnodes 2 --node-rank I --nproc-per-node 2 --master-addr 127.0.0.1 --master-port P two_nodes.py OUT
 Trains the DDP reference and ZeRO-3 with hpZ, MiCS and full ZeRO++ on the same data; global rank 0 writes the
@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared models and reference loop
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))  # tests/support: models, reference
 
 from models import build_model, make_batch  # noqa: E402
 from reference import train_ddp  # noqa: E402

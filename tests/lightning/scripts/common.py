@@ -19,8 +19,8 @@ import torchmetrics
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for lightning_zero/zero_core
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared model pieces
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, for lightning_zero/zero_core
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))  # tests/support, for the shared model pieces
 
 import zero_core  # noqa: E402
 from models import D_MODEL, SEQ, VOCAB, Block  # noqa: E402

@@ -1,7 +1,7 @@
 """A compiled LightningModule (``Trainer.fit(torch.compile(module))``) and a compiled Fabric model under ZeRO,
 each against the same compiled run under DDP.
 
-    python tests/lightning_scripts/compiled.py OUT_DIR     (Lightning's launcher starts the 2nd rank)
+    python tests/lightning/scripts/compiled.py OUT_DIR     (Lightning's launcher starts the 2nd rank)
 """
 
 from __future__ import annotations

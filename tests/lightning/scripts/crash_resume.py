@@ -1,5 +1,5 @@
 """A Lightning job that checkpoints every 3 steps and resumes by itself after crashes; for
-tests/test_lightning_restarts.py, launched by ``torchrun --nproc-per-node 2 --max-restarts 2``.
+tests/lightning/test_lightning_restarts.py, launched by ``torchrun --nproc-per-node 2 --max-restarts 2``.
 
 Usage: python crash_resume.py OUT_DIR KILLS, KILLS like "4:1,7:0": in attempt i (TORCHELASTIC_RESTART_COUNT)
 the i-th pair's rank SIGKILLs itself after that optimizer step ("-": no kill). Attempts 0 and 1 resume with
@@ -18,13 +18,13 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for lightning_zero/zero_core
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared model and batches
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, for lightning_zero/zero_core
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))  # tests/support: model, batches
 
 from lightning_zero import ZeroStrategy  # noqa: E402
 from restarts import batch, make_model  # noqa: E402
 
-STEPS = 10  # tests/test_lightning_restarts.py counts on these
+STEPS = 10  # tests/lightning/test_lightning_restarts.py counts on these
 CONFIG = {"stage": 3, "stage3_param_persistence_threshold": 0, "reduce_bucket_size": 64}
 
 

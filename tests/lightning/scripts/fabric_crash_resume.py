@@ -1,5 +1,5 @@
 """A Fabric loop that saves every 2 steps and resumes by itself from zero_core.latest_checkpoint; for
-tests/test_lightning_restarts.py, under ``torchrun --nproc-per-node 2 --max-restarts 1``.
+tests/lightning/test_lightning_restarts.py, under ``torchrun --nproc-per-node 2 --max-restarts 1``.
 
 Usage: python fabric_crash_resume.py OUT_DIR KILL_AFTER_STEP (-1: never). On the first attempt rank 1 SIGKILLs
 itself after step KILL_AFTER_STEP. Rank 0 writes the final weights and the resumed step to OUT_DIR/result.pt.
@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from lightning.fabric import Fabric
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository, for lightning_zero/zero_core
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared model and batches
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # the repository, for lightning_zero/zero_core
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "support"))  # tests/support: model, batches
 
 import zero_core  # noqa: E402
 from lightning_zero import ZeroFabricStrategy  # noqa: E402

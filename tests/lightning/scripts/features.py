@@ -1,6 +1,6 @@
 """Manual optimization, bf16/fp16, sync_batchnorm and Fabric under ZeRO, each against what it must equal.
 
-    python tests/lightning_scripts/features.py OUT_DIR [part ...]     (Lightning's launcher starts the 2nd rank)
+    python tests/lightning/scripts/features.py OUT_DIR [part ...]     (Lightning's launcher starts the 2nd rank)
 """
 
 from __future__ import annotations

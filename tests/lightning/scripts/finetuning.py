@@ -1,7 +1,7 @@
 """Lightning's BackboneFinetuning (backbone frozen at fit start, added to the optimizer at epoch 1 through
 ``optimizer.add_param_group``, its learning rate raised each epoch after) under zero1/zero2/zero3.
 
-    python tests/lightning_scripts/finetuning.py OUT_DIR   (Lightning's launcher starts rank 1)
+    python tests/lightning/scripts/finetuning.py OUT_DIR   (Lightning's launcher starts rank 1)
 
 Then DDP, zero1 and zero3 resume the third epoch from a checkpoint saved after the unfreezing (Lightning restores
 the backbone's group; as under DDP, the backbone stays frozen after a resume). The reference is DDP, which averages only the parameters that required a gradient when it wrapped the model: the

@@ -1,6 +1,6 @@
 """Fit DDP and the offload strategies on the same data through Lightning's launcher; write what the test compares.
 
-    python tests/lightning_scripts/fit_offload.py OUT_DIR NVME_DIR   (Lightning's launcher starts rank 1)
+    python tests/lightning/scripts/fit_offload.py OUT_DIR NVME_DIR   (Lightning's launcher starts rank 1)
 
 "zero2_offload" and "zero3_offload" are the registered names; ZeroStrategy(offload_optimizer="nvme",
 offload_parameters="nvme", nvme_path=...) is ZeRO-Infinity on a directory that exists. "zero3_offload_nvme"

@@ -1,6 +1,6 @@
 """Fit DDP and ZeRO 1/2/3 on the same data; checkpoint, resume and convert; write what the test compares.
 
-    python tests/lightning_scripts/fit_parity.py OUT_DIR          (Lightning's launcher starts the 2nd rank)
+    python tests/lightning/scripts/fit_parity.py OUT_DIR          (Lightning's launcher starts the 2nd rank)
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Several optimizers (a GAN under manual optimization) and a second fit of the same module, against DDP.
 
-    python tests/lightning_scripts/multi_optimizer.py OUT_DIR [part ...]   (Lightning's launcher starts rank 1)
+    python tests/lightning/scripts/multi_optimizer.py OUT_DIR [part ...]   (Lightning's launcher starts rank 1)
 
 gan: generator and discriminator each with its own optimizer and scheduler, toggled_optimizer, norm clipping of
 the generator only, sync_dist logging; under DDP (find_unused_parameters, as Lightning asks for GANs) and zero1/2/3.

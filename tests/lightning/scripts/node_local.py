@@ -1,5 +1,5 @@
 """Node-local checkpoints (``checkpoint.use_node_local_storage``) through ZeroStrategy on 2 simulated nodes x 2
-devices (tests/test_lightning_multinode.py). Each node runs in its own working directory and saves to the same
+devices (tests/lightning/test_lightning_multinode.py). Each node runs in its own working directory and saves to the same
 relative path, as each node would to its own local disk.
 
     MASTER_ADDR=127.0.0.1 MASTER_PORT=<port> NODE_RANK=i python node_local.py OUT   (cwd: node i's directory)

@@ -1,7 +1,7 @@
 """A forward installed on the model instance (as TRL's fused LM head: ``functools.wraps`` of the class's forward,
 the head's weight read directly) under ``ZeroStrategy`` stage 3, against DDP, in 32-true and bf16-mixed.
 
-    python tests/lightning_scripts/patched_forward.py OUT_DIR   (Lightning's launcher starts rank 1)
+    python tests/lightning/scripts/patched_forward.py OUT_DIR   (Lightning's launcher starts rank 1)
 
 The inner model is patched before ``fit``, or in ``on_train_start`` (after the strategy set the engine up).
 Stage 3 runs with every parameter partitioned and no root group (``max_live_parameters`` too small for it), so

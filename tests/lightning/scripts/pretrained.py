@@ -1,6 +1,6 @@
 """A pretrained Hugging Face model fine-tuned by the Trainer: ``from_pretrained`` in ``configure_model``.
 
-    python tests/lightning_scripts/pretrained.py MODEL_DIR OUT_DIR   (Lightning's launcher starts rank 1)
+    python tests/lightning/scripts/pretrained.py MODEL_DIR OUT_DIR   (Lightning's launcher starts rank 1)
 
 Under ``zero3`` ``configure_model`` runs inside ``zero_core.Init``, so the model is built already partitioned,
 each rank reading only its own slices of the weight files; DDP loads it whole. Both train 6 steps.

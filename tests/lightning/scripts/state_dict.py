@@ -1,7 +1,7 @@
 """The model's state dict under ZeRO, where Lightning users read it: ``trainer.strategy.lightning_module_state_dict()``
 (``state_dict_type`` "full" and "sharded") and Fabric's ``get_module_state_dict``, against DDP's.
 
-    python tests/lightning_scripts/state_dict.py OUT_DIR     (Lightning's launcher starts the 2nd rank)
+    python tests/lightning/scripts/state_dict.py OUT_DIR     (Lightning's launcher starts the 2nd rank)
 """
 
 from __future__ import annotations

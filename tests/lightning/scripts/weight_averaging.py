@@ -1,6 +1,6 @@
 """Lightning's EMAWeightAveraging under DDP and ZeroStrategy, and the engine's own average at stage 3.
 
-    python tests/lightning_scripts/weight_averaging.py OUT_DIR   (Lightning's launcher starts rank 1)
+    python tests/lightning/scripts/weight_averaging.py OUT_DIR   (Lightning's launcher starts rank 1)
 
 One epoch of LitGPT with a validation at its end. DDP with EMAWeightAveraging is the reference: its validation
 loss (on the average) and its weights after fit (the callback copies the average in at the end). zero1 and
