@@ -16,6 +16,23 @@ started as subprocesses get support/ and the repository on PYTHONPATH from ``lau
 import sys
 from pathlib import Path
 
+import pytest
+
 SUPPORT = Path(__file__).resolve().parent / "support"
 if str(SUPPORT) not in sys.path:
     sys.path.insert(0, str(SUPPORT))
+
+
+def pytest_sessionstart(session):
+    """Two modules of one basename (tests or helpers; not the launched scripts) would be one module to pytest and to
+    spawned ranks: say so up front instead of pytest's "import file mismatch"."""
+    tests = SUPPORT.parent
+    seen: dict[str, str] = {}
+    for path in sorted(tests.rglob("*.py")):
+        parts = path.relative_to(tests).parts
+        if path.name == "conftest.py" or {"scripts", "fixtures", "__pycache__"} & set(parts[:-1]):
+            continue
+        if path.name in seen:
+            raise pytest.UsageError(f"{seen[path.name]} and tests/{'/'.join(parts)} share a module name; rename one "
+                                    "(tests and helpers are imported by their basename, see tests/conftest.py)")
+        seen[path.name] = f"tests/{'/'.join(parts)}"
