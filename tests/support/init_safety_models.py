@@ -1,5 +1,5 @@
 """Models that touch their children's weights in their own ``__init__`` (so, under ``zero_core.Init``, after the
-children were partitioned), for tests/test_stage3_init_safety.py.
+children were partitioned), for tests/stage3/test_stage3_init_safety.py.
 
 ``Toucher(case)`` runs one of ``TOUCHES`` (a write or read through an index, a view, ``.data``, an ``nn.init``
 function, ``torch.save``…) at the end of its ``__init__``. The clients are the real ways models initialise

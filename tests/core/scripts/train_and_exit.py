@@ -1,4 +1,4 @@
-"""A short stage-3 run that trains, destroys its process group and returns; for tests/test_clean_exit.py.
+"""A short stage-3 run that trains, destroys its process group and returns; for tests/reliability/test_clean_exit.py.
 
 Usage: python train_and_exit.py {close|forget} (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment).
 "close" leaves a ``with engine:`` block before destroy_process_group(); "forget" never calls close() and relies
