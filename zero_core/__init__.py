@@ -4,7 +4,7 @@
 
 See docs/core-api.md for the engine and docs/config.md for every configuration field. ``__all__`` is the
 public surface: the front-ends (lightning_zero, accelerate_zero) import nothing else of the core
-(tests/test_public_surface.py checks it); docs/core-api.md, "The public surface", lists what it is for.
+(tests/core/test_public_surface.py checks it); docs/core-api.md, "The public surface", lists what it is for.
 """
 
 from zero_core.checkpoint import (

@@ -5,7 +5,7 @@ The engine drives a *runtime* (where parameters and gradients live: ``Replicated
 fp32 master shards: ``FlatParamGroup``, ``ParamUnit``). A parameter has an *owner* (zero_core/registry.py): the
 engine it trains under, or before setup the ``zero_core.Init`` partition it was built in. Checkpoints read an
 engine through :class:`CheckpointedEngine`. Callers use these types instead of probing with ``hasattr``;
-tests/test_contracts.py checks that each implementation satisfies its protocol.
+tests/core/test_contracts.py checks that each implementation satisfies its protocol.
 """
 
 from __future__ import annotations

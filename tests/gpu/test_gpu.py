@@ -4,22 +4,22 @@ example and an Accelerate launch on a GPU. Skipped where CUDA is absent."""
 from __future__ import annotations
 
 import json
-import subprocess
+import os
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from launch import run
+
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.cuda
 
 
 def _run(cmd: list, cwd: Path, timeout: int = 600) -> str:
-    done = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout)
-    if done.returncode != 0:
-        pytest.fail(f"{' '.join(map(str, cmd))} exited with {done.returncode}:\n{(done.stdout + done.stderr)[-6000:]}")
-    return done.stdout
+    # The GPU tier keeps the caller's environment as it is (its GPUs, threads and PYTHONPATH).
+    return run(cmd, timeout=timeout, env=dict(os.environ), cwd=cwd, stderr_apart=True)
 
 
 @pytest.fixture(scope="module")

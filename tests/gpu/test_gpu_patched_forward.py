@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for the shared model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stage3"))  # tests/stage3, for the shared model
 
 from test_stage3_read_in_forward import TinyLM, fused_forward  # noqa: E402
 

@@ -175,7 +175,8 @@ def _finish(engine, reports: list, staged: StagedDirectory, leader: bool, node: 
         manifest = build_manifest(engine, reports, here=place.ranks)
         manifest[NODE_LOCAL] = {"node": place.node, "nodes": place.nodes, "save_id": node["save_id"]}
     write_json(staged.temp / MANIFEST, manifest)
-    publish(staged.temp, staged.path)  # the moment the checkpoint appears (tests/test_checkpoint_crash.py kills here)
+    # The moment the checkpoint appears (tests/checkpoint/test_checkpoint_crash.py kills here).
+    publish(staged.temp, staged.path)
 
 
 def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:

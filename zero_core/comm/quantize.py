@@ -111,7 +111,7 @@ def wire_bytes(rows: int, numel: int, bits: int, block: int = BLOCK, asymmetric:
 # -- int4 gradients in segments (qgZ) ---------------------------------------------------------------------------
 # A reduction bucket's row holds the shards of several parameter units side by side. A block spanning two of them
 # takes its scale from the larger gradients, and the other unit's elements below half a step round to zero: a
-# LayerNorm's gradients next to a Linear's vanished from the reduction entirely (tests/test_quantize.py,
+# LayerNorm's gradients next to a Linear's vanished from the reduction entirely (tests/core/test_quantize.py,
 # docs/multinode.md). DeepSpeed's qgZ quantises each tensor on its own (and sends 1-D ones unquantised); here the
 # blocks restart at every segment (unit) boundary, so each unit's gradients get scales of their own.
 

@@ -1,0 +1,60 @@
+"""The model's state dict under ZeRO, where Lightning users read it: ``trainer.strategy.lightning_module_state_dict()``
+(``state_dict_type`` "full" and "sharded") and Fabric's ``get_module_state_dict``, against DDP's.
+
+    python tests/lightning/scripts/state_dict.py OUT_DIR     (Lightning's launcher starts the 2nd rank)
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from common import STAGE3, LitGPT, loader, save_rank, trainer
+from features import fabric_train
+
+import lightning_zero  # noqa: F401
+from lightning_zero import ZeroFabricStrategy, ZeroStrategy
+
+OUT = Path(sys.argv[1])
+
+
+class LitFrozenPos(LitGPT):
+    """The position embedding stays frozen: a parameter outside every optimizer group."""
+
+    def __init__(self):
+        super().__init__()
+        self.model.pos.weight.requires_grad_(False)
+
+
+def state_dict() -> None:
+    """``lightning_module_state_dict()`` after a short fit, per rank, for DDP and each stage; "sharded" and bf16
+    (fp32 masters come out) too, and Fabric's ``get_module_state_dict``."""
+    runs = {"ddp": ("ddp", "32-true"), "zero1": (ZeroStrategy(stage=1), "32-true"),
+            "zero2": (ZeroStrategy(stage=2), "32-true"), "zero3": (ZeroStrategy(stage=3, config=STAGE3), "32-true"),
+            "zero3_sharded": (ZeroStrategy(stage=3, config=STAGE3, state_dict_type="sharded"), "32-true"),
+            "zero2_bf16": (ZeroStrategy(stage=2), "bf16-mixed")}
+    for name, (strategy, precision_flag) in runs.items():
+        model = LitFrozenPos()
+        t = trainer(strategy, OUT, max_steps=3, precision=precision_flag)
+        t.fit(model, loader())
+        got = t.strategy.lightning_module_state_dict()
+        if name == "zero2_bf16":
+            masters = t.optimizers[0].optimizer.param_groups[0]["params"]
+            got["_master_dtype"] = torch.tensor(float(masters[0].dtype == torch.float32))
+            got["_param_dtype"] = torch.tensor(float(model.model.blocks[0].fc1.weight.dtype == torch.bfloat16))
+        save_rank(OUT, f"state_dict_{name}", {k: v.float() if v.is_floating_point() else v for k, v in got.items()})
+        if name == "ddp":
+            save_rank(OUT, "state_dict_ddp_keys", list(model.state_dict()))
+    fabric_, model, _ = fabric_train(ZeroFabricStrategy(stage=3, config=STAGE3))
+    save_rank(OUT, "state_dict_fabric_zero3", fabric_.strategy.get_module_state_dict(model))
+    fabric_ddp, model_ddp, _ = fabric_train("ddp")
+    save_rank(OUT, "state_dict_fabric_ddp", fabric_ddp.strategy.get_module_state_dict(model_ddp))
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    state_dict()
+    dist.barrier()

@@ -1,0 +1,51 @@
+"""``lightning_module_state_dict()`` / Fabric's ``get_module_state_dict`` under ZeRO against DDP's, from one
+2-process launch (lightning/scripts/state_dict.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_runs import load_rank, max_diff, run
+
+WEIGHT_TOLERANCE = 1e-5  # float reordering only
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory):
+    path = tmp_path_factory.mktemp("state_dict")
+    run("state_dict.py", str(path), timeout=280)
+    return path
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("stage", ["zero1", "zero2", "zero3"])
+def test_full_state_dict_is_ddps_on_rank_0_and_empty_elsewhere(out, stage):
+    ddp = load_rank(out, "state_dict_ddp")
+    full = load_rank(out, f"state_dict_{stage}")
+    assert list(full) == load_rank(out, "state_dict_ddp_keys")  # every key, in state_dict() order
+    assert all(t.device == torch.device("cpu") for t in full.values())
+    assert max_diff(ddp, full) <= WEIGHT_TOLERANCE
+    assert "model.pos.weight" in full  # a frozen parameter comes out too
+    assert load_rank(out, f"state_dict_{stage}", rank=1) == {}
+
+
+def test_sharded_state_dict_is_empty(out):
+    assert load_rank(out, "state_dict_zero3_sharded", rank=0) == {}
+    assert load_rank(out, "state_dict_zero3_sharded", rank=1) == {}
+
+
+def test_full_state_dict_under_bf16_gives_the_fp32_masters(out):
+    full = load_rank(out, "state_dict_zero2_bf16")
+    assert full.pop("_param_dtype").item() == 1.0 and full.pop("_master_dtype").item() == 1.0
+    weight = full["model.blocks.0.fc1.weight"]
+    assert weight.dtype == torch.float32
+    assert (weight != weight.to(torch.bfloat16).float()).any()  # not a bf16 copy cast up
+
+
+def test_fabric_full_module_state_dict_matches_fabric_ddp(out):
+    ddp = load_rank(out, "state_dict_fabric_ddp")
+    zero3 = load_rank(out, "state_dict_fabric_zero3")
+    assert list(zero3) == list(ddp)
+    assert max_diff(ddp, zero3) <= WEIGHT_TOLERANCE
+    assert load_rank(out, "state_dict_fabric_zero3", rank=1) == {}
