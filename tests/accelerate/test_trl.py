@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from test_accelerate_launch import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
+from accelerate_runs import ACCELERATE_YAML, SCRIPTS, accelerate_launch, clean_env, run
 
 TOLERANCE = 1e-5
 # The engine's own bf16 against DDP's autocast: bf16 rounding apart, the tolerance docs/accelerate.md states
