@@ -1,7 +1,8 @@
 """Stage 3 prefetch: which sharded units to gather ahead of use, and which gathered ones to keep.
 
-``Prefetch`` is a mixin of ``PartitionedParamsRuntime`` (runtime.py). It owns the prefetch cursors
-(``_prefetch_state``, one ``_Cursor`` per direction) and the rules that read the agreed execution trace
+``Prefetch`` is a part of ``PartitionedParamsRuntime`` (runtime.py), written as a mixin over the runtime's typed
+state: what it needs of the runtime is ``PrefetchHost``. It moves the prefetch cursors (``PrefetchCursors``,
+state.py: one ``TraceCursor`` per direction) and holds the rules that read the agreed execution trace
 (execution_trace.py): the next batch to gather (``prefetch_bucket_size``, ``max_live_parameters``) and whether a
 unit is reused soon enough to stay gathered (``max_reuse_distance``). Gathering and releasing themselves
 (``_start_gather``, ``_release``, live-element accounting) stay in runtime.py. docs/stage3.md explains the knobs.
@@ -9,26 +10,39 @@ unit is reused soon enough to stay gathered (``max_reuse_distance``). Gathering 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
+from torch import nn
 
 from zero_core.stage3.param_unit import ParamUnit, UnitState
 
+if TYPE_CHECKING:
+    from zero_core.comm.communicator import Communicator
+    from zero_core.stage3.execution_trace import ExecutionTrace
+    from zero_core.stage3.policy import Stage3Policy
+    from zero_core.stage3.state import GenerationState, PrefetchCursors
 
-class _Cursor:
-    """Where prefetch stands in the trace for one direction: the next position to look at, the position whose
-    module takes the next batch, and the position of the last call (a smaller one starts a new pass)."""
 
-    __slots__ = ("next", "trigger", "last")
+class PrefetchHost(Protocol):
+    """What ``Prefetch`` reads and calls on the runtime it is part of."""
 
-    def __init__(self) -> None:
-        self.next, self.trigger, self.last = 0, 0, None
+    trace: "ExecutionTrace"
+    policy: "Stage3Policy"
+    comm: "Communicator"
+    live_elements: int  # gathered elements now (max_live_parameters bounds them)
+    param_swap: Optional[Any]  # offload_param nvme: reads ahead along the same trace
+    prefetch_cursors: "PrefetchCursors"
+    generation: "GenerationState"  # a session's budget bounds prefetch too
+    _tiles: set[nn.Module]
+    _units_for: Callable[[nn.Module], list[ParamUnit]]
+    _start_gather: Callable[[list[ParamUnit], str], None]
 
 
 class Prefetch:
-    """Gather-ahead and keep-gathered decisions for ``PartitionedParamsRuntime`` (a mixin: it reads the runtime's
-    ``trace``, ``policy``, ``comm``, ``live_elements``, ``param_swap``, ``_units_for`` and ``_tiles``)."""
+    """Gather-ahead and keep-gathered decisions for ``PartitionedParamsRuntime``: ``_fetch`` (unshard a module's
+    units and prefetch the next batch), ``_root_keeps`` and ``_reused_soon`` (whether a unit stays unsharded).
+    Needs ``PrefetchHost``."""
 
     def _fetch(self, units: list[ParamUnit], position: Optional[int], backward: bool,
                phase: Optional[str] = None) -> None:
@@ -50,7 +64,8 @@ class Prefetch:
         """The sharded units of the modules that run next, up to ``prefetch_bucket_size`` elements, taken in trace
         order from a cursor (never rescanning the trace). The next batch is taken when the module that ends the
         previous one runs, so at most ``prefetch_bucket_size`` elements are gathered ahead of use."""
-        cursor = self._prefetch_state[backward]
+        cursors = self.prefetch_cursors
+        cursor = cursors.backward if backward else cursors.forward
         step = -1 if backward else 1
         if cursor.last is None or (position - cursor.last) * step <= 0:  # a new pass over the trace
             cursor.next, cursor.trigger = position + step, position
@@ -62,8 +77,9 @@ class Prefetch:
             index = position + step
         budget, live, batch = self.policy.prefetch_bucket_size, self.live_elements, []
         max_live = self.policy.max_live_parameters
-        if self._keep_budget is not None:  # a generation session (generation.py): its budget bounds prefetch too
-            max_live = min(max_live, self._keep_budget)
+        keep_budget = self.generation.budget
+        if keep_budget is not None:  # a generation session (generation.py): its budget bounds prefetch too
+            max_live = min(max_live, keep_budget)
         while 0 <= index < len(order):
             fits, module = True, order[index]
             for unit in self._units_for(module):
