@@ -108,3 +108,21 @@ class ReduceOrder:
                     break
             self._widths[unit] = width = max(width, unit.layout.shard_numel)
         return width
+
+
+def leaf_hint(model: nn.Module, module: nn.Module) -> str:
+    """Ranks ran different modules at ``module``: name the enclosing modules one of which should be declared a
+    leaf (its subtree then gathers as one unit, whatever children a rank runs)."""
+    names = {m: n for n, m in model.named_modules()}
+    name = names.get(module, "")
+    parts = name.split(".") if name else []
+    candidates = []
+    for depth in range(len(parts) - 1, -1, -1):
+        ancestor = model.get_submodule(".".join(parts[:depth]))
+        if not isinstance(ancestor, (nn.ModuleList, nn.ModuleDict)):
+            candidates.append(f"'{'.'.join(parts[:depth]) or '<root>'}' ({type(ancestor).__name__})")
+    return ("If ranks run different submodules here on purpose (a mixture-of-experts block that skips experts "
+            "without tokens), declare the module that chooses them a leaf before setup, so its subtree is "
+            f"gathered as one unit: one of {', '.join(candidates[:3]) or 'its parent modules'}, with "
+            "zero_core.set_z3_leaf_modules(model, [ItsClass]) or zero_optimization.leaf_module "
+            "{'names': [...]} (docs/stage3.md, leaf modules).")

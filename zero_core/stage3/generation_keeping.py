@@ -9,7 +9,7 @@ is ``GenerationHost``. generation.py opens and closes sessions (``GenerationSess
 
 from __future__ import annotations
 
-from typing import Callable, Protocol
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -18,6 +18,7 @@ from zero_core.stage3.partitioned_param import mark_partitioned, unmark_partitio
 from zero_core.stage3.state import GenerationState
 
 
+@runtime_checkable
 class GenerationHost(Protocol):
     """What ``GenerationKeeping`` reads and calls on the runtime it is part of."""
 

@@ -10,7 +10,7 @@ reduced in the fixed order of ``ReduceOrder`` ([Note: one reduce order], diverge
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -27,6 +27,7 @@ from zero_core.weak_hooks import weakly
 if TYPE_CHECKING:
     from zero_core.buffer_pool import BufferPool
     from zero_core.comm.communicator import Communicator
+    from zero_core.config import ZeroConfig
     from zero_core.reduction import BackwardSession, ReductionQueue
     from zero_core.stage3.divergence import ReduceOrder
     from zero_core.stage3.execution_trace import ExecutionTrace
@@ -35,10 +36,12 @@ if TYPE_CHECKING:
     from zero_core.stage3.streams import SideStreams
 
 
+@runtime_checkable
 class GradientReductionHost(Protocol):
     """What ``GradientReduction`` reads and calls on the runtime it is part of."""
 
     parts: list[ParamUnit]
+    config: "ZeroConfig"
     comm: "Communicator"
     policy: "Stage3Policy"
     pool: "BufferPool"
@@ -46,6 +49,7 @@ class GradientReductionHost(Protocol):
     trace: "ExecutionTrace"
     session: "BackwardSession"
     phase: Phase
+    _resume_phase: Phase  # the phase a backward returns to
     backward: BackwardState
     use: "UnitUse"
     prefetch_cursors: "PrefetchCursors"
@@ -58,6 +62,8 @@ class GradientReductionHost(Protocol):
     _own: dict[nn.Module, list[ParamUnit]]
     _release: Callable[[ParamUnit], None]
     release_all: Callable[[], None]
+    _to: Callable[[Phase], None]
+    _begin_backward_phase: Callable[[], None]
 
 
 class GradientReduction:

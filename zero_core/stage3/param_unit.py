@@ -172,20 +172,20 @@ class ParamUnit:
             for work in self._works:
                 work.wait()
             self._works = []
-            self._drop_source()
+            self.drop_gather_source()
             self.state = UnitState.GATHERED
 
     def gather_source(self) -> torch.Tensor:
         """This rank's shard on the gathering device, to send: the shard itself, or with offload_param
         (zero_core/offload) a copy of the host shard, or the shard read from NVMe into a pool buffer (a blocking
-        copy: the buffer is reused once the gather is done). Held until ``_drop_source``."""
+        copy: the buffer is reused once the gather is done). Held until ``drop_gather_source``."""
         if self.swap is not None:
             self._source = self.swap.read(self).to(self.full.device)
         else:
             self._source = self.shard.to(self.full.device, non_blocking=True)
         return self._source
 
-    def _drop_source(self) -> None:
+    def drop_gather_source(self) -> None:
         self._source = None
         if self.swap is not None:
             self.swap.release(self)
@@ -221,7 +221,7 @@ class ParamUnit:
                 if isinstance(work, CoalescedGather):
                     work.drop()
             self._works = []
-            self._drop_source()
+            self.drop_gather_source()
             self.state = UnitState.GATHERED
 
     def release(self, force: bool = False) -> None:

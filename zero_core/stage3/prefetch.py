@@ -10,7 +10,7 @@ unit is reused soon enough to stay gathered (``max_reuse_distance``). Gathering 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from zero_core.stage3.state import GenerationState, PrefetchCursors
 
 
+@runtime_checkable
 class PrefetchHost(Protocol):
     """What ``Prefetch`` reads and calls on the runtime it is part of."""
 

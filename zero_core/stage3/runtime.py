@@ -23,7 +23,7 @@ from zero_core.stage3.block_units import block_of, unit_owners
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
-from zero_core.stage3.divergence import ReduceOrder
+from zero_core.stage3.divergence import ReduceOrder, leaf_hint
 from zero_core.stage3.execution_trace import ExecutionTrace
 from zero_core.stage3.external_params import registered_externals
 from zero_core.layout import FlatLayout
@@ -347,7 +347,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         except RuntimeError as error:
             if "collective mismatch" not in str(error):
                 raise
-            raise type(error)(f"{error} {self._leaf_hint(mod)}") from error
+            raise type(error)(f"{error} {leaf_hint(self.module, mod)}") from error
         self._note_group_gathered(mod)
         self.backward.touched.update(units)
         use = self.use
@@ -359,22 +359,6 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
             if after_input_grads(functools.partial(self._post_backward, mod, position), (args, kwargs)) and mod in self._blocks:
                 self.backward.open_blocks[mod] += 1
         return args, kwargs
-
-    def _leaf_hint(self, mod: nn.Module) -> str:
-        """Ranks ran different modules: name the enclosing modules one of which should be declared a leaf."""
-        names = {m: n for n, m in self.module.named_modules()}
-        name = names.get(mod, "")
-        parts = name.split(".") if name else []
-        candidates = []
-        for depth in range(len(parts) - 1, -1, -1):
-            ancestor = self.module.get_submodule(".".join(parts[:depth]))
-            if not isinstance(ancestor, (nn.ModuleList, nn.ModuleDict)):
-                candidates.append(f"'{'.'.join(parts[:depth]) or '<root>'}' ({type(ancestor).__name__})")
-        return ("If ranks run different submodules here on purpose (a mixture-of-experts block that skips experts "
-                "without tokens), declare the module that chooses them a leaf before setup, so its subtree is "
-                f"gathered as one unit: one of {', '.join(candidates[:3]) or 'its parent modules'}, with "
-                "zero_core.set_z3_leaf_modules(model, [ItsClass]) or zero_optimization.leaf_module "
-                "{'names': [...]} (docs/stage3.md, leaf modules).")
 
     def _post_forward(self, mod, _hook_module, args, output):
         if self.generation.keep_all and not torch.is_grad_enabled():
