@@ -32,7 +32,8 @@ if TYPE_CHECKING:
     from zero_core.stage3.divergence import ReduceOrder
     from zero_core.stage3.execution_trace import ExecutionTrace
     from zero_core.stage3.policy import Stage3Policy
-    from zero_core.stage3.state import PrefetchCursors, UnitUse
+    from zero_core.stage3.prefetch import Prefetcher
+    from zero_core.stage3.state import UnitUse
     from zero_core.stage3.streams import SideStreams
 
 
@@ -52,7 +53,7 @@ class GradientReductionHost(Protocol):
     _resume_phase: Phase  # the phase a backward returns to
     backward: BackwardState
     use: "UnitUse"
-    prefetch_cursors: "PrefetchCursors"
+    prefetch: "Prefetcher"
     reduce_order: "ReduceOrder"
     _inflight: "ReductionQueue"
     _deferred: set[ParamUnit]  # units inside leaf modules: reduced at the end of backward, in order
@@ -107,7 +108,7 @@ class GradientReduction:
             self._to(self._resume_phase)
         self.session.close()
         self.session.unsynced_grads = False
-        self.prefetch_cursors.restart_backward()
+        self.prefetch.restart_backward()
 
     def _enter_backward(self) -> None:
         """A module's backward (or a gradient) arrived: the phase is BACKWARD and the flush is queued."""

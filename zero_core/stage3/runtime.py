@@ -35,11 +35,11 @@ from zero_core.stage3.partitioned_param import mark_partitioned
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
 from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
-from zero_core.stage3.state import BackwardState, GenerationState, PrefetchCursors, UnitUse
+from zero_core.stage3.state import BackwardState, UnitUse
 from zero_core.stage3.streams import SideStreams
 from zero_core.stage3.tile_units import tile_of
 from zero_core.stage3.gradients import GradientReduction
-from zero_core.stage3.prefetch import Prefetch
+from zero_core.stage3.prefetch import Prefetcher
 from zero_core.stage3.generation_keeping import GenerationKeeping
 from zero_core.reduction import BackwardSession, ReductionQueue
 
@@ -50,14 +50,14 @@ def eager(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
-class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
+class PartitionedParamsRuntime(GradientReduction):
     """Owns the units, the module hooks, gathering and releasing for stage 3, and all of stage 3's state: the
-    typed records of state.py (``backward``: this backward's; ``use``: which gathered units are in use;
-    ``prefetch_cursors``; ``generation``) and the agreed ``reduce_order`` (divergence.py). Only this class
-    changes them. Its rules come in three parts, each written against the runtime's state with a Protocol saying
-    what it needs: ``Prefetch`` (prefetch.py: what to gather ahead, what to keep), ``GradientReduction``
-    (gradients.py: gradient hooks, reduce buckets, the end-of-backward flush) and ``GenerationKeeping``
-    (generation_keeping.py: what generation sessions keep gathered). Other code drives it through the
+    typed records of state.py (``backward``: this backward's; ``use``: which gathered units are in use) and
+    three objects with their own verbs, composed here: ``prefetch`` (prefetch.py: the trace cursors, what to
+    gather ahead, what to keep), ``reduce_order`` (divergence.py: the agreed order of reduce-scatters) and
+    ``generation`` (generation_keeping.py: what a generation session keeps). Only this class changes them. The
+    gradient side (gradients.py: gradient hooks, reduce buckets, the end-of-backward flush) is written against
+    the same state, with a Protocol saying what it needs. Other code drives the runtime through the
     ``zero_core.contracts.Runtime`` verbs."""
 
     MAX_IN_FLIGHT = PARTITIONED_IN_FLIGHT  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
@@ -77,9 +77,8 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         self._module_of: dict[ParamUnit, nn.Module] = {}
         self._unit_count = 0
         self._unit_cache: dict[nn.Module, list[ParamUnit]] = {}  # _units_for, cleared when units change
-        self.prefetch_cursors = PrefetchCursors()  # where prefetch stands in the trace, each direction (prefetch.py)
         self.use = UnitUse()  # gathered units in use: open forwards, units held to the end of the backward
-        self.generation = GenerationState()  # what a generation session keeps (generation_keeping.py)
+        self.generation = GenerationKeeping()  # what a generation session keeps (generation_keeping.py)
         self._inside_leaf = leaf_of(module)  # modules below a leaf module -> that leaf (leaf_modules.py)
         self._inside_tile = tile_of(module, self._inside_leaf)  # module -> its TiledLinear tile (tile_units.py)
         self._tiles = set(self._inside_tile.values())  # released after use, prefetched one ahead
@@ -100,6 +99,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         if self.root_group:
             module_names = {module: "<root>", **module_names}
         self.trace = ExecutionTrace(module_names, comm)
+        self.prefetch = Prefetcher(self.trace, self.policy, comm, self._units_for, self._tiles)  # prefetch.py
         self.comm.check = True  # verify collectives while the first trace is recorded
         # no_sync, waiting gradients and the end-of-backward flush (zero_core/reduction.py, shared with stage 2)
         self.session = BackwardSession(self._finish_backward)
@@ -221,7 +221,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         mod = self._module_of[unit]
         self._gather(unit)
         values = {p: p.detach().clone() for p in unit.params}
-        self._guard(unit)
+        self.generation.guard(unit)
         unit.release(force=True)
         self._note_live(-unit.numel)
         self.units.remove(unit)
@@ -382,11 +382,11 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         for unit in units:
             if unit in returned or (grad_enabled and wrapped == 0 and unit.active_count()):
                 use.held.add(unit)  # still needed outside this module: keep until the step's backward ends
-            elif active[unit] > 0 or (is_root and self._root_keeps(grad_enabled, unit)):
+            elif active[unit] > 0 or (is_root and self.prefetch.root_keeps(grad_enabled, unit, self.live_elements)):
                 continue  # used by an enclosing forward still open; or the root's, whose backward comes next
-            elif self.generation.budget is not None and self.kept_for_generation(unit):
+            elif self.generation.budget is not None and self.generation.keeps(unit, self.live_elements):
                 continue  # generation: the next decoding step runs the same modules
-            elif is_tile or not self._reused_soon(position, unit, grad_enabled):
+            elif is_tile or not self.prefetch.reused_soon(position, unit, self.live_elements, grad_enabled):
                 self._release(unit)
         return output
 
@@ -426,7 +426,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         active, held = self.use.active, self.use.held
         for unit in self._units_for(mod):
             if active[unit] == 0 and unit not in held and (
-                    is_tile or not self._reused_soon(position, unit, in_backward=True)):
+                    is_tile or not self.prefetch.reused_soon(position, unit, self.live_elements, in_backward=True)):
                 self._release(unit)
         open_blocks = self.backward.open_blocks
         if mod in self._blocks and open_blocks[mod] > 0:
@@ -444,8 +444,9 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         self._fetch(units, position, backward=False)
         active, held = self.use.active, self.use.held
         for unit in units:
-            if active[unit] == 0 and unit not in held and not self._reused_soon(position, unit):
-                if self.generation.budget is None or not self.kept_for_generation(unit):  # as the ranks that ran it decide
+            if active[unit] == 0 and unit not in held and not self.prefetch.reused_soon(position, unit, self.live_elements):
+                # a generation session keeps it as on the ranks that ran the module
+                if self.generation.budget is None or not self.generation.keeps(unit, self.live_elements):
                     self._release(unit)
 
     def _gather_skipped_backward(self, position: int) -> None:
@@ -484,7 +485,8 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         self.trace.position = len(order)
         for unit in root:
             active[unit] -= 1
-            if not self._root_keeps(True, unit) and not self._reused_soon(0, unit, True):
+            if not (self.prefetch.root_keeps(True, unit, self.live_elements)
+                    or self.prefetch.reused_soon(0, unit, self.live_elements, True)):
                 self._release(unit)
         self._begin_backward_phase()
         if root:
@@ -505,6 +507,23 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         self.session.unsynced_grads = False
 
     # -- gather / release ---------------------------------------------------------------------------------
+    def _fetch(self, units: list[ParamUnit], position: Optional[int], backward: bool,
+               phase: Optional[str] = None) -> None:
+        """Gather a module's ``units`` and, following the trace from ``position``, the next prefetch batch, in one
+        collective; return once ``units`` are gathered. ``phase`` (default: from ``backward``) is what the gather
+        serves, for ZeRO++'s paths (hpZ serves backward gathers from the in-node copy)."""
+        batch = list(dict.fromkeys(u for u in units if u.state is UnitState.SHARDED))
+        if position is not None and self.trace.following:
+            batch += self.prefetch.next_batch(position, backward, set(batch), self.live_elements,
+                                              self.generation.budget)
+        if self.param_swap is not None:  # offload_param nvme: read these shards, then the trace's next, ahead
+            following = position is not None and self.trace.following
+            self.param_swap.look_ahead(batch, self.trace.order if following else None, position, backward,
+                                       self._units_for)
+        self._start_gather(batch, phase or ("backward" if backward else "forward"))
+        for unit in units:
+            unit.wait()
+
     def _note_live(self, delta: int) -> None:
         self.live_elements += delta
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
@@ -526,7 +545,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         if generation.keep_all:
             return  # a generation session holds the whole model until it ends (generation.py)
         if generation.unguarded and not unit.persistent:
-            self._guard(unit)  # released memory: the guard watches its parameters again
+            generation.guard(unit)  # released memory: the guard watches its parameters again
         if unit.state is not UnitState.SHARDED and not unit.persistent:
             unit.release()
             self._note_live(-unit.numel)
@@ -540,6 +559,18 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         for unit in self.units:
             if active[unit] == 0:
                 self._release(unit)
+
+    # -- generation sessions (generation_keeping.py) ------------------------------------------------------------
+    def begin_generation(self, budget: int) -> bool:
+        """Until ``end_generation``: no-grad forwards keep units gathered while ``budget`` elements allow; True
+        when the whole model is gathered now, so that forwards issue no collective."""
+        return self.generation.begin(budget, self.units, self.live_elements, self._start_gather)
+
+    def end_generation(self) -> None:
+        """Leave generation: release what it kept (memory back to the training level)."""
+        if self.generation.end():
+            self.release_all()
+            self.generation.guard_all()
 
     # -- parameters read outside their own module's forward ----------------------------------------------------
     def gathers_on_read(self) -> bool:

@@ -1,9 +1,10 @@
-"""Stage 3's runtime state, typed: what one backward records, where prefetch stands, what generation keeps.
+"""Stage 3's runtime state, typed: what one backward records, and which gathered units are in use.
 
 The runtime (runtime.py) owns one of each and is the only code that changes them. Each is replaced or reset by
-one call at its boundary (the end of a backward, a new pass over the trace, the end of a generation session)
-instead of attribute by attribute. The hooks read them through one attribute of the runtime; nothing here is
-constructed per hook call.
+one call at its boundary instead of attribute by attribute. The hooks read them through one attribute of the
+runtime; nothing here is constructed per hook call. The runtime's other state lives in objects with their own
+verbs: the prefetch cursors (prefetch.py), the agreed reduce order (divergence.py) and a generation session's
+keeping (generation_keeping.py).
 """
 
 from __future__ import annotations
@@ -15,28 +16,6 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     from zero_core.stage3.coalesced import ReduceBucket
     from zero_core.stage3.param_unit import ParamUnit
-
-
-@dataclass(slots=True, eq=False)
-class TraceCursor:
-    """Where prefetch stands in the trace for one direction: the next position to look at (``next``), the position
-    whose module takes the next batch (``trigger``), and the position of the last call (``last``; a smaller one
-    going forward, or a larger one going backward, starts a new pass)."""
-
-    next: int = 0
-    trigger: int = 0
-    last: Optional[int] = None
-
-
-@dataclass(slots=True, eq=False)
-class PrefetchCursors:
-    """The prefetch cursors of both directions (prefetch.py). The backward one starts again with every backward."""
-
-    forward: TraceCursor = field(default_factory=TraceCursor)
-    backward: TraceCursor = field(default_factory=TraceCursor)
-
-    def restart_backward(self) -> None:
-        self.backward = TraceCursor()
 
 
 def _counter() -> defaultdict:
@@ -69,17 +48,6 @@ class BackwardState:
         if count is None:
             count = self.wanted_counts[unit] = unit.active_count()
         return count
-
-
-@dataclass(slots=True, eq=False)
-class GenerationState:
-    """A generation session's keeping (generation_keeping.py); the defaults are training's (nothing kept)."""
-
-    budget: Optional[int] = None  # set while a session keeps units: its budget in elements
-    depth: int = 0  # sessions now open (nested ones share the outermost's budget)
-    largest_unit: int = 0  # the largest unit that may still be gathered beside what is kept
-    keep_all: bool = False  # the budget holds the whole model: gathered once, nothing released
-    unguarded: set = field(default_factory=set)  # kept units whose parameters skip the guard
 
 
 @dataclass(slots=True, eq=False)
