@@ -6,7 +6,8 @@ that has left its loop runs a *joined-rank step* for every step the others still
 collectives with a zero gradient (the runtime's ``joined_pass``), until every rank is done. Gradients are
 averaged over the whole world (DDP's default, ``divide_by_initial_world_size=True``), so a joined rank
 contributes zero. Unlike DDP, a joined rank also runs the optimizer step: under ZeRO it owns a shard of the
-weights and optimizer state, so its step is part of everyone's. docs/core-api.md describes the limits (one forward and backward per step inside join()).
+weights and optimizer state, so its step is part of everyone's. docs/core-api.md describes the limits (one
+forward and backward per step inside join()).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class ParamUnit:
         self.numel = layout.total  # elements of the gathered flat buffer, padding included
         self.comm = comm
         self.rank = comm.topology.rank
-        self.dtype = dtype  # the training dtype; adopt() casts the values
+        self.dtype = dtype  # the training dtype; shard_values() casts the values
         self.device = self.params[0].device
         self.persistent = False
         self.state = UnitState.GATHERED
@@ -68,7 +68,7 @@ class ParamUnit:
         self.offloaded = False
         self.swap = None
         self.swapped_shard: Optional[tuple[int, torch.dtype]] = None
-        # zero_quantized_nontrainable_weights (set by the runtime before adopt): a frozen, non-persistent unit
+        # zero_quantized_nontrainable_weights (set by the runtime before shard_values): a frozen, non-persistent unit
         # keeps its shard as 8-bit codes with per-block scales and minima (one Quantized per bucket), and
         # ``shard`` is empty; its gathers send the codes and dequantise (docs/multinode.md)
         self.store_quantized = False
@@ -116,7 +116,7 @@ class ParamUnit:
         return tensor[start : start + self.layout.buckets[bucket].shard_size]
 
     # -- building ------------------------------------------------------------------------------------------
-    def adopt(self, values: Sequence[torch.Tensor], broadcast: bool) -> None:
+    def shard_values(self, values: Sequence[torch.Tensor], broadcast: bool) -> None:
         """Take whole values for every parameter, keep this rank's shard, point the parameters at views of
         ``full`` and release it. ``broadcast``: start from rank 0's values (as DDP does)."""
         for value, slot in zip(values, self.layout.slots):

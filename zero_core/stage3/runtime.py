@@ -173,7 +173,7 @@ class PartitionedParamsRuntime(GradientReduction):
         unit.persistent = persistent
         unit.streams = self.streams
         unit.store_quantized = self._stores_quantized(unit)
-        unit.adopt(values, broadcast=broadcast)
+        unit.shard_values(values, broadcast=broadcast)
         for param in params:
             mark_partitioned(param)
             self.unit_of[param] = unit
@@ -444,10 +444,11 @@ class PartitionedParamsRuntime(GradientReduction):
         self._fetch(units, position, backward=False)
         active, held = self.use.active, self.use.held
         for unit in units:
-            if active[unit] == 0 and unit not in held and not self.prefetch.reused_soon(position, unit, self.live_elements):
-                # a generation session keeps it as on the ranks that ran the module
-                if self.generation.budget is None or not self.generation.keeps(unit, self.live_elements):
-                    self._release(unit)
+            if active[unit] > 0 or unit in held or self.prefetch.reused_soon(position, unit, self.live_elements):
+                continue
+            # a generation session keeps it as on the ranks that ran the module
+            if self.generation.budget is None or not self.generation.keeps(unit, self.live_elements):
+                self._release(unit)
 
     def _gather_skipped_backward(self, position: int) -> None:
         """The backward of a module this rank skipped: gather its units and prefetch as the others do, release;
