@@ -101,8 +101,8 @@ class GradientReduction:
                 state.block_missing += self._reduce(unit)
 
     def _end_backward(self) -> None:
-        """A backward's record is complete (flushed, or dropped by a joined-rank step): start the next one's, and
-        return to the phase the backward started from."""
+        """A backward is over (flushed at its end, or at the end of a joined-rank step): start the next one's
+        record, and return to the phase the backward started from."""
         self.backward = BackwardState(cursor=len(self.trace.order) - 1)
         if self.phase is Phase.BACKWARD:
             self._to(self._resume_phase)
