@@ -237,7 +237,7 @@ class ZeroAccelerator(Accelerator):
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables, even_batches=None):
         """Accelerate's uneven-inputs context: a prepared ZeRO model (or its optimizer) joins as its engine, whose
-        ranks that run out of batches shadow the others' steps (zero_core/join.py); other joinables are passed on
+        ranks that run out of batches join the others' steps (zero_core/join.py); other joinables are passed on
         as they are. Every rank steps every step, with one forward and backward per step (no accumulation)."""
         engines, passed_on = [], []
         for item in joinables:

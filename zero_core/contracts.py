@@ -80,6 +80,10 @@ class Runtime(Protocol):
 
     def zero_grads(self, parts: list) -> None: ...
 
+    def joined_pass(self) -> None:
+        """``engine.join()``: this rank ran out of batches; issue the forward and backward collectives the ranks
+        with data issue this step, contributing zero gradients (a joined-rank step; the engine steps after it)."""
+
     def begin_generation(self, budget: int) -> bool:
         """Generation starts: no-grad forwards may keep up to ``budget`` gathered elements (stage 3); whether
         they will issue no collective (the whole model is gathered, or never partitioned)."""

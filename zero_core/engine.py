@@ -812,6 +812,12 @@ class ZeroEngine:
             stats["weights_ema"] = sum(t.numel() * t.element_size() for t in self.weights_ema.tensors())
         return stats
 
+    def expect_gradients_from_other_ranks(self) -> None:
+        """A joined-rank step (``join()``): this rank ran no backward, but the other ranks' gradients arrive in its
+        shards, so every optimizer steps as after a backward."""
+        for pending in self._pending:
+            pending.saw_grad = True
+
 
 def _weights_ema(config: ZeroConfig, parts: list):
     """The sharded moving average of the master weights (optim/weights_ema.py), or None when it is off."""

@@ -207,3 +207,36 @@ def test_an_extra_forward_backward_on_one_rank_is_an_error_on_every_rank(scenari
         assert "step 2" in message and "'" in message, message
         print(f"rank {rank} raised {outcome['seconds']:.1f} s into the divergent step: {message}")
         assert outcome["seconds"] < 30, f"rank {rank} took {outcome['seconds']:.1f} s to raise"
+
+
+def test_the_reduce_order_waits_in_turn_and_sends_skipped_units_with_zeros():
+    """[Note: one reduce order] without processes: units go strictly in the agreed order; an incomplete unit holds
+    back every later one; a unit of a module this rank skipped goes (with zeros) once backward passed its place."""
+    from zero_core.stage3.divergence import ReduceOrder
+    from zero_core.stage3.state import BackwardState
+
+    class Unit:
+        trainable, dtype = True, torch.float32
+
+        def __init__(self, name, params):
+            self.name, self.params = name, params
+
+        def active_count(self):
+            return self.params
+
+    a, b, c = Unit("a", 2), Unit("b", 1), Unit("c", 1)
+    modules = [nn.Linear(1, 1) for _ in range(3)]  # run in this order in forward: a, b, c
+    owner = dict(zip(modules, [[a], [b], [c]]))
+    order = ReduceOrder()
+    order.follow(modules, owner.get, [a, b, c])
+    assert order.units == [c, b, a]  # backward finishes the last used first
+    sent = []
+    state = BackwardState(cursor=2)
+    state.skipped_units.add(c)  # c's module was skipped on this rank
+    state.seen[b] = 1  # b complete; a has one of its two gradients
+    state.seen[a] = 1
+    order.launch_ready(state, lambda unit: sent.append(unit.name) or [])
+    assert sent == ["c", "b"] and state.reduce_cursor == 2  # a waits for its second gradient
+    state.seen[a] = 2
+    order.launch_ready(state, lambda unit: sent.append(unit.name) or [])
+    assert sent == ["c", "b", "a"] and order.remaining(state) == []

@@ -136,6 +136,14 @@ class GradReducer:
     def _count_expected(self) -> None:
         self._expected = [_requires_grad(params).count(True) for params in self._bucket_params]
 
+    def joined_backward(self) -> None:
+        """A joined rank's backward (``engine.join()``): stage 2 reduces every bucket, last first, as the ranks
+        with data do: the same buckets, holding zeros. Stage 1 reduces at the step, which the joined rank runs."""
+        if not self.partition_grads:
+            return
+        self._count_expected()
+        self.finish_backward()
+
     def _register_hooks(self) -> None:
         self._handles = []
         reducer = weakref.ref(self)  # the hooks hold the reducer weakly (weak_hooks.py says why)

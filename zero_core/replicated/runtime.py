@@ -133,6 +133,11 @@ class ReplicatedParamsRuntime:
             self.reducer.flush_unsynced(set(parts))
             self.reducer.reduce_last(set(parts))
 
+    def joined_pass(self) -> None:
+        """``engine.join()``: this rank ran out of batches. Issue the backward collectives the ranks with data
+        issue this step, with zero gradients (stage 2's buckets; stage 1 reduces at the step, as every rank)."""
+        self.reducer.joined_backward()
+
     def begin_generation(self, budget: int) -> bool:
         """Nothing to keep: stages 1 and 2 hold whole parameters, so forwards issue no collective (generation.py)."""
         return True

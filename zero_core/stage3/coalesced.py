@@ -51,7 +51,7 @@ class CoalescedGather:
             send = torch.empty(shard_total, dtype=first.dtype, device=first.device)
             for unit, chunk in zip(self.units, send.split([u.layout.shard_numel for u in self.units])):
                 chunk.copy_(unit.gather_source())
-                unit._drop_source()
+                unit.drop_gather_source()
         else:
             send = first.gather_source()  # held by the unit until its wait()
         self._recv: Optional[torch.Tensor] = (
@@ -74,8 +74,8 @@ class CoalescedGather:
             targets = [view for unit in self.units for view in unit.rank_views]
             torch.split_with_sizes_copy(self._recv.view(-1, self._shard_total), [t.shape[1] for t in targets], dim=1,
                                         out=targets)
-        # The comm layer keeps its latest works (and so their tensors) referenced (comm.py, _RETAINED_WORKS): free
-        # the send and receive buffers' memory now, or a few batches' worth would stay allocated.
+        # The comm layer keeps its latest works (and so their tensors) referenced (Communicator's _RETAINED_WORKS):
+        # free the send and receive buffers' memory now, or a few batches' worth would stay allocated.
         for scratch in self._scratch:
             scratch.untyped_storage().resize_(0)
         self._recv, self._work, self._scratch = None, None, []

@@ -57,7 +57,7 @@ class ParamUnit:
         self.numel = layout.total  # elements of the gathered flat buffer, padding included
         self.comm = comm
         self.rank = comm.topology.rank
-        self.dtype = dtype  # the training dtype; adopt() casts the values
+        self.dtype = dtype  # the training dtype; shard_values() casts the values
         self.device = self.params[0].device
         self.persistent = False
         self.state = UnitState.GATHERED
@@ -68,7 +68,7 @@ class ParamUnit:
         self.offloaded = False
         self.swap = None
         self.swapped_shard: Optional[tuple[int, torch.dtype]] = None
-        # zero_quantized_nontrainable_weights (set by the runtime before adopt): a frozen, non-persistent unit
+        # zero_quantized_nontrainable_weights (set by the runtime before shard_values): a frozen, non-persistent unit
         # keeps its shard as 8-bit codes with per-block scales and minima (one Quantized per bucket), and
         # ``shard`` is empty; its gathers send the codes and dequantise (docs/multinode.md)
         self.store_quantized = False
@@ -116,7 +116,7 @@ class ParamUnit:
         return tensor[start : start + self.layout.buckets[bucket].shard_size]
 
     # -- building ------------------------------------------------------------------------------------------
-    def adopt(self, values: Sequence[torch.Tensor], broadcast: bool) -> None:
+    def shard_values(self, values: Sequence[torch.Tensor], broadcast: bool) -> None:
         """Take whole values for every parameter, keep this rank's shard, point the parameters at views of
         ``full`` and release it. ``broadcast``: start from rank 0's values (as DDP does)."""
         for value, slot in zip(values, self.layout.slots):
@@ -172,20 +172,20 @@ class ParamUnit:
             for work in self._works:
                 work.wait()
             self._works = []
-            self._drop_source()
+            self.drop_gather_source()
             self.state = UnitState.GATHERED
 
     def gather_source(self) -> torch.Tensor:
         """This rank's shard on the gathering device, to send: the shard itself, or with offload_param
         (zero_core/offload) a copy of the host shard, or the shard read from NVMe into a pool buffer (a blocking
-        copy: the buffer is reused once the gather is done). Held until ``_drop_source``."""
+        copy: the buffer is reused once the gather is done). Held until ``drop_gather_source``."""
         if self.swap is not None:
             self._source = self.swap.read(self).to(self.full.device)
         else:
             self._source = self.shard.to(self.full.device, non_blocking=True)
         return self._source
 
-    def _drop_source(self) -> None:
+    def drop_gather_source(self) -> None:
         self._source = None
         if self.swap is not None:
             self.swap.release(self)
@@ -221,7 +221,7 @@ class ParamUnit:
                 if isinstance(work, CoalescedGather):
                     work.drop()
             self._works = []
-            self._drop_source()
+            self.drop_gather_source()
             self.state = UnitState.GATHERED
 
     def release(self, force: bool = False) -> None:

@@ -23,7 +23,7 @@ from zero_core.stage3.block_units import block_of, unit_owners
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
-from zero_core.stage3.divergence import reduce_order, skipped_backward, skipped_forward
+from zero_core.stage3.divergence import ReduceOrder, leaf_hint
 from zero_core.stage3.execution_trace import ExecutionTrace
 from zero_core.stage3.external_params import registered_externals
 from zero_core.layout import FlatLayout
@@ -35,10 +35,11 @@ from zero_core.stage3.partitioned_param import mark_partitioned
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
 from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
+from zero_core.stage3.state import BackwardState, UnitUse
 from zero_core.stage3.streams import SideStreams
 from zero_core.stage3.tile_units import tile_of
 from zero_core.stage3.gradients import GradientReduction
-from zero_core.stage3.prefetch import Prefetch, _Cursor
+from zero_core.stage3.prefetch import Prefetcher
 from zero_core.stage3.generation_keeping import GenerationKeeping
 from zero_core.reduction import BackwardSession, ReductionQueue
 
@@ -49,11 +50,15 @@ def eager(hook):
     return torch.compiler.disable(hook, recursive=True)
 
 
-class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
-    """Owns the units, the module hooks, and gathering and releasing for stage 3. Prefetch decisions are in the
-    ``Prefetch`` mixin (prefetch.py); gradient hooks, reduce buckets and the end-of-backward flush in the
-    ``GradientReduction`` mixin (gradients.py); what generation sessions keep gathered in the
-    ``GenerationKeeping`` mixin (generation_keeping.py)."""
+class PartitionedParamsRuntime(GradientReduction):
+    """Owns the units, the module hooks, gathering and releasing for stage 3, and all of stage 3's state: the
+    typed records of state.py (``backward``: this backward's; ``use``: which gathered units are in use) and
+    three objects with their own verbs, composed here: ``prefetch`` (prefetch.py: the trace cursors, what to
+    gather ahead, what to keep), ``reduce_order`` (divergence.py: the agreed order of reduce-scatters) and
+    ``generation`` (generation_keeping.py: what a generation session keeps). Only this class changes them. The
+    gradient side (gradients.py: gradient hooks, reduce buckets, the end-of-backward flush) is written against
+    the same state, with a Protocol saying what it needs. Other code drives the runtime through the
+    ``zero_core.contracts.Runtime`` verbs."""
 
     MAX_IN_FLIGHT = PARTITIONED_IN_FLIGHT  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
     param_swap = None  # offload_param nvme (zero_core/offload/params.py): the swap file of unit shards
@@ -72,14 +77,13 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         self._module_of: dict[ParamUnit, nn.Module] = {}
         self._unit_count = 0
         self._unit_cache: dict[nn.Module, list[ParamUnit]] = {}  # _units_for, cleared when units change
-        # Prefetch cursors into the trace, forward and backward (see prefetch.py).
-        self._prefetch_state = {False: _Cursor(), True: _Cursor()}
+        self.use = UnitUse()  # gathered units in use: open forwards, units held to the end of the backward
+        self.generation = GenerationKeeping()  # what a generation session keeps (generation_keeping.py)
         self._inside_leaf = leaf_of(module)  # modules below a leaf module -> that leaf (leaf_modules.py)
         self._inside_tile = tile_of(module, self._inside_leaf)  # module -> its TiledLinear tile (tile_units.py)
         self._tiles = set(self._inside_tile.values())  # released after use, prefetched one ahead
         self._inside_block = block_of(module, self._inside_leaf, self._inside_tile)  # module -> its block
         self._blocks = set(self._inside_block.values())
-        self._open_blocks: dict[nn.Module, int] = defaultdict(int)  # forwards of a block whose backward is to come
         self._deferred: set[ParamUnit] = set()  # units inside leaves: reduced at the end of backward, in order
         self.root_group = RootGroup([])  # planned once the units exist (below)
         self.live_elements = 0  # gathered elements now, and the most ever (max_live_parameters is checked on it)
@@ -95,6 +99,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         if self.root_group:
             module_names = {module: "<root>", **module_names}
         self.trace = ExecutionTrace(module_names, comm)
+        self.prefetch = Prefetcher(self.trace, self.policy, comm, self._units_for, self._tiles)  # prefetch.py
         self.comm.check = True  # verify collectives while the first trace is recorded
         # no_sync, waiting gradients and the end-of-backward flush (zero_core/reduction.py, shared with stage 2)
         self.session = BackwardSession(self._finish_backward)
@@ -102,16 +107,11 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
             self._complete_reduction, self.MAX_IN_FLIGHT, self.policy.overlap_comm)
         self.phase = Phase.IDLE  # phase.py
         self._resume_phase = Phase.IDLE  # the phase a backward returns to
-        self._active: dict[ParamUnit, int] = defaultdict(int)
-        self._positions: dict[nn.Module, list] = defaultdict(list)  # trace position of each open forward call
-        self._held: set[ParamUnit] = set()
         self._root_depth = 0  # the model's forward calls now open (a read inside one gathers: gather_on_read)
-        self._init_generation()  # generation sessions (generation_keeping.py)
-        # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it
-        # (divergence.py), whatever modules a rank skipped; None while recording (the check mode is on then).
-        self._reduce_order: Optional[list[ParamUnit]] = None
-        self._planned_widths: dict = {}  # unit -> columns of the bucket it opens (gradients.py, _planned_width)
-        self._reset_backward_state()
+        # Once every rank agreed on the trace, gradients are reduce-scattered in one order fixed by it, whatever
+        # modules a rank skipped ([Note: one reduce order], divergence.py); none while recording.
+        self.reduce_order = ReduceOrder()
+        self.backward = BackwardState(cursor=len(self.trace.order) - 1)  # this backward's record (state.py)
         self._register_hooks(module_names)
         # A trace deviation on any rank is agreed at the step barrier, so all ranks re-record together.
         comm.guard.on_step(lambda: self.trace.deviated, self._agree_on_deviation)
@@ -173,7 +173,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         unit.persistent = persistent
         unit.streams = self.streams
         unit.store_quantized = self._stores_quantized(unit)
-        unit.adopt(values, broadcast=broadcast)
+        unit.shard_values(values, broadcast=broadcast)
         for param in params:
             mark_partitioned(param)
             self.unit_of[param] = unit
@@ -205,8 +205,8 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
             new += self._split_unit(unit, group_of)
         self.units.sort(key=lambda u: u.index)
         self.parts = [u for u in self.units if u.trainable]
-        if self._reduce_order is not None:  # the agreed reduce order names units: rebuild it over the new ones
-            self._reduce_order = reduce_order(self)
+        # the agreed reduce order names units: rebuild it over the new ones
+        self.reduce_order.rebuild(self.trace.order, self._units_for, self.parts)
         if self._bucket_numel() > self.pool.largest:
             self.pool = BufferPool(self.pool.device, self._bucket_numel())
         trainable = [u for u in new if u.trainable]
@@ -221,7 +221,7 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         mod = self._module_of[unit]
         self._gather(unit)
         values = {p: p.detach().clone() for p in unit.params}
-        self._guard(unit)
+        self.generation.guard(unit)
         unit.release(force=True)
         self._note_live(-unit.numel)
         self.units.remove(unit)
@@ -308,18 +308,11 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
     def _to(self, phase: Phase) -> None:
         self.phase = checked(self.phase, phase)
 
-    @property
-    def _in_backward(self) -> bool:
-        return self.phase is Phase.BACKWARD
-
-    @_in_backward.setter
-    def _in_backward(self, inside: bool) -> None:
-        """Enter (join's shadow pass) or leave a backward."""
-        if inside and self.phase is not Phase.BACKWARD:
+    def _begin_backward_phase(self) -> None:
+        """A backward starts (a module's backward, a gradient, or a joined-rank step): it returns to this phase."""
+        if self.phase is not Phase.BACKWARD:
             self._resume_phase = self.phase
             self._to(Phase.BACKWARD)
-        elif not inside and self.phase is Phase.BACKWARD:
-            self._to(self._resume_phase)
 
     def _root_pre_forward(self, module, args) -> None:
         self._root_depth += 1
@@ -333,11 +326,11 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
 
     def _root_post_forward(self, module, args, output) -> None:
         self._root_depth -= 1
-        if self.phase is not Phase.BACKWARD and not torch.is_grad_enabled() and self._keep_budget is None:
+        if self.phase is not Phase.BACKWARD and not torch.is_grad_enabled() and self.generation.budget is None:
             self.release_all()  # no backward follows: nothing needs to stay gathered
 
     def _pre_forward(self, mod, _hook_module, args, kwargs):
-        if self._keep_all and not torch.is_grad_enabled():
+        if self.generation.keep_all and not torch.is_grad_enabled():
             return args, kwargs  # generation with the whole model gathered: nothing to gather, count or trace
         units = self._units_for(mod)
         if self.phase is Phase.BACKWARD:
@@ -349,49 +342,36 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         position = self.trace.visit(mod)
         try:
             for skipped in self.trace.take_skipped():
-                skipped_forward(self, skipped)  # modules this rank skipped: their gathers, as the others issue them
+                self._gather_skipped_forward(skipped)  # modules this rank skipped: [Note: skipped modules]
             self._fetch(units, position, backward=False)
         except RuntimeError as error:
             if "collective mismatch" not in str(error):
                 raise
-            raise type(error)(f"{error} {self._leaf_hint(mod)}") from error
+            raise type(error)(f"{error} {leaf_hint(self.module, mod)}") from error
         self._note_group_gathered(mod)
-        self._touched.update(units)
-        self._positions[mod].append(position)
+        self.backward.touched.update(units)
+        use = self.use
+        use.positions[mod].append(position)
+        active = use.active
         for unit in units:
-            self._active[unit] += 1
+            active[unit] += 1
         if torch.is_grad_enabled():
             if after_input_grads(functools.partial(self._post_backward, mod, position), (args, kwargs)) and mod in self._blocks:
-                self._open_blocks[mod] += 1
+                self.backward.open_blocks[mod] += 1
         return args, kwargs
 
-    def _leaf_hint(self, mod: nn.Module) -> str:
-        """Ranks ran different modules: name the enclosing modules one of which should be declared a leaf."""
-        names = {m: n for n, m in self.module.named_modules()}
-        name = names.get(mod, "")
-        parts = name.split(".") if name else []
-        candidates = []
-        for depth in range(len(parts) - 1, -1, -1):
-            ancestor = self.module.get_submodule(".".join(parts[:depth]))
-            if not isinstance(ancestor, (nn.ModuleList, nn.ModuleDict)):
-                candidates.append(f"'{'.'.join(parts[:depth]) or '<root>'}' ({type(ancestor).__name__})")
-        return ("If ranks run different submodules here on purpose (a mixture-of-experts block that skips experts "
-                "without tokens), declare the module that chooses them a leaf before setup, so its subtree is "
-                f"gathered as one unit: one of {', '.join(candidates[:3]) or 'its parent modules'}, with "
-                "zero_core.set_z3_leaf_modules(model, [ItsClass]) or zero_optimization.leaf_module "
-                "{'names': [...]} (docs/stage3.md, leaf modules).")
-
     def _post_forward(self, mod, _hook_module, args, output):
-        if self._keep_all and not torch.is_grad_enabled():
+        if self.generation.keep_all and not torch.is_grad_enabled():
             return output  # generation with the whole model gathered (see _pre_forward)
         if self.phase is Phase.BACKWARD:
             return output  # recomputation under activation checkpointing: backward releases these
         units = self._units_for(mod)
-        active = self._active
+        use = self.use
+        active = use.active
         for unit in units:
             if active[unit] > 0:  # an optimizer step inside this forward (manual optimization) reset the counts
                 active[unit] -= 1
-        positions = self._positions[mod]
+        positions = use.positions[mod]
         position = positions.pop() if positions else None
         returned = () if type(output) is torch.Tensor else self._returned_units(output)  # a plain tensor: none
         grad_enabled = torch.is_grad_enabled()
@@ -401,12 +381,12 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         is_root, is_tile = mod is self.module, mod in self._tiles
         for unit in units:
             if unit in returned or (grad_enabled and wrapped == 0 and unit.active_count()):
-                self._held.add(unit)  # still needed outside this module: keep until the step's backward ends
-            elif active[unit] > 0 or (is_root and self._root_keeps(grad_enabled, unit)):
+                use.held.add(unit)  # still needed outside this module: keep until the step's backward ends
+            elif active[unit] > 0 or (is_root and self.prefetch.root_keeps(grad_enabled, unit, self.live_elements)):
                 continue  # used by an enclosing forward still open; or the root's, whose backward comes next
-            elif self._keep_budget is not None and self.kept_for_generation(unit):
+            elif self.generation.budget is not None and self.generation.keeps(unit, self.live_elements):
                 continue  # generation: the next decoding step runs the same modules
-            elif is_tile or not self._reused_soon(position, unit, grad_enabled):
+            elif is_tile or not self.prefetch.reused_soon(position, unit, self.live_elements, grad_enabled):
                 self._release(unit)
         return output
 
@@ -431,27 +411,120 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
             # The root's backward comes first (its output is the loss), not last as its trace position says:
             # prefetch from the end of the trace, and leave the cursor for the modules that follow.
             return len(order)
-        while self._bwd_cursor >= 0 and order[self._bwd_cursor] is not mod:
-            if self._bwd_cursor in self._skipped_positions:
-                skipped_backward(self, self._bwd_cursor)
-            self._bwd_cursor -= 1
-        if self._bwd_cursor < 0:
+        state = self.backward
+        while state.cursor >= 0 and order[state.cursor] is not mod:
+            if state.cursor in state.skipped_positions:
+                self._gather_skipped_backward(state.cursor)
+            state.cursor -= 1
+        if state.cursor < 0:
             return None
-        self._bwd_cursor -= 1
-        return self._bwd_cursor + 1
+        state.cursor -= 1
+        return state.cursor + 1
 
     def _post_backward(self, mod, position: Optional[int] = None) -> None:
         is_tile = mod in self._tiles
+        active, held = self.use.active, self.use.held
         for unit in self._units_for(mod):
-            if self._active[unit] == 0 and unit not in self._held and (
-                    is_tile or not self._reused_soon(position, unit, in_backward=True)):
+            if active[unit] == 0 and unit not in held and (
+                    is_tile or not self.prefetch.reused_soon(position, unit, self.live_elements, in_backward=True)):
                 self._release(unit)
-        if mod in self._blocks and self._open_blocks[mod] > 0:
-            self._open_blocks[mod] -= 1
-            if self._open_blocks[mod] == 0:
+        open_blocks = self.backward.open_blocks
+        if mod in self._blocks and open_blocks[mod] > 0:
+            open_blocks[mod] -= 1
+            if open_blocks[mod] == 0:
                 self._block_backward_done(mod)
 
+    # -- modules this rank skipped, and a joined rank's step ([Note: skipped modules], divergence.py) ----------
+    def _gather_skipped_forward(self, position: int) -> None:
+        """What another rank's hooks do for the module at ``position`` of the trace: gather its units, prefetch
+        from there, then release what is not reused soon."""
+        module = self.trace.order[position]
+        self.backward.skipped_positions.add(position)
+        units = self._units_for(module)
+        self._fetch(units, position, backward=False)
+        active, held = self.use.active, self.use.held
+        for unit in units:
+            if active[unit] > 0 or unit in held or self.prefetch.reused_soon(position, unit, self.live_elements):
+                continue
+            # a generation session keeps it as on the ranks that ran the module
+            if self.generation.budget is None or not self.generation.keeps(unit, self.live_elements):
+                self._release(unit)
+
+    def _gather_skipped_backward(self, position: int) -> None:
+        """The backward of a module this rank skipped: gather its units and prefetch as the others do, release;
+        its units' reduce-scatter (zeros) goes once the reduce order reaches them."""
+        units = self._units_for(self.trace.order[position])
+        self._fetch(units, position, backward=True)
+        active, held = self.use.active, self.use.held
+        for unit in units:
+            if active[unit] == 0 and unit not in held:
+                self._release(unit)
+        self.backward.skipped_units.update(units)
+        if self.reduce_order.units is not None:
+            self.reduce_order.launch_ready(self.backward, self._reduce)
+
+    def joined_pass(self) -> None:
+        """``engine.join()``: this rank ran out of batches. Issue the forward and backward collectives the ranks
+        with data issue this step, as a rank that skipped every module of the agreed trace would, contributing
+        zero gradients ([Note: skipped modules])."""
+        if self.trace.state.value != "valid":
+            raise RuntimeError(
+                "engine.join(): this rank ran out of batches before stage 3 agreed on its execution trace (the "
+                "first step); every rank needs at least one full step before it can join the others' steps"
+            )
+        self._root_pre_forward(self.module, ())
+        order = self.trace.order
+        # A hooked root (its own units, or the root group: root_group.py) is at position 0 and open through the
+        # forward; after it, its units stay for the backward or go as its post-forward decides; its backward
+        # comes first (a prefetch from the end of the trace), before the modules' in reverse order.
+        root = self._units_for(self.module) if order and order[0] is self.module else []
+        active = self.use.active
+        for unit in root:
+            active[unit] += 1
+        for position in range(len(order)):
+            self._gather_skipped_forward(position)
+        self.trace.position = len(order)
+        for unit in root:
+            active[unit] -= 1
+            if not (self.prefetch.root_keeps(True, unit, self.live_elements)
+                    or self.prefetch.reused_soon(0, unit, self.live_elements, True)):
+                self._release(unit)
+        self._begin_backward_phase()
+        if root:
+            self._fetch(root, len(order), backward=True)
+            self.backward.skipped_units.update(root)
+        for position in reversed(range(1 if root else 0, len(order))):
+            self._gather_skipped_backward(position)
+        self.reduce_order.launch_ready(self.backward, self._reduce)
+        state = self.backward
+        for unit in self.reduce_order.remaining(state):
+            if unit not in state.reduced and unit.active_count():
+                self._reduce(unit)  # units no trace position holds: reduced last, as at the end of a backward
+        self._flush_bucket()  # the last, partly filled reduction bucket, as _finish_backward sends it
+        self._complete_inflight()
+        self.use.active.clear()
+        self.release_all()
+        self._end_backward()
+        self.session.unsynced_grads = False
+
     # -- gather / release ---------------------------------------------------------------------------------
+    def _fetch(self, units: list[ParamUnit], position: Optional[int], backward: bool,
+               phase: Optional[str] = None) -> None:
+        """Gather a module's ``units`` and, following the trace from ``position``, the next prefetch batch, in one
+        collective; return once ``units`` are gathered. ``phase`` (default: from ``backward``) is what the gather
+        serves, for ZeRO++'s paths (hpZ serves backward gathers from the in-node copy)."""
+        batch = list(dict.fromkeys(u for u in units if u.state is UnitState.SHARDED))
+        if position is not None and self.trace.following:
+            batch += self.prefetch.next_batch(position, backward, set(batch), self.live_elements,
+                                              self.generation.budget)
+        if self.param_swap is not None:  # offload_param nvme: read these shards, then the trace's next, ahead
+            following = position is not None and self.trace.following
+            self.param_swap.look_ahead(batch, self.trace.order if following else None, position, backward,
+                                       self._units_for)
+        self._start_gather(batch, phase or ("backward" if backward else "forward"))
+        for unit in units:
+            unit.wait()
+
     def _note_live(self, delta: int) -> None:
         self.live_elements += delta
         self.peak_live_elements = max(self.peak_live_elements, self.live_elements)
@@ -469,10 +542,11 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
             gather_together(units, self.comm, phase)
 
     def _release(self, unit: ParamUnit) -> None:
-        if self._keep_all:
+        generation = self.generation
+        if generation.keep_all:
             return  # a generation session holds the whole model until it ends (generation.py)
-        if self._unguarded and not unit.persistent:
-            self._guard(unit)  # released memory: the guard watches its parameters again
+        if generation.unguarded and not unit.persistent:
+            generation.guard(unit)  # released memory: the guard watches its parameters again
         if unit.state is not UnitState.SHARDED and not unit.persistent:
             unit.release()
             self._note_live(-unit.numel)
@@ -481,10 +555,23 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
 
     def release_all(self) -> None:
         """Release every gathered, non-persistent unit (``engine.empty_partition_cache()``)."""
-        self._held.clear()
+        self.use.held.clear()
+        active = self.use.active
         for unit in self.units:
-            if self._active[unit] == 0:
+            if active[unit] == 0:
                 self._release(unit)
+
+    # -- generation sessions (generation_keeping.py) ------------------------------------------------------------
+    def begin_generation(self, budget: int) -> bool:
+        """Until ``end_generation``: no-grad forwards keep units gathered while ``budget`` elements allow; True
+        when the whole model is gathered now, so that forwards issue no collective."""
+        return self.generation.begin(budget, self.units, self.live_elements, self._start_gather)
+
+    def end_generation(self) -> None:
+        """Leave generation: release what it kept (memory back to the training level)."""
+        if self.generation.end():
+            self.release_all()
+            self.generation.guard_all()
 
     # -- parameters read outside their own module's forward ----------------------------------------------------
     def gathers_on_read(self) -> bool:
@@ -500,9 +587,9 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         units = list(dict.fromkeys(self.unit_of[p] for p in params if p in self.unit_of))
         for unit in units:
             self._gather(unit)
-        self._touched.update(units)
+        self.backward.touched.update(units)
         if torch.is_grad_enabled():
-            self._held.update(units)
+            self.use.held.update(units)
 
     # -- the engine's calls --------------------------------------------------------------------------------
     def set_sync(self, sync: bool) -> None:
@@ -519,13 +606,13 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         stale = []
         for unit in parts:
             unit.write_back_masters()
-            if unit.persistent or (self._keep_all and unit.state is not UnitState.SHARDED):
+            if unit.persistent or (self.generation.keep_all and unit.state is not UnitState.SHARDED):
                 unit.state = UnitState.SHARDED  # its full copy is stale: gather the new values
                 stale.append(unit)  # (a generation session that holds the whole model keeps holding it)
         gather_together(stale, self.comm)  # all issued at once (one collective where they coalesce)
         for unit in stale:
             unit.wait()
-        self._active.clear()
+        self.use.active.clear()
         self.release_all()
         if self.phase is Phase.BACKWARD and self._resume_phase is not Phase.IDLE:
             self._resume_phase = Phase.STEPPED  # a step inside a backward: the backward ends in STEPPED
@@ -542,10 +629,10 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
         self.trace.end_step()
         self.comm.check = self.comm.always_check or self.trace.state.value == "recording"
         if self.trace.state.value != "valid":
-            self._reduce_order = None
-        elif self._reduce_order is None or self._order_source is not self.trace.order:
-            self._reduce_order, self._order_source = reduce_order(self), self.trace.order
-        self._bwd_cursor = len(self.trace.order) - 1
+            self.reduce_order.forget()
+        else:
+            self.reduce_order.follow(self.trace.order, self._units_for, self.parts)
+        self.backward.cursor = len(self.trace.order) - 1
 
     def zero_grads(self, parts: list[ParamUnit]) -> None:
         for unit in parts:
@@ -560,13 +647,13 @@ class PartitionedParamsRuntime(Prefetch, GradientReduction, GenerationKeeping):
             self._complete_inflight()
         else:
             self._inflight.drop()
-            self._bucket = None
+            self.backward.bucket = None
         for unit in self.units:
             if not communicate:
                 unit.drop_pending()
             self._release(unit)
-        self._held.clear()
-        self._active.clear()
+        self.use.held.clear()
+        self.use.active.clear()
 
     def replicated_state(self) -> dict[str, torch.Tensor]:
         """Buffers, plus frozen parameters gathered into whole copies (they are partitioned in stage 3)."""

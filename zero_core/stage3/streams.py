@@ -1,9 +1,9 @@
 """Stage 3's CUDA streams: all-gathers on one side stream, reduce-scatters on another, ordered with events.
 
-On CUDA (DESIGN.md, "On an accelerator"; FSDP2 does the same), a coalesced gather's copy-in, all-gather and
-copy-out run on the gather stream, so the next unit's gather, issued ahead by prefetch, overlaps this unit's
-compute; a reduction's scaling, reduce-scatter and accumulation into the gradient shards run on the reduce
-stream. The ordering is two rules, each one call here:
+On CUDA (docs/stage3.md, "On CUDA: side streams"; FSDP2 does the same), a coalesced gather's copy-in,
+all-gather and copy-out run on the gather stream, so the next unit's gather, issued ahead by prefetch, overlaps
+this unit's compute; a reduction's scaling, reduce-scatter and accumulation into the gradient shards run on the
+reduce stream. The ordering is two rules, each one call here:
 
 - ``issue``: a side stream first waits for the work the current (compute) stream has queued so far. Its inputs
   (shards, staged gradients) are then written, and memory the compute stream freed is no longer read by it.
