@@ -123,6 +123,21 @@ class Runtime(Protocol):
 
     def grad_tensors(self) -> list[torch.Tensor]: ...
 
+    # What differs by stage, asked by the engine instead of the stage number.
+    @staticmethod
+    def prepare_module(module: nn.Module, config: "ZeroConfig") -> None:
+        """Before the runtime is built: the module's dtype cast (whole at stages 1-2, buffers only at stage 3)."""
+
+    def averages_whole_grads(self) -> bool:
+        """Whether reducing leaves every rank the averaged whole gradient, as DDP does (then the step leaves
+        the gradients for ``zero_grad``)."""
+
+    def serve_generation(self, owner: Any) -> None:
+        """Route Hugging Face ``generate()`` on the module as this stage needs (stage 3: in sessions)."""
+
+    def take_grad_notes(self, notes: Any) -> bool:
+        """Whether the runtime's own gradient hooks feed ``notes`` (else the engine hooks the parameters)."""
+
 
 @runtime_checkable
 class ParamOwner(Protocol):

@@ -226,6 +226,22 @@ class ReplicatedParamsRuntime:
         """What holds gradient memory now (accounting: released memory counts nothing and stays released)."""
         return [g.grad_storage() for g in self.parts]
 
+    # -- what differs by stage, asked by the engine instead of the stage number (contracts.Runtime) ----------
+    @staticmethod
+    def prepare_module(module: nn.Module, config: ZeroConfig) -> None:
+        """Before the runtime is built: the whole model in the training dtype (every rank keeps it whole)."""
+        from zero_core.optim.mixed_precision import cast_module
+
+        if config.param_dtype != torch.float32:
+            cast_module(module, config.param_dtype)
+
+    def averages_whole_grads(self) -> bool:
+        """Stage 1 with ``reduce_scatter: false`` all-reduces whole gradients, exactly as DDP does."""
+        return self.config.stage == 1 and not self.config.reduce_scatter
+
+    def serve_generation(self, owner) -> None:
+        """Hugging Face ``generate()`` runs as written: every parameter is whole."""
+
 
 def _before_forward(runtime_ref: weakref.ref, module: nn.Module, args) -> None:
     """Stage 2: a ``.grad`` of the last bucket cleared since the step (``model.zero_grad()``) is its slot again

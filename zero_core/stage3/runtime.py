@@ -707,3 +707,30 @@ class PartitionedParamsRuntime(GradientReduction):
     def grad_tensors(self) -> list[torch.Tensor]:
         """What holds gradient memory now (accounting: a released shard counts nothing and stays released)."""
         return [u.grad_storage() for u in self.parts]
+
+    # -- what differs by stage, asked by the engine instead of the stage number (contracts.Runtime) ----------
+    @staticmethod
+    def prepare_module(module: nn.Module, config: ZeroConfig) -> None:
+        """Before the runtime is built: only the buffers in the training dtype (each unit is cast as it is
+        partitioned: a whole-model cast would touch partitioned parameters); the leaf modules marked."""
+        from zero_core.optim.mixed_precision import cast_buffers
+        from zero_core.stage3.leaf_modules import apply_leaf_config
+
+        if config.param_dtype != torch.float32:
+            cast_buffers(module, config.param_dtype)
+        leaves = config.leaf_module
+        apply_leaf_config(module, leaves.classes, leaves.names, leaves.name_suffixes)
+
+    def averages_whole_grads(self) -> bool:
+        """Gradients are reduce-scattered into each rank's shard."""
+        return False
+
+    def serve_generation(self, owner) -> None:
+        """Hugging Face ``generate()`` runs in sessions: kept gathers, ranks run until all are done."""
+        from zero_core.stage3.generation import generate_in_sessions
+
+        generate_in_sessions(self.module, owner)
+
+    def take_grad_notes(self, notes) -> bool:
+        """The engine hooks the parameters itself to learn which got a gradient."""
+        return False
