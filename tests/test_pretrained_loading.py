@@ -28,15 +28,21 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def count_reads(monkeypatch_target=WeightFiles) -> dict:
-    """Elements this rank reads from weight files (WeightFiles.read_into is the one place that reads values)."""
-    counter = {"elements": 0}
-    original = monkeypatch_target.read_into
+    """Elements this rank reads from weight files: WeightFiles.read_into reads values, WeightFiles._view maps
+    them (a copy-on-write view of the file: its pages are read when first touched); nothing else does either."""
+    counter = {"elements": 0, "mapped": 0}
+    read_into, view = monkeypatch_target.read_into, monkeypatch_target._view
 
-    def read_into(self, key, rng, out):
+    def counted_read_into(self, key, rng, out):
         counter["elements"] += rng.size
-        return original(self, key, rng, out)
+        return read_into(self, key, rng, out)
 
-    monkeypatch_target.read_into = read_into
+    def counted_view(self, key, rng):
+        counter["elements"] += rng.size
+        counter["mapped"] += rng.size
+        return view(self, key, rng)
+
+    monkeypatch_target.read_into, monkeypatch_target._view = counted_read_into, counted_view
     return counter
 
 
@@ -66,10 +72,10 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
                               ("untied", {"dtype": torch.float16}, KeepHeadFp32),
                               ("extra_and_missing", {}, AutoModelForCausalLM)]:
         path = Path(tmp) / name
-        reads["elements"] = 0
+        reads["elements"] = reads["mapped"] = 0
         with zero_core.Init(config={"stage": 3}):
             model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
-        read = reads["elements"]
+        read, mapped = reads["elements"], reads["mapped"]
         reference, ref_info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
         ours, theirs = gathered(model), dict(reference.named_parameters())
         assert all(zero_core.is_partitioned(p) for p in model.parameters())
@@ -80,7 +86,7 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
             assert torch.equal(value, theirs[key]) or key in ref_info["missing_keys"], (name, key)
         assert {k: sorted(map(str, v)) for k, v in info.items()} == {k: sorted(map(str, v)) for k, v in ref_info.items()}
         total = sum(p.numel() for p in reference.parameters())
-        results[f"{name}-{cls.__name__}-{kwargs.get('dtype')}"] = {"read": read, "total": total}
+        results[f"{name}-{cls.__name__}-{kwargs.get('dtype')}"] = {"read": read, "mapped": mapped, "total": total}
         if name == "tied":
             assert model.lm_head.weight is model.model.embed_tokens.weight
             # and it trains from there: one stage-3 step gives the reference's loss
@@ -106,6 +112,9 @@ def test_from_pretrained_under_init_reads_only_each_ranks_share_and_loads_exactl
             assert seen["read"] <= seen["total"] / WORLD * 1.15, (case, seen)
     for case in results[0]:
         assert abs(sum(r[case]["read"] for r in results) - results[0][case]["total"]) <= 0.1 * results[0][case]["total"]
+    # shards of the file's dtype and unpadded are views of the file (96 x 32 splits in 3); a cast is read
+    assert results[0]["untied-AutoModelForCausalLM-None"]["mapped"] > 0
+    assert all(r["untied-AutoModelForCausalLM-torch.bfloat16"]["mapped"] == 0 for r in results)
 
 
 def _add_extra_and_drop_one(path: Path) -> None:
@@ -219,6 +228,20 @@ def test_load_pretrained_into_init_meta_engine_and_plain_models(tmp_path):
     for rank, seen in enumerate(results):
         assert seen["init"] <= total / WORLD * 1.3 + 2 and seen["meta"] <= total / WORLD * 1.3 + 2, seen
         assert (seen["rank0"] > 0) == (rank == 0), seen
+
+
+def test_shards_are_private_views_of_the_file_where_nothing_is_converted_or_padded(tmp_path):
+    values = torch.arange(24, dtype=torch.float32)
+    save_file({"w": values}, tmp_path / "model.safetensors")
+    before = (tmp_path / "model.safetensors").read_bytes()
+    with WeightFiles.open(tmp_path) as files:
+        mapped = files.shard("w", Range(8, 16), 8, torch.float32, torch.device("cpu"))
+        padded = files.shard("w", Range(16, 24), 10, torch.float32, torch.device("cpu"))
+        cast = files.shard("w", Range(0, 8), 8, torch.float64, torch.device("cpu"))
+    assert torch.equal(mapped, values[8:16]) and torch.equal(cast, values[:8].double())
+    assert torch.equal(padded, torch.cat([values[16:], torch.zeros(2)]))
+    mapped.mul_(-1)  # copy-on-write: the file keeps its bytes, and the view outlives the closed files
+    assert torch.equal(mapped, -values[8:16]) and (tmp_path / "model.safetensors").read_bytes() == before
 
 
 def test_reads_stage_on_the_host_whatever_the_default_device(tmp_path):

@@ -2,10 +2,13 @@
 
 A Hugging Face model directory (``model.safetensors``, ``model.safetensors.index.json`` with its shards,
 ``pytorch_model.bin`` or its index), one such file, or a list of them (what ``from_pretrained`` resolves).
-Safetensors files are read with ``os.preadv`` straight into the destination, at the byte range of the
-elements asked for (the header, a small JSON, says where each tensor sits), so nothing is mapped or copied twice; torch
-files through ``torch.load(..., weights_only=True, mmap=True)``, so only the pages of the rows used are read and
-no code from the file runs. Only headers are read up front.
+A rank's shard of a safetensors tensor is, where nothing needs converting or padding (a CPU tensor of the file's
+dtype), a copy-on-write view of the file's pages, as ``from_pretrained`` without an engine gives every parameter:
+nothing is copied or allocated while loading, a page becomes resident when first read (from the page cache the
+ranks share) and a write stays private to the process. Otherwise the elements are read with ``os.preadv``
+straight into the destination, at the byte range of the elements asked for (the header, a small JSON, says where
+each tensor sits); torch files through ``torch.load(..., weights_only=True, mmap=True)``, so only the pages of
+the rows used are read and no code from the file runs. Only headers are read up front.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -110,6 +114,7 @@ class WeightFiles:
         self._stack = contextlib.ExitStack()
         self._located: dict[str, _Located] = {}
         self._torch: dict[Path, dict] = {}
+        self._mappings: dict[Path, mmap.mmap] = {}  # each safetensors file mapped once, when a view is first asked
         self.info: dict[str, TensorInfo] = {}
         try:
             for file in files:
@@ -129,9 +134,12 @@ class WeightFiles:
         self.close()
 
     def close(self) -> None:
+        """Close the files. A view :meth:`shard` returned keeps its file's mapping (not the file) open: the mapping
+        goes when its last view does."""
         self._stack.close()
         self._located.clear()
         self._torch.clear()
+        self._mappings.clear()
 
     def _read_header(self, file: Path) -> None:
         if not file.is_file():
@@ -167,6 +175,31 @@ class WeightFiles:
         out = torch.empty(rng.size, dtype=self.info[key].dtype, device="cpu")  # not the default device: a read
         self.read_into(key, rng, out)
         return out
+
+    def shard(self, key: str, rng: Range, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Elements ``rng`` of ``key`` (flattened) as a new 1-d tensor of ``size`` elements, zeros after the first
+        ``rng.size``, of ``dtype`` on ``device``: a rank's shard of a parameter. A copy-on-write view of the file's
+        pages where that needs no conversion or padding (see the module docstring), else read into new memory."""
+        if size == rng.size and self._mappable(key, dtype, device):
+            return self._view(key, rng)
+        out = torch.empty(size, dtype=dtype, device=device)
+        out[rng.size:].zero_()
+        self.read_into(key, rng, out[: rng.size])
+        return out
+
+    def _mappable(self, key: str, dtype: torch.dtype, device: torch.device) -> bool:
+        info = self.info[key]
+        return (info.file not in self._torch and dtype == info.dtype and torch.device(device).type == "cpu"
+                and self._located[key].offset % dtype.itemsize == 0)  # elements aligned in the file, as torch expects
+
+    def _view(self, key: str, rng: Range) -> torch.Tensor:
+        """Elements ``rng`` of safetensors tensor ``key``: a view of the file's private (copy-on-write) mapping."""
+        info, located = self.info[key], self._located[key]
+        mapping = self._mappings.get(info.file)
+        if mapping is None:
+            mapping = self._mappings[info.file] = mmap.mmap(located.fd, 0, access=mmap.ACCESS_COPY)
+        return torch.frombuffer(mapping, dtype=info.dtype, count=rng.size,
+                                offset=located.offset + rng.start * info.dtype.itemsize)
 
     def read_into(self, key: str, rng: Range, out: torch.Tensor) -> None:
         """Elements ``rng`` of ``key`` into ``out`` (1-d, any dtype on any device). From safetensors the bytes go

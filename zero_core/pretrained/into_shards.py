@@ -9,8 +9,10 @@ same :func:`fill` (transformers_hook.py). What each parameter becomes:
 - under an engine (after ``setup``): ``load_full_state_dict``, which fills each rank's master fragments;
 - an ordinary tensor (a buffer, a model not partitioned): read whole and copied in.
 
-So while loading a rank holds its 1/N of the model plus at most one tensor's rows. ``rank0_reads`` instead has
-rank 0 read each tensor and broadcast it (one tensor at a time): for file systems where N readers are slow.
+So while loading a rank holds its 1/N of the model plus at most one tensor's rows (files.py: where it can, a
+rank's shard is a copy-on-write view of the file's pages, so loading copies nothing). ``rank0_reads`` instead
+has rank 0 read every rank's shards, a bucket at a time, and scatter each bucket in one collective (tensors
+kept whole are broadcast): for file systems where N readers are slow.
 Every check (names, shapes) runs before the first value is written: a load that fails changes nothing.
 """
 
@@ -27,10 +29,12 @@ from torch import nn
 from zero_core import registry
 from zero_core.checkpoint.format import CheckpointMismatchError
 from zero_core.checkpoint.full_state import state_dict_entries
+from zero_core.layout import Range
 from zero_core.pretrained.files import SAFETENSORS_INDEX, PathLike, WeightFiles, resolve_weight_files
 from zero_core.stage3.init_context import Init
 
 DDP_PREFIX = "module."
+RANK0_BUCKET_BYTES = 64 << 20  # rank0_reads: what rank 0 reads before one scatter (a larger tensor alone)
 
 
 class LoadResult(NamedTuple):
@@ -158,39 +162,69 @@ def _device() -> torch.device:
 
 def fill(model: nn.Module, targets: list[Target], files: WeightFiles, init: Optional[Init], dtype_of: DtypeOf,
          rank0_reads: bool, after_set: Callable[[torch.Tensor], None] = lambda tensor: None) -> None:
-    """Write every target; each rank of ``init`` walks the same list (rank0_reads broadcasts per tensor).
-    ``after_set`` sees each new tensor (the transformers hook marks it initialised)."""
-    broadcast = init is not None and rank0_reads and init.comm.topology.world_size > 1
-    reader = _Rank0Reader(files, init) if broadcast else files
+    """Write every target; each rank of ``init`` walks the same list (rank0_reads: one scatter per bucket of
+    shards, one broadcast per tensor kept whole). No collective otherwise. ``after_set`` sees each new tensor
+    (the transformers hook marks it initialised)."""
+    rank0 = init is not None and rank0_reads and init.comm.topology.world_size > 1
+    sharded: list[_Shard] = []
     for target in targets:
         tensor = target.tensor
         if target.is_param and registry.pending_partition_of(tensor) is init and init is not None \
                 and not tensor.is_meta:
-            mine, _ = init.shard_range(tensor.numel())
-            reader.read_into(target.file_key, mine, init.shard_of(tensor)[: mine.size])
-            after_set(tensor)
+            sharded.append(_Shard(target, tensor.dtype, init.shard_of(tensor)))  # written in place
         elif target.is_param and tensor.is_meta:
             if init is None:
                 raise RuntimeError(f"parameter '{target.keys[0]}' is on the meta device: load it under "
                                    "zero_core.Init, or pass config= to load_pretrained")
-            dtype = dtype_of(target.keys[0], tensor)
-            mine, size = init.shard_range(tensor.numel())
-            shard = torch.zeros(size, dtype=dtype, device=_device())
-            reader.read_into(target.file_key, mine, shard[: mine.size])
-            new = init.adopt_shard(tensor.shape, shard, tensor.requires_grad, target.keys[0])
-            _set_everywhere(model, target.keys, new)
-            after_set(new)
+            sharded.append(_Shard(target, dtype_of(target.keys[0], tensor), None))
         else:
-            value = reader.read_whole(target.file_key)
-            if tensor.is_meta:
-                new = value.to(dtype=dtype_of(target.keys[0], tensor), device=_device())
-                _set_everywhere(model, target.keys, nn.Parameter(new, tensor.requires_grad) if target.is_param
-                                else new)
-                after_set(new)
+            _fill_whole(model, target, _Rank0Reader(files, init) if rank0 else files, dtype_of, after_set)
+    if rank0:
+        _scatter_from_rank0(sharded, files, init)
+    else:
+        for item in sharded:
+            mine, size = init.shard_range(item.target.tensor.numel())
+            if item.shard is not None:
+                files.read_into(item.target.file_key, mine, item.shard[: mine.size])
             else:
-                with torch.no_grad():
-                    tensor.copy_(value)
-                after_set(tensor)
+                item.shard = files.shard(item.target.file_key, mine, size, item.dtype, _device())
+    for item in sharded:
+        _adopt(model, item, init, after_set)
+
+
+@dataclass
+class _Shard:
+    """A parameter's shard on this rank: ``shard`` is the partition's own (filled in place), or None until read."""
+
+    target: Target
+    dtype: torch.dtype
+    shard: Optional[torch.Tensor]
+    size: int = 0  # the shard's padded size (rank0_reads)
+
+
+def _adopt(model: nn.Module, item: _Shard, init: Init, after_set: Callable[[torch.Tensor], None]) -> None:
+    tensor = item.target.tensor
+    if not tensor.is_meta:  # its partition's own shard was written in place
+        after_set(tensor)
+        return
+    new = init.adopt_shard(tensor.shape, item.shard, tensor.requires_grad, item.target.keys[0])
+    _set_everywhere(model, item.target.keys, new)
+    after_set(new)
+
+
+def _fill_whole(model: nn.Module, target: Target, reader, dtype_of: DtypeOf,
+                after_set: Callable[[torch.Tensor], None]) -> None:
+    """A tensor every rank keeps whole: a buffer, or a parameter that is not partitioned."""
+    tensor = target.tensor
+    value = reader.read_whole(target.file_key)
+    if tensor.is_meta:
+        new = value.to(dtype=dtype_of(target.keys[0], tensor), device=_device())
+        _set_everywhere(model, target.keys, nn.Parameter(new, tensor.requires_grad) if target.is_param else new)
+        after_set(new)
+    else:
+        with torch.no_grad():
+            tensor.copy_(value)
+        after_set(tensor)
 
 
 def _set_everywhere(model: nn.Module, keys: list[str], value: torch.Tensor) -> None:
@@ -200,7 +234,7 @@ def _set_everywhere(model: nn.Module, keys: list[str], value: torch.Tensor) -> N
 
 
 class _Rank0Reader:
-    """Rank 0 reads each tensor whole and broadcasts it; the others only receive. One tensor at a time."""
+    """Rank 0 reads a tensor kept whole and broadcasts it; the others only receive."""
 
     def __init__(self, files: WeightFiles, init: Init):
         self.files, self.comm = files, init.comm
@@ -214,5 +248,55 @@ class _Rank0Reader:
         self.comm.broadcast(value, src=0)
         return value
 
-    def read_into(self, key: str, rng, out: torch.Tensor) -> None:
-        out.copy_(self.read_whole(key).reshape(-1)[rng.as_slice()])
+
+def _scatter_from_rank0(sharded: list[_Shard], files: WeightFiles, init: Init) -> None:
+    """Rank 0 reads the shards of every rank, a bucket of parameters at a time, and scatters each bucket in one
+    collective: a rank receives only its own elements. Two buffers are allocated once and reused (so no freed
+    temporaries fragment the heap between the shards that are kept): on rank 0 the bucket for every rank (the
+    larger of ``RANK0_BUCKET_BYTES`` and the largest parameter), on each rank its own part of it."""
+    world, rank = init.comm.topology.world_size, init.comm.topology.rank
+    for item in sharded:
+        item.size = init.shard_range(item.target.tensor.numel())[1]
+    capacity = max([RANK0_BUCKET_BYTES] + [item.size * world * item.dtype.itemsize for item in sharded])
+    device = _device()
+    send = torch.empty(capacity, dtype=torch.uint8, device=device) if rank == 0 else None
+    receive = torch.empty(capacity // world, dtype=torch.uint8, device=device)
+    for bucket in _buckets(sharded, capacity // world):
+        dtype = bucket[0].dtype
+        width = sum(item.size for item in bucket)  # elements per rank in this bucket
+        parts = None
+        if rank == 0:
+            parts = list(send[: width * world * dtype.itemsize].view(dtype).view(world, width))
+            for r, part in enumerate(parts):
+                offset = 0
+                for item in bucket:
+                    numel = item.target.tensor.numel()
+                    size = item.size
+                    mine = Range(min(r * size, numel), min((r + 1) * size, numel))
+                    files.read_into(item.target.file_key, mine, part[offset: offset + mine.size])
+                    part[offset + mine.size: offset + size].zero_()
+                    offset += size
+        mine = receive[: width * dtype.itemsize].view(dtype)
+        init.comm.scatter(mine, parts, src=0, label="pretrained weights")
+        offset = 0
+        for item in bucket:
+            values = mine[offset: offset + item.size]
+            if item.shard is None:
+                item.shard = values.clone()
+            else:
+                item.shard[: item.size].copy_(values)
+            offset += item.size
+
+
+def _buckets(sharded: list[_Shard], capacity_bytes: int) -> list[list[_Shard]]:
+    """Consecutive shards of one dtype, at most ``capacity_bytes`` per rank (a larger one alone)."""
+    buckets: list[list[_Shard]] = []
+    used = 0
+    for item in sharded:
+        nbytes = item.size * item.dtype.itemsize
+        if not buckets or buckets[-1][0].dtype != item.dtype or used + nbytes > capacity_bytes:
+            buckets.append([])
+            used = 0
+        buckets[-1].append(item)
+        used += nbytes
+    return buckets
