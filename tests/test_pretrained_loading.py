@@ -5,6 +5,7 @@ the ordinary way in the same process: ``from_pretrained`` without the engine for
 tensors for ``zero_core.load_pretrained``.
 """
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import zero_core
 from distributed import run_distributed
 from zero_core.checkpoint.format import CheckpointMismatchError
 from zero_core.layout import Range
+from zero_core.pretrained import private_pages
 from zero_core.pretrained.files import WeightFiles
 
 WORLD = 3
@@ -90,10 +92,15 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
         if name == "tied":
             assert model.lm_head.weight is model.model.embed_tokens.weight
             # and it trains from there: one stage-3 step gives the reference's loss
-            engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), FULLY_PARTITIONED)
             ids = torch.arange(24).view(2, 12) % 96
+            expected_loss = reference(input_ids=ids, labels=ids).loss.item()
+            del reference, theirs  # the reference's parameters map the files
+            engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), FULLY_PARTITIONED)
+            gc.collect()
+            # shards that were views of the files are gone: the engine holds its own copies, the files may change
+            assert not [line for line in open("/proc/self/maps") if str(path) in line]
             loss = model(input_ids=ids, labels=ids).loss
-            assert abs(loss.item() - reference(input_ids=ids, labels=ids).loss.item()) <= 1e-6
+            assert abs(loss.item() - expected_loss) <= 1e-6
             engine.close()
     return results
 
@@ -234,14 +241,19 @@ def test_shards_are_private_views_of_the_file_where_nothing_is_converted_or_padd
     values = torch.arange(24, dtype=torch.float32)
     save_file({"w": values}, tmp_path / "model.safetensors")
     before = (tmp_path / "model.safetensors").read_bytes()
+    live = private_pages.live_mappings()
     with WeightFiles.open(tmp_path) as files:
         mapped = files.shard("w", Range(8, 16), 8, torch.float32, torch.device("cpu"))
         padded = files.shard("w", Range(16, 24), 10, torch.float32, torch.device("cpu"))
         cast = files.shard("w", Range(0, 8), 8, torch.float64, torch.device("cpu"))
     assert torch.equal(mapped, values[8:16]) and torch.equal(cast, values[:8].double())
     assert torch.equal(padded, torch.cat([values[16:], torch.zeros(2)]))
+    assert private_pages.live_mappings() == live + 1  # the one range that needed neither a cast nor padding
     mapped.mul_(-1)  # copy-on-write: the file keeps its bytes, and the view outlives the closed files
     assert torch.equal(mapped, -values[8:16]) and (tmp_path / "model.safetensors").read_bytes() == before
+    del mapped
+    gc.collect()
+    assert private_pages.live_mappings() == live  # unmapped with its last view
 
 
 def test_reads_stage_on_the_host_whatever_the_default_device(tmp_path):

@@ -3,9 +3,9 @@
 A Hugging Face model directory (``model.safetensors``, ``model.safetensors.index.json`` with its shards,
 ``pytorch_model.bin`` or its index), one such file, or a list of them (what ``from_pretrained`` resolves).
 A rank's shard of a safetensors tensor is, where nothing needs converting or padding (a CPU tensor of the file's
-dtype), a copy-on-write view of the file's pages, as ``from_pretrained`` without an engine gives every parameter:
-nothing is copied or allocated while loading, a page becomes resident when first read (from the page cache the
-ranks share) and a write stays private to the process. Otherwise the elements are read with ``os.preadv``
+dtype), a copy-on-write view of the file's pages (private_pages.py), as ``from_pretrained`` without an engine
+gives every parameter: nothing is copied or allocated while loading, a page becomes resident when first read
+(from the page cache the ranks share) and a write stays private to the process. Otherwise the elements are read with ``os.preadv``
 straight into the destination, at the byte range of the elements asked for (the header, a small JSON, says where
 each tensor sits); torch files through ``torch.load(..., weights_only=True, mmap=True)``, so only the pages of
 the rows used are read and no code from the file runs. Only headers are read up front.
@@ -16,14 +16,14 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import mmap
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from zero_core.layout import Range
+from zero_core.pretrained import private_pages
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_INDEX = "pytorch_model.bin.index.json"
@@ -114,7 +114,6 @@ class WeightFiles:
         self._stack = contextlib.ExitStack()
         self._located: dict[str, _Located] = {}
         self._torch: dict[Path, dict] = {}
-        self._mappings: dict[Path, mmap.mmap] = {}  # each safetensors file mapped once, when a view is first asked
         self.info: dict[str, TensorInfo] = {}
         try:
             for file in files:
@@ -134,12 +133,10 @@ class WeightFiles:
         self.close()
 
     def close(self) -> None:
-        """Close the files. A view :meth:`shard` returned keeps its file's mapping (not the file) open: the mapping
-        goes when its last view does."""
+        """Close the files (a view :meth:`shard` returned stays valid: a mapping needs no open file)."""
         self._stack.close()
         self._located.clear()
         self._torch.clear()
-        self._mappings.clear()
 
     def _read_header(self, file: Path) -> None:
         if not file.is_file():
@@ -181,7 +178,9 @@ class WeightFiles:
         ``rng.size``, of ``dtype`` on ``device``: a rank's shard of a parameter. A copy-on-write view of the file's
         pages where that needs no conversion or padding (see the module docstring), else read into new memory."""
         if size == rng.size and self._mappable(key, dtype, device):
-            return self._view(key, rng)
+            mapped = self._view(key, rng)
+            if mapped is not None:
+                return mapped
         out = torch.empty(size, dtype=dtype, device=device)
         out[rng.size:].zero_()
         self.read_into(key, rng, out[: rng.size])
@@ -192,14 +191,11 @@ class WeightFiles:
         return (info.file not in self._torch and dtype == info.dtype and torch.device(device).type == "cpu"
                 and self._located[key].offset % dtype.itemsize == 0)  # elements aligned in the file, as torch expects
 
-    def _view(self, key: str, rng: Range) -> torch.Tensor:
-        """Elements ``rng`` of safetensors tensor ``key``: a view of the file's private (copy-on-write) mapping."""
+    def _view(self, key: str, rng: Range) -> Optional[torch.Tensor]:
+        """Elements ``rng`` of safetensors tensor ``key``: a view of a private (copy-on-write) mapping of their
+        pages; None if none can be made."""
         info, located = self.info[key], self._located[key]
-        mapping = self._mappings.get(info.file)
-        if mapping is None:
-            mapping = self._mappings[info.file] = mmap.mmap(located.fd, 0, access=mmap.ACCESS_COPY)
-        return torch.frombuffer(mapping, dtype=info.dtype, count=rng.size,
-                                offset=located.offset + rng.start * info.dtype.itemsize)
+        return private_pages.view(located.fd, located.offset + rng.start * info.dtype.itemsize, rng.size, info.dtype)
 
     def read_into(self, key: str, rng: Range, out: torch.Tensor) -> None:
         """Elements ``rng`` of ``key`` into ``out`` (1-d, any dtype on any device). From safetensors the bytes go
