@@ -17,7 +17,7 @@ import zero_core
 from distributed import run_distributed
 from zero_core.checkpoint.format import CheckpointMismatchError
 from zero_core.layout import Range
-from zero_core.pretrained import private_pages
+from zero_core.pretrained import private_pages, rank0_reads
 from zero_core.pretrained.files import WeightFiles
 
 WORLD = 3
@@ -69,13 +69,15 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
 
     results = {}
     reads = count_reads()
-    for name, kwargs, cls in [("untied", {}, AutoModelForCausalLM), ("tied", {}, AutoModelForCausalLM),
-                              ("untied", {"dtype": torch.bfloat16}, AutoModelForCausalLM),
-                              ("untied", {"dtype": torch.float16}, KeepHeadFp32),
-                              ("extra_and_missing", {}, AutoModelForCausalLM)]:
+    for name, kwargs, cls, rank0 in [("untied", {}, AutoModelForCausalLM, False),
+                                     ("tied", {}, AutoModelForCausalLM, False),
+                                     ("untied", {"dtype": torch.bfloat16}, AutoModelForCausalLM, False),
+                                     ("untied", {"dtype": torch.float16}, KeepHeadFp32, False),
+                                     ("extra_and_missing", {}, AutoModelForCausalLM, False),
+                                     ("untied", {"dtype": torch.bfloat16}, AutoModelForCausalLM, True)]:
         path = Path(tmp) / name
         reads["elements"] = reads["mapped"] = 0
-        with zero_core.Init(config={"stage": 3}):
+        with zero_core.Init(config={"stage": 3}, rank0_reads=rank0):
             model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
         read, mapped = reads["elements"], reads["mapped"]
         reference, ref_info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
@@ -88,7 +90,8 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
             assert torch.equal(value, theirs[key]) or key in ref_info["missing_keys"], (name, key)
         assert {k: sorted(map(str, v)) for k, v in info.items()} == {k: sorted(map(str, v)) for k, v in ref_info.items()}
         total = sum(p.numel() for p in reference.parameters())
-        results[f"{name}-{cls.__name__}-{kwargs.get('dtype')}"] = {"read": read, "mapped": mapped, "total": total}
+        case = f"{name}-{cls.__name__}-{kwargs.get('dtype')}" + ("-rank0_reads" if rank0 else "")
+        results[case] = {"read": read, "mapped": mapped, "total": total}
         if name == "tied":
             assert model.lm_head.weight is model.model.embed_tokens.weight
             # and it trains from there: one stage-3 step gives the reference's loss
@@ -113,12 +116,16 @@ def test_from_pretrained_under_init_reads_only_each_ranks_share_and_loads_exactl
     save_tiny_llama(tmp_path / "extra_and_missing", tied=False)
     _add_extra_and_drop_one(tmp_path / "extra_and_missing")
     results = run_distributed(_hf_models, WORLD, str(tmp_path), timeout=240)
-    for rank_results in results:
+    for rank, rank_results in enumerate(results):
         for case, seen in rank_results.items():
-            # each rank's share, plus at most a row of each tensor on either side of it
-            assert seen["read"] <= seen["total"] / WORLD * 1.15, (case, seen)
+            if case.endswith("rank0_reads"):  # rank 0 reads everything (buffers too), the others nothing
+                assert (seen["read"] >= seen["total"]) if rank == 0 else seen["read"] == 0, (case, seen)
+            else:  # each rank's share, plus at most a row of each tensor on either side of it
+                assert seen["read"] <= seen["total"] / WORLD * 1.15, (case, seen)
     for case in results[0]:
-        assert abs(sum(r[case]["read"] for r in results) - results[0][case]["total"]) <= 0.1 * results[0][case]["total"]
+        if not case.endswith("rank0_reads"):
+            total = results[0][case]["total"]
+            assert abs(sum(r[case]["read"] for r in results) - total) <= 0.1 * total
     # shards of the file's dtype and unpadded are views of the file (96 x 32 splits in 3); a cast is read
     assert results[0]["untied-AutoModelForCausalLM-None"]["mapped"] > 0
     assert all(r["untied-AutoModelForCausalLM-torch.bfloat16"]["mapped"] == 0 for r in results)
@@ -166,13 +173,21 @@ def _load_pretrained_cases(rank: int, world: int, tmp: str) -> dict:
     assert all(zero_core.is_partitioned(p) for p in meta.parameters()) and meta.head.weight is meta.emb.weight
     _equal(gathered(meta), expected)
 
-    # rank 0 reads, the others only receive
+    # rank 0 reads, the others only receive: every shard in one scatter, then through a bucket of 7 elements
+    # per rank (shards cut in pieces, pieces of several parameters in one scatter)
     reads["elements"] = 0
-    with zero_core.Init(config={"stage": 3}, rank0_reads=True):
-        model0 = Net()
-    zero_core.load_pretrained(model0, tmp / "net")
+    for bucket_bytes in (rank0_reads.RANK0_BUCKET_BYTES, 7 * 4 * world):
+        with zero_core.Init(config={"stage": 3}, rank0_reads=True) as init:
+            model0 = Net()
+        scatters = init.comm.stats().get("scatter", {}).get("calls", 0)
+        default, rank0_reads.RANK0_BUCKET_BYTES = rank0_reads.RANK0_BUCKET_BYTES, bucket_bytes
+        try:
+            zero_core.load_pretrained(model0, tmp / "net")
+        finally:
+            rank0_reads.RANK0_BUCKET_BYTES = default
+        _equal(gathered(model0), expected)
+        out.setdefault("scatters", []).append(init.comm.stats()["scatter"]["calls"] - scatters)
     out["rank0"] = reads["elements"]
-    _equal(gathered(model0), expected)
 
     # plain load_state_dict into a model built under Init
     with zero_core.Init(config={"stage": 3}):
@@ -235,6 +250,8 @@ def test_load_pretrained_into_init_meta_engine_and_plain_models(tmp_path):
     for rank, seen in enumerate(results):
         assert seen["init"] <= total / WORLD * 1.3 + 2 and seen["meta"] <= total / WORLD * 1.3 + 2, seen
         assert (seen["rank0"] > 0) == (rank == 0), seen
+        shard_elements = sum(-(-v.numel() // WORLD) for k, v in state.items() if k != "scale")
+        assert seen["scatters"] == [1, -(-shard_elements // 7)], seen
 
 
 def test_shards_are_private_views_of_the_file_where_nothing_is_converted_or_padded(tmp_path):

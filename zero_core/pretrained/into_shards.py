@@ -11,8 +11,8 @@ same :func:`fill` (transformers_hook.py). What each parameter becomes:
 
 So while loading a rank holds its 1/N of the model plus at most one tensor's rows (files.py: where it can, a
 rank's shard is a copy-on-write view of the file's pages, so loading copies nothing). ``rank0_reads`` instead
-has rank 0 read every rank's shards, a bucket at a time, and scatter each bucket in one collective (tensors
-kept whole are broadcast): for file systems where N readers are slow.
+has rank 0 read every rank's shards and scatter them, a bucket at a time (rank0_reads.py): for file systems
+where N readers are slow.
 Every check (names, shapes) runs before the first value is written: a load that fails changes nothing.
 """
 
@@ -29,12 +29,11 @@ from torch import nn
 from zero_core import registry
 from zero_core.checkpoint.format import CheckpointMismatchError
 from zero_core.checkpoint.full_state import state_dict_entries
-from zero_core.layout import Range
 from zero_core.pretrained.files import SAFETENSORS_INDEX, PathLike, WeightFiles, resolve_weight_files
+from zero_core.pretrained.rank0_reads import Rank0Reader, ShardToFill, scatter_shards
 from zero_core.stage3.init_context import Init
 
 DDP_PREFIX = "module."
-RANK0_BUCKET_BYTES = 64 << 20  # rank0_reads: what rank 0 reads before one scatter (a larger tensor alone)
 
 
 class LoadResult(NamedTuple):
@@ -162,53 +161,49 @@ def _device() -> torch.device:
 
 def fill(model: nn.Module, targets: list[Target], files: WeightFiles, init: Optional[Init], dtype_of: DtypeOf,
          rank0_reads: bool, after_set: Callable[[torch.Tensor], None] = lambda tensor: None) -> None:
-    """Write every target; each rank of ``init`` walks the same list (rank0_reads: one scatter per bucket of
-    shards, one broadcast per tensor kept whole). No collective otherwise. ``after_set`` sees each new tensor
-    (the transformers hook marks it initialised)."""
+    """Write every target; each rank of ``init`` walks the same list. No collective, unless ``rank0_reads``
+    (rank0_reads.py: a scatter per bucket of shards, a broadcast per tensor kept whole). ``after_set`` sees each
+    new tensor (the transformers hook marks it initialised)."""
     rank0 = init is not None and rank0_reads and init.comm.topology.world_size > 1
-    sharded: list[_Shard] = []
+    sharded: list[tuple[Target, ShardToFill]] = []
     for target in targets:
         tensor = target.tensor
         if target.is_param and registry.pending_partition_of(tensor) is init and init is not None \
                 and not tensor.is_meta:
-            sharded.append(_Shard(target, tensor.dtype, init.shard_of(tensor)))  # written in place
+            size = init.shard_range(tensor.numel())[1]
+            sharded.append((target, ShardToFill(target.file_key, tensor.numel(), size, tensor.dtype,
+                                                init.shard_of(tensor))))  # written in place
         elif target.is_param and tensor.is_meta:
             if init is None:
                 raise RuntimeError(f"parameter '{target.keys[0]}' is on the meta device: load it under "
                                    "zero_core.Init, or pass config= to load_pretrained")
-            sharded.append(_Shard(target, dtype_of(target.keys[0], tensor), None))
+            size = init.shard_range(tensor.numel())[1]
+            sharded.append((target, ShardToFill(target.file_key, tensor.numel(), size,
+                                                dtype_of(target.keys[0], tensor))))
         else:
-            _fill_whole(model, target, _Rank0Reader(files, init) if rank0 else files, dtype_of, after_set)
+            _fill_whole(model, target, Rank0Reader(files, init.comm, _device()) if rank0 else files, dtype_of,
+                        after_set)
     if rank0:
-        _scatter_from_rank0(sharded, files, init)
+        scatter_shards([item for _, item in sharded], files, init.comm, _device())
     else:
-        for item in sharded:
-            mine, size = init.shard_range(item.target.tensor.numel())
+        for _, item in sharded:
+            mine = init.shard_range(item.numel)[0]
             if item.shard is not None:
-                files.read_into(item.target.file_key, mine, item.shard[: mine.size])
-            else:
-                item.shard = files.shard(item.target.file_key, mine, size, item.dtype, _device())
-    for item in sharded:
-        _adopt(model, item, init, after_set)
+                files.read_into(item.file_key, mine, item.shard[: mine.size])
+            else:  # where it can, a view of the file's pages (files.py)
+                item.shard = files.shard(item.file_key, mine, item.size, item.dtype, _device())
+    for target, item in sharded:
+        _adopt(model, target, item.shard, init, after_set)
 
 
-@dataclass
-class _Shard:
-    """A parameter's shard on this rank: ``shard`` is the partition's own (filled in place), or None until read."""
-
-    target: Target
-    dtype: torch.dtype
-    shard: Optional[torch.Tensor]
-    size: int = 0  # the shard's padded size (rank0_reads)
-
-
-def _adopt(model: nn.Module, item: _Shard, init: Init, after_set: Callable[[torch.Tensor], None]) -> None:
-    tensor = item.target.tensor
+def _adopt(model: nn.Module, target: Target, shard: torch.Tensor, init: Init,
+           after_set: Callable[[torch.Tensor], None]) -> None:
+    tensor = target.tensor
     if not tensor.is_meta:  # its partition's own shard was written in place
         after_set(tensor)
         return
-    new = init.adopt_shard(tensor.shape, item.shard, tensor.requires_grad, item.target.keys[0])
-    _set_everywhere(model, item.target.keys, new)
+    new = init.adopt_shard(tensor.shape, shard, tensor.requires_grad, target.keys[0])
+    _set_everywhere(model, target.keys, new)
     after_set(new)
 
 
@@ -231,72 +226,3 @@ def _set_everywhere(model: nn.Module, keys: list[str], value: torch.Tensor) -> N
     for key in keys:
         module_name, _, attr = key.rpartition(".")
         setattr(model.get_submodule(module_name), attr, value)
-
-
-class _Rank0Reader:
-    """Rank 0 reads a tensor kept whole and broadcasts it; the others only receive."""
-
-    def __init__(self, files: WeightFiles, init: Init):
-        self.files, self.comm = files, init.comm
-        self.rank0 = init.comm.topology.rank == 0
-
-    def read_whole(self, key: str) -> torch.Tensor:
-        info = self.files.info[key]
-        device = _device()  # where the shards live, so NCCL can carry it
-        value = self.files.read_whole(key).to(device) if self.rank0 else \
-            torch.empty(info.shape, dtype=info.dtype, device=device)
-        self.comm.broadcast(value, src=0)
-        return value
-
-
-def _scatter_from_rank0(sharded: list[_Shard], files: WeightFiles, init: Init) -> None:
-    """Rank 0 reads the shards of every rank, a bucket of parameters at a time, and scatters each bucket in one
-    collective: a rank receives only its own elements. Two buffers are allocated once and reused (so no freed
-    temporaries fragment the heap between the shards that are kept): on rank 0 the bucket for every rank (the
-    larger of ``RANK0_BUCKET_BYTES`` and the largest parameter), on each rank its own part of it."""
-    world, rank = init.comm.topology.world_size, init.comm.topology.rank
-    for item in sharded:
-        item.size = init.shard_range(item.target.tensor.numel())[1]
-    capacity = max([RANK0_BUCKET_BYTES] + [item.size * world * item.dtype.itemsize for item in sharded])
-    device = _device()
-    send = torch.empty(capacity, dtype=torch.uint8, device=device) if rank == 0 else None
-    receive = torch.empty(capacity // world, dtype=torch.uint8, device=device)
-    for bucket in _buckets(sharded, capacity // world):
-        dtype = bucket[0].dtype
-        width = sum(item.size for item in bucket)  # elements per rank in this bucket
-        parts = None
-        if rank == 0:
-            parts = list(send[: width * world * dtype.itemsize].view(dtype).view(world, width))
-            for r, part in enumerate(parts):
-                offset = 0
-                for item in bucket:
-                    numel = item.target.tensor.numel()
-                    size = item.size
-                    mine = Range(min(r * size, numel), min((r + 1) * size, numel))
-                    files.read_into(item.target.file_key, mine, part[offset: offset + mine.size])
-                    part[offset + mine.size: offset + size].zero_()
-                    offset += size
-        mine = receive[: width * dtype.itemsize].view(dtype)
-        init.comm.scatter(mine, parts, src=0, label="pretrained weights")
-        offset = 0
-        for item in bucket:
-            values = mine[offset: offset + item.size]
-            if item.shard is None:
-                item.shard = values.clone()
-            else:
-                item.shard[: item.size].copy_(values)
-            offset += item.size
-
-
-def _buckets(sharded: list[_Shard], capacity_bytes: int) -> list[list[_Shard]]:
-    """Consecutive shards of one dtype, at most ``capacity_bytes`` per rank (a larger one alone)."""
-    buckets: list[list[_Shard]] = []
-    used = 0
-    for item in sharded:
-        nbytes = item.size * item.dtype.itemsize
-        if not buckets or buckets[-1][0].dtype != item.dtype or used + nbytes > capacity_bytes:
-            buckets.append([])
-            used = 0
-        buckets[-1].append(item)
-        used += nbytes
-    return buckets
