@@ -15,8 +15,8 @@ freed memory and at most one operation's parameters are whole at a time.
 
 Pretrained weights go straight into the shards: ``zero_core.load_pretrained`` (and ``from_pretrained`` of a
 Hugging Face model while the context is open, zero_core/pretrained/) has each rank read only its own elements of
-each tensor and hands them to :meth:`Init.adopt_shard` or :meth:`Init.fill_shard`, so no rank ever holds a
-whole model.
+each tensor and hands them to :meth:`Init.adopt_shard` or writes them into :meth:`Init.shard_of`, so no rank
+ever holds a whole model.
 """
 
 from __future__ import annotations
