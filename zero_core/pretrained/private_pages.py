@@ -59,7 +59,8 @@ def view(fd: int, offset: int, count: int, dtype: torch.dtype) -> Optional[torch
         return None
     _live += 1
     pages = (ctypes.c_char * length).from_address(address)
-    weakref.finalize(pages, _unmap, address, length)  # when torch lets go of the buffer
+    unmap = weakref.finalize(pages, _unmap, address, length)  # when torch lets go of the buffer
+    unmap.atexit = False  # not at interpreter exit, where a tensor may still view it: the process's end unmaps it
     return torch.frombuffer(pages, dtype=dtype, count=count, offset=offset - start)
 
 
