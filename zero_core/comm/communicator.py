@@ -328,8 +328,8 @@ class Communicator:
         ``inputs`` only on ``src``): pretrained weights read by one rank (pretrained/into_shards.py). Counted as
         the whole it covers, every rank's ``output``."""
         if self.replicated:
-            raise RuntimeError("Communicator.scatter covers one shard group: MiCS replicas (mics_shard_size) would "
-                               "each need their own reader; read the weights on every rank (rank0_reads=False)")
+            raise RuntimeError("Communicator.scatter covers one shard group: MiCS replicas (mics_shard_size) "
+                               "would each need their own reader; read the weights on every rank (rank0_reads=False)")
         group, world = self.topology.group, self.topology.world_size
         call = self._count("scatter", output, label, wire_bytes=output.numel() * output.element_size() * world)
         self._stats["scatter"]["elements"] += output.numel() * (world - 1)

@@ -5,10 +5,10 @@ A Hugging Face model directory (``model.safetensors``, ``model.safetensors.index
 A rank's shard of a safetensors tensor is, where nothing needs converting or padding (a CPU tensor of the file's
 dtype), a copy-on-write view of the file's pages (private_pages.py), as ``from_pretrained`` without an engine
 gives every parameter: nothing is copied or allocated while loading, a page becomes resident when first read
-(from the page cache the ranks share) and a write stays private to the process. Otherwise the elements are read with ``os.preadv``
-straight into the destination, at the byte range of the elements asked for (the header, a small JSON, says where
-each tensor sits); torch files through ``torch.load(..., weights_only=True, mmap=True)``, so only the pages of
-the rows used are read and no code from the file runs. Only headers are read up front.
+(from the page cache the ranks share) and a write stays private to the process. Otherwise the elements are read
+with ``os.preadv`` straight into the destination, at the byte range of the elements asked for (the header, a
+small JSON, says where each tensor sits); torch files through ``torch.load(..., weights_only=True, mmap=True)``,
+so only the pages of the rows used are read and no code from the file runs. Only headers are read up front.
 """
 
 from __future__ import annotations
