@@ -1,6 +1,6 @@
 """Loading a pretrained Hugging Face model at stage 3: peak memory per rank and load time (not a timed test).
 
-    python benchmarks/pretrained_load.py [--layers 10] [--ranks 4 2] [--deepspeed-python PATH]
+    python benchmarks/pretrained_load.py [--layers 10] [--ranks 4 2] [--repeats 3] [--deepspeed-python PATH]
 
 A 119M-parameter Llama (vocabulary 32000, hidden 768, 10 layers, untied head) is saved once with
 ``save_pretrained`` as fp32 safetensors shards (about 456 MiB in 5 files). Then, each in fresh processes:
@@ -8,16 +8,19 @@ A 119M-parameter Llama (vocabulary 32000, hidden 768, 10 layers, untied head) is
 - ``plain, 1 process``: ``from_pretrained`` without any engine. transformers 5 maps the files, so this reads
   nothing yet; ``plain, 1 process, weights read`` also touches every parameter once (the time to beat: the
   weights in memory, as ours are);
-- ``plain, every rank``: the same on N ranks (every rank holds the whole model);
-- ``zero_core.Init``: ``with zero_core.Init(config={"stage": 3}): from_pretrained(...)`` at N ranks (each rank
-  reads its own slices into its shard);
-- ``zero_core.Init rank0_reads``: rank 0 reads, broadcasts one tensor at a time;
+- ``plain, every rank``: the same on N ranks (every rank holds the whole model), also with every weight read;
+- ``zero_core.Init``: ``with zero_core.Init(config={"stage": 3}): from_pretrained(...)`` at N ranks (each rank's
+  shard of an fp32 tensor is a copy-on-write view of its slice of the file, so this reads nothing yet either);
+  ``zero_core.Init, shards read`` also touches every element of the rank's shards once (the time to compare with
+  ``plain, 1 process, weights read``: the rank's weights in memory);
+- ``zero_core.Init rank0_reads``: rank 0 reads every rank's shards and scatters them, a bucket at a time;
 - ``DeepSpeed HfDeepSpeedConfig``: DeepSpeed's own ZeRO-3 path, when ``--deepspeed-python`` names a Python with
   DeepSpeed and transformers installed (DeepSpeed is never a dependency of this project).
 
 transformers' modelling code is imported before the baseline (every mode needs it). Each rank samples its resident memory (RSS: anonymous plus the mapped file pages it touched) and RssAnon every
 5 ms while ``from_pretrained`` runs; the table gives the peak growth over the rank's baseline as a multiple of the
-checkpoint's bytes (max over ranks) and the wall time of the slowest rank's ``from_pretrained``.
+checkpoint's bytes (max over ranks and repeats) and the wall time of the slowest rank's ``from_pretrained`` (with
+``--repeats``, the rows run in turn that many times, each in fresh processes: the median and the range).
 """
 
 from __future__ import annotations
@@ -98,7 +101,7 @@ def worker(mode: str, model_dir: str, out: str) -> None:
     if distributed:
         dist.init_process_group("gloo")
     rank = dist.get_rank() if distributed else 0
-    if mode in ("zero", "zero_rank0"):
+    if mode.startswith("zero"):
         import zero_core  # imported before the baseline, as transformers is
     if mode == "deepspeed":
         import deepspeed  # noqa: F401  (the separate environment's)
@@ -110,9 +113,12 @@ def worker(mode: str, model_dir: str, out: str) -> None:
     base_rss, base_anon = memory()
     start = time.perf_counter()
     with PeakSampler() as peak:
-        if mode in ("zero", "zero_rank0"):
-            with zero_core.Init(config={"stage": 3}, rank0_reads=mode == "zero_rank0"):
+        if mode.startswith("zero"):
+            with zero_core.Init(config={"stage": 3}, rank0_reads=mode == "zero_rank0") as init:
                 model = AutoModelForCausalLM.from_pretrained(model_dir)
+            if mode == "zero_read":  # a shard may be a view of the file: its values are read when first used
+                for param in model.parameters():
+                    init.shard_of(param).sum()
         else:
             model = AutoModelForCausalLM.from_pretrained(model_dir)
             if mode == "plain_read":  # transformers maps the files: the values are read when first used
@@ -155,6 +161,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=10)
     parser.add_argument("--ranks", type=int, nargs="+", default=[4, 2])
+    parser.add_argument("--repeats", type=int, default=1, help="run every row this many times, in turn")
     parser.add_argument("--deepspeed-python", default=None, help="a Python with DeepSpeed and transformers")
     parser.add_argument("--out", default=str(WORKER.parent / "results" / "pretrained_load.md"))
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
@@ -162,35 +169,45 @@ def main() -> None:
     if args.worker:
         worker(*args.worker)
         return
+    configs = [("plain, 1 process", 1, "plain", sys.executable),
+               ("plain, 1 process, weights read", 1, "plain_read", sys.executable)]
+    for ranks in args.ranks:
+        configs += [("zero_core.Init", ranks, "zero", sys.executable),
+                    ("zero_core.Init, shards read", ranks, "zero_read", sys.executable),
+                    ("zero_core.Init rank0_reads", ranks, "zero_rank0", sys.executable),
+                    ("plain, every rank", ranks, "plain", sys.executable),
+                    ("plain, every rank, weights read", ranks, "plain_read", sys.executable)]
+        if args.deepspeed_python:
+            configs.append(("DeepSpeed HfDeepSpeedConfig", ranks, "deepspeed", args.deepspeed_python))
+    runs: dict[int, list[list[dict]]] = {i: [] for i in range(len(configs))}
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = Path(tmp) / "llama"
         params = save_model(model_dir, args.layers)
         size = sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
         files = len(list(model_dir.glob("*.safetensors")))
-        rows = [("plain, 1 process", 1, launch(sys.executable, "plain", 1, model_dir)),
-                ("plain, 1 process, weights read", 1, launch(sys.executable, "plain_read", 1, model_dir))]
-        for ranks in args.ranks:
-            rows.append(("zero_core.Init", ranks, launch(sys.executable, "zero", ranks, model_dir)))
-            rows.append(("zero_core.Init rank0_reads", ranks, launch(sys.executable, "zero_rank0", ranks, model_dir)))
-            rows.append(("plain, every rank", ranks, launch(sys.executable, "plain", ranks, model_dir)))
-            if args.deepspeed_python:
+        for _ in range(args.repeats):  # in turn, so that a busy moment of the machine spreads over every row
+            for index, (name, ranks, mode, python) in enumerate(configs):
                 try:
-                    rows.append(("DeepSpeed HfDeepSpeedConfig", ranks,
-                                 launch(args.deepspeed_python, "deepspeed", ranks, model_dir)))
-                except RuntimeError as error:  # another environment: report it, keep the other rows
+                    runs[index].append(launch(python, mode, ranks, model_dir))
+                except RuntimeError as error:  # DeepSpeed's separate environment: report it, keep the other rows
+                    if mode != "deepspeed":
+                        raise
                     print(error, file=sys.stderr)
-                    rows.append(("DeepSpeed HfDeepSpeedConfig (failed, see stderr)", ranks, []))
     lines = [f"Llama, {params / 1e6:.0f}M parameters, fp32 safetensors in {files} files ({size / MB:.0f} MiB); "
-             "peak growth per rank while from_pretrained runs, as a multiple of the checkpoint (max over ranks)",
-             "", "| how | ranks | RSS growth | RssAnon growth | load time (slowest rank) |", "| --- | --- | --- | --- | --- |"]
-    for name, ranks, results in rows:
+             "peak growth per rank while from_pretrained runs, as a multiple of the checkpoint (max over ranks"
+             + (f" and {args.repeats} repeats" if args.repeats > 1 else "") + ")",
+             "", "| how | ranks | RSS growth | RssAnon growth | load time (slowest rank) |",
+             "| --- | --- | --- | --- | --- |"]
+    for index, (name, ranks, _, _) in enumerate(configs):
+        results = [r for r in runs[index] if r]
         if not results:
-            lines.append(f"| {name} | {ranks} | - | - | - |")
+            lines.append(f"| {name} (failed, see stderr) | {ranks} | - | - | - |")
             continue
-        growth = max(r["growth"] for r in results) / size
-        anon = max(r["growth_anon"] for r in results) / size
-        seconds = max(r["seconds"] for r in results)
-        lines.append(f"| {name} | {ranks} | {growth:.2f}x | {anon:.2f}x | {seconds:.2f} s |")
+        growth = max(r["growth"] for run in results for r in run) / size
+        anon = max(r["growth_anon"] for run in results for r in run) / size
+        seconds = sorted(max(r["seconds"] for r in run) for run in results)
+        spread = f" ({seconds[0]:.2f}-{seconds[-1]:.2f})" if len(seconds) > 1 else ""
+        lines.append(f"| {name} | {ranks} | {growth:.2f}x | {anon:.2f}x | {seconds[len(seconds) // 2]:.2f} s{spread} |")
     text = "\n".join(lines) + "\n"
     print(text)
     Path(args.out).write_text(text)

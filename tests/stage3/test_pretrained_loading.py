@@ -5,6 +5,7 @@ the ordinary way in the same process: ``from_pretrained`` without the engine for
 tensors for ``zero_core.load_pretrained``.
 """
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import zero_core
 from distributed import run_distributed
 from zero_core.checkpoint.format import CheckpointMismatchError
 from zero_core.layout import Range
+from zero_core.pretrained import private_pages, rank0_reads
 from zero_core.pretrained.files import WeightFiles
 
 WORLD = 3
@@ -28,15 +30,21 @@ def gathered(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def count_reads(monkeypatch_target=WeightFiles) -> dict:
-    """Elements this rank reads from weight files (WeightFiles.read_into is the one place that reads values)."""
-    counter = {"elements": 0}
-    original = monkeypatch_target.read_into
+    """Elements this rank reads from weight files: WeightFiles.read_into reads values, WeightFiles._view maps
+    them (a copy-on-write view of the file: its pages are read when first touched); nothing else does either."""
+    counter = {"elements": 0, "mapped": 0}
+    read_into, view = monkeypatch_target.read_into, monkeypatch_target._view
 
-    def read_into(self, key, rng, out):
+    def counted_read_into(self, key, rng, out):
         counter["elements"] += rng.size
-        return original(self, key, rng, out)
+        return read_into(self, key, rng, out)
 
-    monkeypatch_target.read_into = read_into
+    def counted_view(self, key, rng):
+        counter["elements"] += rng.size
+        counter["mapped"] += rng.size
+        return view(self, key, rng)
+
+    monkeypatch_target.read_into, monkeypatch_target._view = counted_read_into, counted_view
     return counter
 
 
@@ -61,15 +69,17 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
 
     results = {}
     reads = count_reads()
-    for name, kwargs, cls in [("untied", {}, AutoModelForCausalLM), ("tied", {}, AutoModelForCausalLM),
-                              ("untied", {"dtype": torch.bfloat16}, AutoModelForCausalLM),
-                              ("untied", {"dtype": torch.float16}, KeepHeadFp32),
-                              ("extra_and_missing", {}, AutoModelForCausalLM)]:
+    for name, kwargs, cls, rank0 in [("untied", {}, AutoModelForCausalLM, False),
+                                     ("tied", {}, AutoModelForCausalLM, False),
+                                     ("untied", {"dtype": torch.bfloat16}, AutoModelForCausalLM, False),
+                                     ("untied", {"dtype": torch.float16}, KeepHeadFp32, False),
+                                     ("extra_and_missing", {}, AutoModelForCausalLM, False),
+                                     ("untied", {"dtype": torch.bfloat16}, AutoModelForCausalLM, True)]:
         path = Path(tmp) / name
-        reads["elements"] = 0
-        with zero_core.Init(config={"stage": 3}):
+        reads["elements"] = reads["mapped"] = 0
+        with zero_core.Init(config={"stage": 3}, rank0_reads=rank0):
             model, info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
-        read = reads["elements"]
+        read, mapped = reads["elements"], reads["mapped"]
         reference, ref_info = cls.from_pretrained(path, output_loading_info=True, **kwargs)
         ours, theirs = gathered(model), dict(reference.named_parameters())
         assert all(zero_core.is_partitioned(p) for p in model.parameters())
@@ -80,14 +90,20 @@ def _hf_models(rank: int, world: int, tmp: str) -> dict:
             assert torch.equal(value, theirs[key]) or key in ref_info["missing_keys"], (name, key)
         assert {k: sorted(map(str, v)) for k, v in info.items()} == {k: sorted(map(str, v)) for k, v in ref_info.items()}
         total = sum(p.numel() for p in reference.parameters())
-        results[f"{name}-{cls.__name__}-{kwargs.get('dtype')}"] = {"read": read, "total": total}
+        case = f"{name}-{cls.__name__}-{kwargs.get('dtype')}" + ("-rank0_reads" if rank0 else "")
+        results[case] = {"read": read, "mapped": mapped, "total": total}
         if name == "tied":
             assert model.lm_head.weight is model.model.embed_tokens.weight
             # and it trains from there: one stage-3 step gives the reference's loss
-            engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), FULLY_PARTITIONED)
             ids = torch.arange(24).view(2, 12) % 96
+            expected_loss = reference(input_ids=ids, labels=ids).loss.item()
+            del reference, theirs  # the reference's parameters map the files
+            engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-3), FULLY_PARTITIONED)
+            gc.collect()
+            # shards that were views of the files are gone: the engine holds its own copies, the files may change
+            assert not [line for line in open("/proc/self/maps") if str(path) in line]
             loss = model(input_ids=ids, labels=ids).loss
-            assert abs(loss.item() - reference(input_ids=ids, labels=ids).loss.item()) <= 1e-6
+            assert abs(loss.item() - expected_loss) <= 1e-6
             engine.close()
     return results
 
@@ -100,12 +116,19 @@ def test_from_pretrained_under_init_reads_only_each_ranks_share_and_loads_exactl
     save_tiny_llama(tmp_path / "extra_and_missing", tied=False)
     _add_extra_and_drop_one(tmp_path / "extra_and_missing")
     results = run_distributed(_hf_models, WORLD, str(tmp_path), timeout=240)
-    for rank_results in results:
+    for rank, rank_results in enumerate(results):
         for case, seen in rank_results.items():
-            # each rank's share, plus at most a row of each tensor on either side of it
-            assert seen["read"] <= seen["total"] / WORLD * 1.15, (case, seen)
+            if case.endswith("rank0_reads"):  # rank 0 reads everything (buffers too), the others nothing
+                assert (seen["read"] >= seen["total"]) if rank == 0 else seen["read"] == 0, (case, seen)
+            else:  # each rank's share, plus at most a row of each tensor on either side of it
+                assert seen["read"] <= seen["total"] / WORLD * 1.15, (case, seen)
     for case in results[0]:
-        assert abs(sum(r[case]["read"] for r in results) - results[0][case]["total"]) <= 0.1 * results[0][case]["total"]
+        if not case.endswith("rank0_reads"):
+            total = results[0][case]["total"]
+            assert abs(sum(r[case]["read"] for r in results) - total) <= 0.1 * total
+    # shards of the file's dtype and unpadded are views of the file (96 x 32 splits in 3); a cast is read
+    assert results[0]["untied-AutoModelForCausalLM-None"]["mapped"] > 0
+    assert all(r["untied-AutoModelForCausalLM-torch.bfloat16"]["mapped"] == 0 for r in results)
 
 
 def _add_extra_and_drop_one(path: Path) -> None:
@@ -150,13 +173,21 @@ def _load_pretrained_cases(rank: int, world: int, tmp: str) -> dict:
     assert all(zero_core.is_partitioned(p) for p in meta.parameters()) and meta.head.weight is meta.emb.weight
     _equal(gathered(meta), expected)
 
-    # rank 0 reads, the others only receive
+    # rank 0 reads, the others only receive: every shard in one scatter, then through a bucket of 7 elements
+    # per rank (shards cut in pieces, pieces of several parameters in one scatter)
     reads["elements"] = 0
-    with zero_core.Init(config={"stage": 3}, rank0_reads=True):
-        model0 = Net()
-    zero_core.load_pretrained(model0, tmp / "net")
+    for bucket_bytes in (rank0_reads.RANK0_BUCKET_BYTES, 7 * 4 * world):
+        with zero_core.Init(config={"stage": 3}, rank0_reads=True) as init:
+            model0 = Net()
+        scatters = init.comm.stats().get("scatter", {}).get("calls", 0)
+        default, rank0_reads.RANK0_BUCKET_BYTES = rank0_reads.RANK0_BUCKET_BYTES, bucket_bytes
+        try:
+            zero_core.load_pretrained(model0, tmp / "net")
+        finally:
+            rank0_reads.RANK0_BUCKET_BYTES = default
+        _equal(gathered(model0), expected)
+        out.setdefault("scatters", []).append(init.comm.stats()["scatter"]["calls"] - scatters)
     out["rank0"] = reads["elements"]
-    _equal(gathered(model0), expected)
 
     # plain load_state_dict into a model built under Init
     with zero_core.Init(config={"stage": 3}):
@@ -219,6 +250,27 @@ def test_load_pretrained_into_init_meta_engine_and_plain_models(tmp_path):
     for rank, seen in enumerate(results):
         assert seen["init"] <= total / WORLD * 1.3 + 2 and seen["meta"] <= total / WORLD * 1.3 + 2, seen
         assert (seen["rank0"] > 0) == (rank == 0), seen
+        shard_elements = sum(-(-v.numel() // WORLD) for k, v in state.items() if k != "scale")
+        assert seen["scatters"] == [1, -(-shard_elements // 7)], seen
+
+
+def test_shards_are_private_views_of_the_file_where_nothing_is_converted_or_padded(tmp_path):
+    values = torch.arange(24, dtype=torch.float32)
+    save_file({"w": values}, tmp_path / "model.safetensors")
+    before = (tmp_path / "model.safetensors").read_bytes()
+    live = private_pages.live_mappings()
+    with WeightFiles.open(tmp_path) as files:
+        mapped = files.shard("w", Range(8, 16), 8, torch.float32, torch.device("cpu"))
+        padded = files.shard("w", Range(16, 24), 10, torch.float32, torch.device("cpu"))
+        cast = files.shard("w", Range(0, 8), 8, torch.float64, torch.device("cpu"))
+    assert torch.equal(mapped, values[8:16]) and torch.equal(cast, values[:8].double())
+    assert torch.equal(padded, torch.cat([values[16:], torch.zeros(2)]))
+    assert private_pages.live_mappings() == live + 1  # the one range that needed neither a cast nor padding
+    mapped.mul_(-1)  # copy-on-write: the file keeps its bytes, and the view outlives the closed files
+    assert torch.equal(mapped, -values[8:16]) and (tmp_path / "model.safetensors").read_bytes() == before
+    del mapped
+    gc.collect()
+    assert private_pages.live_mappings() == live  # unmapped with its last view
 
 
 def test_reads_stage_on_the_host_whatever_the_default_device(tmp_path):

@@ -323,6 +323,21 @@ class Communicator:
         self.paths.broadcast_over_replicas(tensor)
         return comm_paths.DONE if async_op else None
 
+    def scatter(self, output: torch.Tensor, inputs: Optional[list[torch.Tensor]], src: int, label: str = "") -> None:
+        """Shard-group rank ``src`` sends ``inputs[r]`` to rank ``r``'s ``output`` (each of ``output``'s size;
+        ``inputs`` only on ``src``): pretrained weights read by one rank (pretrained/into_shards.py). Counted as
+        the whole it covers, every rank's ``output``."""
+        if self.replicated:
+            raise RuntimeError("Communicator.scatter covers one shard group: MiCS replicas (mics_shard_size) "
+                               "would each need their own reader; read the weights on every rank (rank0_reads=False)")
+        group, world = self.topology.group, self.topology.world_size
+        call = self._count("scatter", output, label, wire_bytes=output.numel() * output.element_size() * world)
+        self._stats["scatter"]["elements"] += output.numel() * (world - 1)
+        if self.topology.rank == src:
+            self.count_link("scatter", group, output.numel() * output.element_size())
+        root = self.topology.global_rank(src)
+        self._issue(call, False, lambda a: dist.scatter(output, inputs, src=root, group=group, async_op=a))
+
     def barrier_world(self) -> None:
         """Every rank of the data-parallel world (MiCS replicas included) reaches this point."""
         flag = torch.zeros(1, device=self.guard_device())

@@ -2,10 +2,13 @@
 
 A Hugging Face model directory (``model.safetensors``, ``model.safetensors.index.json`` with its shards,
 ``pytorch_model.bin`` or its index), one such file, or a list of them (what ``from_pretrained`` resolves).
-Safetensors files are read with ``os.preadv`` straight into the destination, at the byte range of the
-elements asked for (the header, a small JSON, says where each tensor sits), so nothing is mapped or copied twice; torch
-files through ``torch.load(..., weights_only=True, mmap=True)``, so only the pages of the rows used are read and
-no code from the file runs. Only headers are read up front.
+A rank's shard of a safetensors tensor is, where nothing needs converting or padding (a CPU tensor of the file's
+dtype), a copy-on-write view of the file's pages (private_pages.py), as ``from_pretrained`` without an engine
+gives every parameter: nothing is copied or allocated while loading, a page becomes resident when first read
+(from the page cache the ranks share) and a write stays private to the process. Otherwise the elements are read
+with ``os.preadv`` straight into the destination, at the byte range of the elements asked for (the header, a
+small JSON, says where each tensor sits); torch files through ``torch.load(..., weights_only=True, mmap=True)``,
+so only the pages of the rows used are read and no code from the file runs. Only headers are read up front.
 """
 
 from __future__ import annotations
@@ -16,10 +19,11 @@ import math
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from zero_core.layout import Range
+from zero_core.pretrained import private_pages
 
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 TORCH_INDEX = "pytorch_model.bin.index.json"
@@ -129,6 +133,7 @@ class WeightFiles:
         self.close()
 
     def close(self) -> None:
+        """Close the files (a view :meth:`shard` returned stays valid: a mapping needs no open file)."""
         self._stack.close()
         self._located.clear()
         self._torch.clear()
@@ -167,6 +172,30 @@ class WeightFiles:
         out = torch.empty(rng.size, dtype=self.info[key].dtype, device="cpu")  # not the default device: a read
         self.read_into(key, rng, out)
         return out
+
+    def shard(self, key: str, rng: Range, size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Elements ``rng`` of ``key`` (flattened) as a new 1-d tensor of ``size`` elements, zeros after the first
+        ``rng.size``, of ``dtype`` on ``device``: a rank's shard of a parameter. A copy-on-write view of the file's
+        pages where that needs no conversion or padding (see the module docstring), else read into new memory."""
+        if size == rng.size and self._mappable(key, dtype, device):
+            mapped = self._view(key, rng)
+            if mapped is not None:
+                return mapped
+        out = torch.empty(size, dtype=dtype, device=device)
+        out[rng.size:].zero_()
+        self.read_into(key, rng, out[: rng.size])
+        return out
+
+    def _mappable(self, key: str, dtype: torch.dtype, device: torch.device) -> bool:
+        info = self.info[key]
+        return (info.file not in self._torch and dtype == info.dtype and torch.device(device).type == "cpu"
+                and self._located[key].offset % dtype.itemsize == 0)  # elements aligned in the file, as torch expects
+
+    def _view(self, key: str, rng: Range) -> Optional[torch.Tensor]:
+        """Elements ``rng`` of safetensors tensor ``key``: a view of a private (copy-on-write) mapping of their
+        pages; None if none can be made."""
+        info, located = self.info[key], self._located[key]
+        return private_pages.view(located.fd, located.offset + rng.start * info.dtype.itemsize, rng.size, info.dtype)
 
     def read_into(self, key: str, rng: Range, out: torch.Tensor) -> None:
         """Elements ``rng`` of ``key`` into ``out`` (1-d, any dtype on any device). From safetensors the bytes go

@@ -9,8 +9,10 @@ same :func:`fill` (transformers_hook.py). What each parameter becomes:
 - under an engine (after ``setup``): ``load_full_state_dict``, which fills each rank's master fragments;
 - an ordinary tensor (a buffer, a model not partitioned): read whole and copied in.
 
-So while loading a rank holds its 1/N of the model plus at most one tensor's rows. ``rank0_reads`` instead has
-rank 0 read each tensor and broadcast it (one tensor at a time): for file systems where N readers are slow.
+So while loading a rank holds its 1/N of the model plus at most one tensor's rows (files.py: where it can, a
+rank's shard is a copy-on-write view of the file's pages, so loading copies nothing). ``rank0_reads`` instead
+has rank 0 read every rank's shards and scatter them, a bucket at a time (rank0_reads.py): for file systems
+where N readers are slow.
 Every check (names, shapes) runs before the first value is written: a load that fails changes nothing.
 """
 
@@ -28,6 +30,7 @@ from zero_core import registry
 from zero_core.checkpoint.format import CheckpointMismatchError
 from zero_core.checkpoint.full_state import state_dict_entries
 from zero_core.pretrained.files import SAFETENSORS_INDEX, PathLike, WeightFiles, resolve_weight_files
+from zero_core.pretrained.rank0_reads import Rank0Reader, ShardToFill, scatter_shards
 from zero_core.stage3.init_context import Init
 
 DDP_PREFIX = "module."
@@ -158,61 +161,68 @@ def _device() -> torch.device:
 
 def fill(model: nn.Module, targets: list[Target], files: WeightFiles, init: Optional[Init], dtype_of: DtypeOf,
          rank0_reads: bool, after_set: Callable[[torch.Tensor], None] = lambda tensor: None) -> None:
-    """Write every target; each rank of ``init`` walks the same list (rank0_reads broadcasts per tensor).
-    ``after_set`` sees each new tensor (the transformers hook marks it initialised)."""
-    broadcast = init is not None and rank0_reads and init.comm.topology.world_size > 1
-    reader = _Rank0Reader(files, init) if broadcast else files
+    """Write every target; each rank of ``init`` walks the same list. No collective, unless ``rank0_reads``
+    (rank0_reads.py: a scatter per bucket of shards, a broadcast per tensor kept whole). ``after_set`` sees each
+    new tensor (the transformers hook marks it initialised)."""
+    rank0 = init is not None and rank0_reads and init.comm.topology.world_size > 1
+    sharded: list[tuple[Target, ShardToFill]] = []
     for target in targets:
         tensor = target.tensor
         if target.is_param and registry.pending_partition_of(tensor) is init and init is not None \
                 and not tensor.is_meta:
-            mine, _ = init.shard_range(tensor.numel())
-            reader.read_into(target.file_key, mine, init.shard_of(tensor)[: mine.size])
-            after_set(tensor)
+            size = init.shard_range(tensor.numel())[1]
+            sharded.append((target, ShardToFill(target.file_key, tensor.numel(), size, tensor.dtype,
+                                                init.shard_of(tensor))))  # written in place
         elif target.is_param and tensor.is_meta:
             if init is None:
                 raise RuntimeError(f"parameter '{target.keys[0]}' is on the meta device: load it under "
                                    "zero_core.Init, or pass config= to load_pretrained")
-            dtype = dtype_of(target.keys[0], tensor)
-            mine, size = init.shard_range(tensor.numel())
-            shard = torch.zeros(size, dtype=dtype, device=_device())
-            reader.read_into(target.file_key, mine, shard[: mine.size])
-            new = init.adopt_shard(tensor.shape, shard, tensor.requires_grad, target.keys[0])
-            _set_everywhere(model, target.keys, new)
-            after_set(new)
+            size = init.shard_range(tensor.numel())[1]
+            sharded.append((target, ShardToFill(target.file_key, tensor.numel(), size,
+                                                dtype_of(target.keys[0], tensor))))
         else:
-            value = reader.read_whole(target.file_key)
-            if tensor.is_meta:
-                new = value.to(dtype=dtype_of(target.keys[0], tensor), device=_device())
-                _set_everywhere(model, target.keys, nn.Parameter(new, tensor.requires_grad) if target.is_param
-                                else new)
-                after_set(new)
-            else:
-                with torch.no_grad():
-                    tensor.copy_(value)
-                after_set(tensor)
+            _fill_whole(model, target, Rank0Reader(files, init.comm, _device()) if rank0 else files, dtype_of,
+                        after_set)
+    if rank0:
+        scatter_shards([item for _, item in sharded], files, init.comm, _device())
+    else:
+        for _, item in sharded:
+            mine = init.shard_range(item.numel)[0]
+            if item.shard is not None:
+                files.read_into(item.file_key, mine, item.shard[: mine.size])
+            else:  # where it can, a view of the file's pages (files.py)
+                item.shard = files.shard(item.file_key, mine, item.size, item.dtype, _device())
+    for target, item in sharded:
+        _adopt(model, target, item.shard, init, after_set)
+
+
+def _adopt(model: nn.Module, target: Target, shard: torch.Tensor, init: Init,
+           after_set: Callable[[torch.Tensor], None]) -> None:
+    tensor = target.tensor
+    if not tensor.is_meta:  # its partition's own shard was written in place
+        after_set(tensor)
+        return
+    new = init.adopt_shard(tensor.shape, shard, tensor.requires_grad, target.keys[0])
+    _set_everywhere(model, target.keys, new)
+    after_set(new)
+
+
+def _fill_whole(model: nn.Module, target: Target, reader, dtype_of: DtypeOf,
+                after_set: Callable[[torch.Tensor], None]) -> None:
+    """A tensor every rank keeps whole: a buffer, or a parameter that is not partitioned."""
+    tensor = target.tensor
+    value = reader.read_whole(target.file_key)
+    if tensor.is_meta:
+        new = value.to(dtype=dtype_of(target.keys[0], tensor), device=_device())
+        _set_everywhere(model, target.keys, nn.Parameter(new, tensor.requires_grad) if target.is_param else new)
+        after_set(new)
+    else:
+        with torch.no_grad():
+            tensor.copy_(value)
+        after_set(tensor)
 
 
 def _set_everywhere(model: nn.Module, keys: list[str], value: torch.Tensor) -> None:
     for key in keys:
         module_name, _, attr = key.rpartition(".")
         setattr(model.get_submodule(module_name), attr, value)
-
-
-class _Rank0Reader:
-    """Rank 0 reads each tensor whole and broadcasts it; the others only receive. One tensor at a time."""
-
-    def __init__(self, files: WeightFiles, init: Init):
-        self.files, self.comm = files, init.comm
-        self.rank0 = init.comm.topology.rank == 0
-
-    def read_whole(self, key: str) -> torch.Tensor:
-        info = self.files.info[key]
-        device = _device()  # where the shards live, so NCCL can carry it
-        value = self.files.read_whole(key).to(device) if self.rank0 else \
-            torch.empty(info.shape, dtype=info.dtype, device=device)
-        self.comm.broadcast(value, src=0)
-        return value
-
-    def read_into(self, key: str, rng, out: torch.Tensor) -> None:
-        out.copy_(self.read_whole(key).reshape(-1)[rng.as_slice()])

@@ -15,8 +15,8 @@ freed memory and at most one operation's parameters are whole at a time.
 
 Pretrained weights go straight into the shards: ``zero_core.load_pretrained`` (and ``from_pretrained`` of a
 Hugging Face model while the context is open, zero_core/pretrained/) has each rank read only its own elements of
-each tensor and hands them to :meth:`Init.adopt_shard` or :meth:`Init.fill_shard`, so no rank ever holds a
-whole model.
+each tensor and hands them to :meth:`Init.adopt_shard` or writes them into :meth:`Init.shard_of`, so no rank
+ever holds a whole model.
 """
 
 from __future__ import annotations
@@ -143,14 +143,19 @@ class Init:
     def shard_range(self, numel: int) -> tuple[Range, int]:
         """This rank's elements of a parameter of ``numel`` elements, and its shard's padded size."""
         world, rank = self.comm.topology.world_size, self.comm.topology.rank
-        size = compute_layout([numel], world, numel).shard_numel
+        size = self._shard_numel(numel)
         return Range(min(rank * size, numel), min((rank + 1) * size, numel)), size
+
+    def _shard_numel(self, numel: int) -> int:
+        """compute_layout([numel], world, numel).shard_numel (one parameter padded to a multiple of the world
+        size), without building a layout: pretrained loading asks it for every parameter."""
+        return -(-max(numel, 1) // self.comm.topology.world_size)
 
     def adopt_shard(self, shape: torch.Size, shard: torch.Tensor, requires_grad: bool, label: str) -> nn.Parameter:
         """A new partitioned parameter of ``shape`` whose only values on this rank are ``shard`` (padded to the
         shard size); nothing of it was ever whole here."""
         numel = shape.numel()
-        total = compute_layout([numel], self.comm.topology.world_size, numel).total
+        total = self._shard_numel(numel) * self.comm.topology.world_size
         full = torch.empty(total, dtype=shard.dtype, device=shard.device)  # never touched: freed at once
         param = nn.Parameter(full[:numel].view(shape), requires_grad=requires_grad)
         full.untyped_storage().resize_(0)
