@@ -518,7 +518,7 @@ class OptimizerOffload:
 def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
     """Offload ``runtime``'s parameter shards and masters as the config asks (before the optimizers are narrowed
     to the masters)."""
-    offload_param_shards(runtime, runtime.units if config.stage == 3 else [], config, rank)
+    offload_param_shards(runtime, runtime.units, config, rank)
     block = config.offload_optimizer
     if block is None or block.device == "none":
         return None
@@ -528,6 +528,6 @@ def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
 def adopt(runtime, parts: list, config, offload: Optional[OptimizerOffload]) -> None:
     """Parts that became trainable after setup (add_param_group, unfreezing) are offloaded like the others
     (stage 3 rebuilt their units: every unit not offloaded yet is)."""
-    offload_param_shards(runtime, runtime.units if config.stage == 3 else [], config, runtime.comm.topology.rank)
+    offload_param_shards(runtime, runtime.units, config, runtime.comm.topology.rank)
     if offload is not None:
         offload.adopt(parts)
