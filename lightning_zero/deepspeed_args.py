@@ -40,13 +40,13 @@ def apply_deepspeed_args(config: ZeroConfig, given: dict[str, Any], owner: str =
         field = name.removeprefix("stage3_")  # DeepSpeed's stage3_* aliases name the same fields
         _set(config, field, getattr(parsed, field), field in config.explicit_fields(), owner, name,
              f"zero_optimization.{field}")
-        config._explicit = config._explicit | {field}  # as if written in the config
+        config.mark_given(field)
     block, defaults = ZeroConfig(fp16=fp16).fp16, ZeroConfig().fp16  # checked like the config's own values
     for field in fp16:
         # The fp16 block does not record which fields were written; a value away from the default was.
         stated = getattr(config.fp16, field) != getattr(defaults, field)
         _set(config.fp16, field, getattr(block, field), stated, owner, field, f"fp16.{field}")
-        config._explicit = config._explicit | {"fp16"}
+        config.mark_given("fp16")
     config.validate()
     return config
 

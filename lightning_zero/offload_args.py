@@ -44,6 +44,6 @@ def apply_offload_args(config: ZeroConfig, offload_optimizer: OffloadArg, offloa
         block = {**(dataclasses.asdict(existing) if existing is not None else {}), "device": device,
                  **({"nvme_path": nvme_path} if device == "nvme" and nvme_path else {})}
         setattr(config, field, block)
-        config._explicit = config._explicit | {field}  # given, as if written in the config (warnings see it)
+        config.mark_given(field)
     config.validate()
     return config

@@ -10,7 +10,8 @@ tests/core/test_contracts.py checks that each implementation satisfies its proto
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Protocol, runtime_checkable
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 import torch
 from torch import nn
@@ -66,6 +67,7 @@ class Runtime(Protocol):
     config: "ZeroConfig"
     comm: "Communicator"
     parts: list  # the trainable Parts, in optimizer-group order
+    units: Sequence  # the partitioned units, trainable or frozen (stage 3's ParamUnits); none at stages 1-2
     param_swap: Optional[Any]  # offload_param nvme: the swap file of parameter shards (stage 3), else None
 
     def managed_params(self) -> list[nn.Parameter]: ...

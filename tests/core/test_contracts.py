@@ -52,10 +52,12 @@ def _contracts(rank: int, world_size: int, tmp: str) -> dict:
             "is_partitioned": all(zero_core.is_partitioned(p) == (stage == 3) for p in model.parameters()),
             "pending_gone": registry.pending_partition_of(model.weight if stage == 3 else model.mid.weight) is None,
         }
-        if stage == 3:  # the gradient side is written against the runtime: it has everything that side reads
+        if stage == 3:  # the gradient side and the unit setup are written against the runtime: it has all they read
             from zero_core.stage3.gradients import GradientReductionHost
+            from zero_core.stage3.unit_setup import UnitSetupHost
 
             checks["stage3_gradient_host"] = isinstance(engine.runtime, GradientReductionHost)
+            checks["stage3_unit_setup_host"] = isinstance(engine.runtime, UnitSetupHost)
         engine.empty_partition_cache()  # a no-op at stages 1-2: part of the Runtime contract
         try:
             engine.optimizer_indices(_Wrapper(optimizer))

@@ -30,7 +30,7 @@ from zero_core.checkpoint.values import decode_value
 HF_INDEX = "model.safetensors.index.json"
 
 
-def _flat_range_of_rows(piece_reader, shape: list, rng: Range) -> torch.Tensor:
+def flat_range_of_rows(piece_reader, shape: list, rng: Range) -> torch.Tensor:
     """Elements ``rng`` of a flattened N-d tensor, reading only the rows (along dim 0) that hold them."""
     if len(shape) == 0:
         return piece_reader(...).reshape(-1)[rng.as_slice()]
@@ -215,7 +215,7 @@ class FullStateSource:
             return self.tensors[name].reshape(-1)[rng.as_slice()]
         file, shape = self.located[name]
         piece = self.files.slice(file, name)
-        return _flat_range_of_rows(lambda rows: piece[rows], shape, rng)
+        return flat_range_of_rows(lambda rows: piece[rows], shape, rng)
 
     def read_whole(self, name: str) -> torch.Tensor:
         shape = self.shapes()[name] if name not in self.tensors else list(self.tensors[name].shape)

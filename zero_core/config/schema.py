@@ -385,6 +385,11 @@ class ZeroConfig(Block):
         """Names of the fields the user gave (directly, through an alias or a deprecated name)."""
         return tuple(f.name for f in fields(self) if f.name in self._explicit)
 
+    def mark_given(self, *names: str) -> None:
+        """Count the fields (or blocks) ``names`` as given by the user, as if written in the config: a
+        front-end's keyword argument set them (``explicit_fields`` and the "not yet implemented" warning see them)."""
+        self._explicit = self._explicit | set(names)
+
     def unimplemented_fields(self) -> tuple:
         """Explicit fields (and fields of explicit blocks, as 'block.field') set away from their default whose
         status is "not yet implemented"."""

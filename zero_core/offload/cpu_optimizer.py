@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from zero_core.optim.kernels import FUSED_CPU, fused_sgd_would_fail, only_params
-from zero_core.optim.master_shards import _scale, master_tiles, tile_runs
+from zero_core.optim.master_shards import master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
 from zero_core.offload.host_masters import HostMasterShards
@@ -300,7 +300,7 @@ class OptimizerOffload:
                     grads = upcoming
                     if index + 1 < len(tiles):  # the next tile's gradients come in while this one steps
                         upcoming, arriving = self._fetch_grads(tiles[index + 1], pipe)
-                _scale(grads, inv_scale, clip)  # the same arithmetic as step_in_tiles
+                unscale_and_clip(grads, inv_scale, clip)  # the same arithmetic as step_in_tiles
                 for (piece, *_), host in zip(tile, grads):
                     piece.grad = host.view(piece.shape)
                 with only_params(optimizer, [piece for piece, *_ in tile]):
@@ -356,7 +356,7 @@ class OptimizerOffload:
         moving = bool(copies or writes)
         pool = self._writer() if moving and self._copy_thread([entry.part for entry in entries]) else None
         chunks = chunked_adam_step(optimizer, [entry.piece for entry in entries], grads, copies, writes,
-                                   lambda chunk: _scale(chunk, inv_scale, clip), pool,
+                                   lambda chunk: unscale_and_clip(chunk, inv_scale, clip), pool,
                                    self.chunk_numel if moving else offset)
         if not chunks:
             return False
@@ -518,7 +518,7 @@ class OptimizerOffload:
 def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
     """Offload ``runtime``'s parameter shards and masters as the config asks (before the optimizers are narrowed
     to the masters)."""
-    offload_param_shards(runtime, runtime.units if config.stage == 3 else [], config, rank)
+    offload_param_shards(runtime, runtime.units, config, rank)
     block = config.offload_optimizer
     if block is None or block.device == "none":
         return None
@@ -528,6 +528,6 @@ def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
 def adopt(runtime, parts: list, config, offload: Optional[OptimizerOffload]) -> None:
     """Parts that became trainable after setup (add_param_group, unfreezing) are offloaded like the others
     (stage 3 rebuilt their units: every unit not offloaded yet is)."""
-    offload_param_shards(runtime, runtime.units if config.stage == 3 else [], config, runtime.comm.topology.rank)
+    offload_param_shards(runtime, runtime.units, config, runtime.comm.topology.rank)
     if offload is not None:
         offload.adopt(parts)

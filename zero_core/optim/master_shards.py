@@ -143,7 +143,7 @@ def _grads_in_master_dtype(part) -> bool:
     return not masters or all(g.dtype == masters[0].dtype for g in part.grad_shards())
 
 
-def _scale(grads: list[torch.Tensor], inv_scale: float, clip_coef: Optional[torch.Tensor]) -> None:
+def unscale_and_clip(grads: list[torch.Tensor], inv_scale: float, clip_coef: Optional[torch.Tensor]) -> None:
     """Unscale, then clip: two multiplications, as the loss scaler and clip_grad_norm_ would do them."""
     if grads and inv_scale != 1.0:
         torch._foreach_mul_(grads, inv_scale)
@@ -178,7 +178,7 @@ def _step_in_place(optimizer: torch.optim.Optimizer, parts: Sequence, used: Sequ
             bucket.forget()
         if len(stepped) + len(flat) > before:
             shards += grad_shards
-    _scale(shards, inv_scale, clip_coef)
+    unscale_and_clip(shards, inv_scale, clip_coef)
     with stepping_flat(optimizer, flat):
         optimizer.step()
     for bucket in flat:
@@ -211,7 +211,7 @@ def _step_tile(optimizer: torch.optim.Optimizer, tile: list[TileEntry], inv_scal
     for part, bucket, start, end, _ in tile_runs(tile):
         buffer[offset : offset + end - start].copy_(part.grad_shards()[bucket][start:end])
         offset += end - start
-    _scale([buffer], inv_scale, clip_coef)
+    unscale_and_clip([buffer], inv_scale, clip_coef)
     for entry, grad in zip(tile, views):
         entry.piece.grad = grad
     with only_params(optimizer, [entry.piece for entry in tile]):

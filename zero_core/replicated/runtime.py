@@ -25,6 +25,7 @@ class ReplicatedParamsRuntime:
     ``zero_core.contracts.Runtime``."""
 
     param_swap: Optional[object] = None  # parameters are never offloaded at stages 1-2
+    units: tuple = ()  # no partitioned units: every rank keeps whole parameters
     grad_notes: Optional[GradNotes] = None  # the engine's record of gradients, fed by stage 2's hooks
 
     def __init__(
@@ -37,6 +38,9 @@ class ReplicatedParamsRuntime:
     ) -> None:
         self.module = module
         self.config = config
+        # Stage 2 reduce-scatters gradients into each rank's shard as backward runs; stage 1 keeps whole
+        # gradients until the step (or clipping) reduces them.
+        self.partitions_grads = config.stage >= 2
         self.comm = comm
         self.names = names
         self.parts = self._build_groups(trainable_by_group, names)
@@ -46,7 +50,7 @@ class ReplicatedParamsRuntime:
         device = self.parts[0].device if self.parts else torch.device("cpu")
         self.pool = BufferPool(device, self._largest_bucket())
         self.reducer = self._make_reducer(sync=True)
-        if config.stage >= 2:  # one Python call per forward (weakly: the module must not keep the runtime alive)
+        if self.partitions_grads:  # one Python call per forward (weakly: the module must not keep the runtime alive)
             hook = functools.partial(_before_forward, weakref.ref(self))
             self._forward_hook = module.register_forward_pre_hook(hook)
 
@@ -58,7 +62,7 @@ class ReplicatedParamsRuntime:
             self.parts,
             self.comm,
             self.pool,
-            partition_grads=self.config.stage >= 2,
+            partition_grads=self.partitions_grads,
             overlap=self.config.resolved_overlap_comm,
             use_reduce_scatter=self.config.reduce_scatter,
             ignore_unused=self.config.ignore_unused_parameters,
@@ -71,7 +75,7 @@ class ReplicatedParamsRuntime:
     def take_grad_notes(self, notes: GradNotes) -> bool:
         """Stage 2 hooks every trainable parameter anyway: its hook records the parameter in ``notes`` first,
         and the engine needs no hook of its own (True). Stage 1 has no per-parameter hook (False)."""
-        if self.config.stage < 2:
+        if not self.partitions_grads:
             return False
         self.grad_notes = self.reducer.grad_notes = notes
         return True
@@ -93,7 +97,7 @@ class ReplicatedParamsRuntime:
     def _group_from(self, plan: FlatGroupPlan, trainable: list[nn.Parameter]) -> FlatParamGroup:
         members = [trainable[i] for i in plan.members]
         return FlatParamGroup(members, [self.names[p] for p in members], plan.group_index, plan.layout,
-                              self.comm.topology.rank, full_grads=self.config.stage == 1)
+                              self.comm.topology.rank, full_grads=not self.partitions_grads)
 
     def add_trainable(self, by_group: dict[int, list[nn.Parameter]]) -> list[FlatParamGroup]:
         """Parameters that became trainable after setup (unfrozen, or in a group added later): new flat groups
@@ -127,7 +131,7 @@ class ReplicatedParamsRuntime:
 
     def reduce_gradients(self, parts: list[FlatParamGroup]) -> None:
         """Reduce what ``parts`` (one optimizer's groups, or all) hold locally into their gradient shards."""
-        if self.config.stage == 1:
+        if not self.partitions_grads:
             self.reducer.reduce_full_grads(set(parts))
         else:
             self.reducer.flush_unsynced(set(parts))
@@ -163,7 +167,7 @@ class ReplicatedParamsRuntime:
         return [self.comm.all_gather_in_place(full, async_op=True)]  # this rank's slice of it is its shard
 
     def zero_grads(self, parts: list[FlatParamGroup]) -> None:
-        if self.config.stage == 1:
+        if not self.partitions_grads:
             for group in parts:
                 group.zero_grads()
             return
@@ -237,7 +241,7 @@ class ReplicatedParamsRuntime:
 
     def averages_whole_grads(self) -> bool:
         """Stage 1 with ``reduce_scatter: false`` all-reduces whole gradients, exactly as DDP does."""
-        return self.config.stage == 1 and not self.config.reduce_scatter
+        return not self.partitions_grads and not self.config.reduce_scatter
 
     def serve_generation(self, owner) -> None:
         """Hugging Face ``generate()`` runs as written: every parameter is whole."""

@@ -1,9 +1,9 @@
 """Stage 3: parameters partitioned across ranks, gathered just before a module runs and released after.
 
 Units (param_unit.py) are a block's (block_units.py) or else a module's own parameters per optimizer group and
-dtype. Hooks on the user's modules
-(in place, no wrapper) gather a module's units before its forward and, through backward_hooks.py, before its
-backward; they release them after each. Gradients are reduce-scattered unit by unit as soon as a unit's last
+dtype, built at setup by unit_setup.py. This file holds what the hooks do: hooks on the user's modules (in place,
+no wrapper) gather a module's units before its forward and, through backward_hooks.py, before its backward; they
+release them after each. Gradients are reduce-scattered unit by unit as soon as a unit's last
 gradient is accumulated. Prefetch follows the execution trace that every rank agreed on (execution_trace.py).
 docs/stage3.md explains what is gathered when and every knob.
 """
@@ -11,54 +11,40 @@ docs/stage3.md explains what is gathered when and every knob.
 from __future__ import annotations
 
 import functools
-from collections import defaultdict
 from typing import Iterator, Optional
 
 import torch
 from torch import nn
 
-from zero_core.stage3 import param_sources
-from zero_core.stage3.backward_hooks import PreBackward, after_input_grads, attach
-from zero_core.stage3.block_units import block_of, unit_owners
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
+from zero_core.planning import PARTITIONED_IN_FLIGHT
+from zero_core.reduction import BackwardSession, ReductionQueue
+from zero_core.stage3.backward_hooks import PreBackward, after_input_grads, attach
+from zero_core.stage3.coalesced import CoalescedReduce
 from zero_core.stage3.divergence import ReduceOrder, leaf_hint
 from zero_core.stage3.execution_trace import ExecutionTrace
-from zero_core.stage3.external_params import registered_externals
-from zero_core.layout import FlatLayout
-from zero_core.planning import PARTITIONED_IN_FLIGHT, ParamSpec, UnitPlan, plan_units, unit_layout
-from zero_core.stage3.leaf_modules import leaf_of, z3_leaf_module
-from zero_core.stage3.coalesced import CoalescedReduce
+from zero_core.stage3.generation_keeping import GenerationKeeping
+from zero_core.stage3.gradients import GradientReduction
 from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
-from zero_core.stage3.partitioned_param import mark_partitioned
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
-from zero_core.stage3.root_group import Gate, RootGroup, plan_root_group
-from zero_core.stage3.state import BackwardState, UnitUse
-from zero_core.stage3.streams import SideStreams
-from zero_core.stage3.tile_units import tile_of
-from zero_core.stage3.gradients import GradientReduction
 from zero_core.stage3.prefetch import Prefetcher
-from zero_core.stage3.generation_keeping import GenerationKeeping
-from zero_core.reduction import BackwardSession, ReductionQueue
+from zero_core.stage3.state import BackwardState, UnitUse
+from zero_core.stage3.unit_setup import UnitSetup
 
 
-def eager(hook):
-    """Keep a hook out of torch.compile's graphs (as FSDP2 does): gathers, releases and collectives run eagerly
-    between compiled regions, so a compiled module or block trains exactly as the eager one."""
-    return torch.compiler.disable(hook, recursive=True)
-
-
-class PartitionedParamsRuntime(GradientReduction):
+class PartitionedParamsRuntime(UnitSetup, GradientReduction):
     """Owns the units, the module hooks, gathering and releasing for stage 3, and all of stage 3's state: the
     typed records of state.py (``backward``: this backward's; ``use``: which gathered units are in use) and
     three objects with their own verbs, composed here: ``prefetch`` (prefetch.py: the trace cursors, what to
     gather ahead, what to keep), ``reduce_order`` (divergence.py: the agreed order of reduce-scatters) and
-    ``generation`` (generation_keeping.py: what a generation session keeps). Only this class changes them. The
-    gradient side (gradients.py: gradient hooks, reduce buckets, the end-of-backward flush) is written against
-    the same state, with a Protocol saying what it needs. Other code drives the runtime through the
-    ``zero_core.contracts.Runtime`` verbs."""
+    ``generation`` (generation_keeping.py: what a generation session keeps). Only this class changes them. Two
+    parts of it are written against the same state, each with a Protocol saying what it needs: the units and
+    hooks built at setup (unit_setup.py) and the gradient side (gradients.py: gradient hooks, reduce buckets,
+    the end-of-backward flush). Other code drives the runtime through the ``zero_core.contracts.Runtime``
+    verbs."""
 
     MAX_IN_FLIGHT = PARTITIONED_IN_FLIGHT  # reduction buckets in flight while the next one fills (each holds a bucket's buffer)
     param_swap = None  # offload_param nvme (zero_core/offload/params.py): the swap file of unit shards
@@ -70,34 +56,16 @@ class PartitionedParamsRuntime(GradientReduction):
         self.policy = Stage3Policy.from_config(config)  # what the hooks read, frozen at setup
         self.comm = comm
         self.names = names
-        self.units: list[ParamUnit] = []
-        self._own: dict[nn.Module, list[ParamUnit]] = defaultdict(list)
-        self._externals: dict[nn.Module, list[ParamUnit]] = defaultdict(list)
-        self.unit_of: dict[nn.Parameter, ParamUnit] = {}
-        self._module_of: dict[ParamUnit, nn.Module] = {}
-        self._unit_count = 0
-        self._unit_cache: dict[nn.Module, list[ParamUnit]] = {}  # _units_for, cleared when units change
         self.use = UnitUse()  # gathered units in use: open forwards, units held to the end of the backward
         self.generation = GenerationKeeping()  # what a generation session keeps (generation_keeping.py)
-        self._inside_leaf = leaf_of(module)  # modules below a leaf module -> that leaf (leaf_modules.py)
-        self._inside_tile = tile_of(module, self._inside_leaf)  # module -> its TiledLinear tile (tile_units.py)
-        self._tiles = set(self._inside_tile.values())  # released after use, prefetched one ahead
-        self._inside_block = block_of(module, self._inside_leaf, self._inside_tile)  # module -> its block
-        self._blocks = set(self._inside_block.values())
-        self._deferred: set[ParamUnit] = set()  # units inside leaves: reduced at the end of backward, in order
-        self.root_group = RootGroup([])  # planned once the units exist (below)
+        self._start_unit_tables(module)  # empty unit tables; the leaves, tiles and blocks (unit_setup.py)
         self.live_elements = 0  # gathered elements now, and the most ever (max_live_parameters is checked on it)
         self.peak_live_elements = 0
         self._build_units(trainable_by_group)
         self.parts = [u for u in self.units if u.trainable]
         device = self.units[0].device if self.units else torch.device("cpu")
         self.pool = BufferPool(device, self._bucket_numel())
-        module_names = {m: n for n, m in module.named_modules() if m in self._own or m in self._externals}
-        # Modules outside the blocks: gathered by the root's hooks (root_group.py); the root then joins the trace.
-        self.root_group = plan_root_group(module, list(module_names), self._blocks, self._units_for,
-                                          self.policy.max_live_parameters)
-        if self.root_group:
-            module_names = {module: "<root>", **module_names}
+        module_names = self._plan_root_group()  # the hooked modules; the root's first if it gathers a group
         self.trace = ExecutionTrace(module_names, comm)
         self.prefetch = Prefetcher(self.trace, self.policy, comm, self._units_for, self._tiles)  # prefetch.py
         self.comm.check = True  # verify collectives while the first trace is recorded
@@ -116,183 +84,13 @@ class PartitionedParamsRuntime(GradientReduction):
         # A trace deviation on any rank is agreed at the step barrier, so all ranks re-record together.
         comm.guard.on_step(lambda: self.trace.deviated, self._agree_on_deviation)
 
-    # -- partitioning at setup -----------------------------------------------------------------------------
-    def _build_units(self, trainable_by_group) -> None:
-        """Partition the units planning.py plans (``self.plan``, the estimator counts the same plan), one owner
-        at a time (a block, or a module outside blocks: block_units.unit_owners): an owner's meta parameters are
-        materialised just before its units take them."""
-        group_of = {p: i for i, params in enumerate(trainable_by_group) for p in params}
-        device = next((p.device for p in self.module.parameters() if not p.is_meta), torch.device("cpu"))
-        self.streams = SideStreams(device)  # CUDA: the gather and reduce streams (streams.py); none on the CPU
-        owner_of = unit_owners(self.module)
-        members: dict[str, list[tuple[str, nn.Module]]] = defaultdict(list)  # owner -> its modules, model order
-        owned: dict[str, list[nn.Parameter]] = defaultdict(list)  # owner -> the parameters first registered there
-        seen: set[nn.Parameter] = set()
-        for module_name, mod in self.module.named_modules():
-            owner = owner_of[module_name]
-            members[owner].append((module_name, mod))
-            params = [p for p in mod.parameters(recurse=False) if p not in seen]
-            owned[owner] += params
-            seen.update(params)
-        specs = [(name, [ParamSpec(p.numel(), str(p.dtype), group_of.get(p), name) for p in params])
-                 for name, params in owned.items()]
-        self.plan = plan_units(specs, self.comm.topology.world_size, self.config, device)
-        flat = [p for params in owned.values() for p in params]
-        planned = defaultdict(list)
-        for unit in self.plan.units:
-            planned[unit.module].append(unit)
-        for owner_name, modules in members.items():
-            hooked = self._hooked(modules[0][1])  # inside a leaf: its units are gathered with the leaf
-            for module_name, mod in modules:
-                param_sources.materialize_meta(mod, module_name, device)
-                for param in mod.parameters(recurse=False):
-                    if param in self.unit_of:  # registered by an earlier owner (tied)
-                        self._add_external(hooked, self.unit_of[param])
-            for unit in planned[owner_name]:
-                self._add_unit(owner_name, hooked, [flat[i] for i in unit.members], unit)
-        for mod, params in registered_externals(self.module):
-            for param in params:
-                self._add_external(self._hooked(mod), self.unit_of[param])
-        for buffer in self.module.buffers():
-            self.comm.broadcast(buffer, src=0)  # every rank starts from rank 0's buffers, as with DDP
-
-    def _add_unit(self, module_name, mod, params, plan: UnitPlan) -> None:
-        broadcast = not all(param_sources.comes_from_init(p) for p in params)
-        values = [param_sources.whole_value(p) for p in params]
-        self._new_unit(module_name, mod, params, plan.group_index, values, plan.persistent, broadcast, plan.layout)
-
-    def _new_unit(self, module_name, mod, params, group_index, values, persistent: bool, broadcast: bool,
-                  layout: Optional[FlatLayout] = None):
-        if layout is None:  # a unit split by add_trainable: laid out as planning.py lays out every unit
-            layout = unit_layout([p.numel() for p in params], self.comm.topology.world_size, self.config,
-                                 params[0].device)
-        dtype = self.policy.param_dtype if params[0].is_floating_point() else params[0].dtype
-        unit = ParamUnit(self._unit_count, module_name, params, [self.names[p] for p in params], group_index, layout,
-                         self.comm, dtype)
-        self._unit_count += 1
-        unit.persistent = persistent
-        unit.streams = self.streams
-        unit.store_quantized = self._stores_quantized(unit)
-        unit.shard_values(values, broadcast=broadcast)
-        for param in params:
-            mark_partitioned(param)
-            self.unit_of[param] = unit
-        self.units.append(unit)
-        self._own[mod].append(unit)
-        self._units_changed()
-        self._module_of[unit] = mod
-        if z3_leaf_module(mod):
-            self._deferred.add(unit)  # its children may run on some ranks only: no early, rank-dependent reduce
-        if unit.persistent:
-            self._note_live(unit.numel)
-        return unit
-
-    def _stores_quantized(self, unit: ParamUnit) -> bool:
-        """zero_quantized_nontrainable_weights: frozen units the hooks gather keep 8-bit shards (not persistent
-        ones, kept whole anyway, nor offloaded ones, whose 16-bit shards leave the accelerator)."""
-        offload = self.config.offload_param
-        return (self.config.zero_quantized_nontrainable_weights and not unit.trainable and not unit.persistent
-                and unit.dtype.is_floating_point and (offload is None or offload.device == "none"))
-
-    def add_trainable(self, by_group: dict[int, list[nn.Parameter]]) -> list[ParamUnit]:
-        """Parameters that became trainable after setup (unfrozen, or in a group added later). They sit in frozen
-        units: each such unit is gathered once and rebuilt as one unit per optimizer group (its still-frozen
-        parameters keep a frozen unit), with masters and gradient hooks. A collective; returns the new
-        trainable units."""
-        group_of = {p: index for index, params in by_group.items() for p in params}
-        new = []
-        for unit in list(dict.fromkeys(self.unit_of[p] for p in group_of)):
-            new += self._split_unit(unit, group_of)
-        self.units.sort(key=lambda u: u.index)
-        self.parts = [u for u in self.units if u.trainable]
-        # the agreed reduce order names units: rebuild it over the new ones
-        self.reduce_order.rebuild(self.trace.order, self._units_for, self.parts)
-        if self._bucket_numel() > self.pool.largest:
-            self.pool = BufferPool(self.pool.device, self._bucket_numel())
-        trainable = [u for u in new if u.trainable]
-        self._hook_grads(trainable)
-        # A backward since the unfreezing left gradients in param.grad: the step reduces them.
-        self.session.unsynced_grads = self.session.unsynced_grads or any(p.grad is not None for u in trainable for p in u.params)
-        return trainable
-
-    def _split_unit(self, unit: ParamUnit, group_of: dict) -> list[ParamUnit]:
-        if unit.trainable:
-            raise RuntimeError(f"unit of '{unit.module_name}' is trainable already (a bug: please report it)")
-        mod = self._module_of[unit]
-        self._gather(unit)
-        values = {p: p.detach().clone() for p in unit.params}
-        self.generation.guard(unit)
-        unit.release(force=True)
-        self._note_live(-unit.numel)
-        self.units.remove(unit)
-        self._own[mod].remove(unit)
-        self._units_changed()
-        keys = sorted({group_of.get(p, -1) for p in unit.params})
-        pieces = []
-        for key in keys:
-            members = [p for p in unit.params if group_of.get(p, -1) == key]
-            pieces.append(self._new_unit(unit.module_name, mod, members, key if key >= 0 else None,
-                                         [values[p] for p in members], unit.persistent, broadcast=False))
-        for externals in self._externals.values():  # modules that also use these parameters (ties)
-            if unit in externals:
-                externals.remove(unit)
-                externals.extend(pieces)
-        self._units_changed()
-        return pieces
-
-    def _hooked(self, mod: nn.Module) -> nn.Module:
-        """The module whose hooks gather ``mod``'s parameters: the leaf module, tile or block enclosing it, or
-        itself."""
-        leaf = self._inside_leaf.get(mod)
-        if leaf is not None:
-            return leaf
-        return self._inside_tile.get(mod) or self._inside_block.get(mod, mod)
-
-    def _add_external(self, mod: nn.Module, unit: ParamUnit) -> None:
-        if unit not in self._externals[mod] and unit not in self._own[mod]:
-            self._externals[mod].append(unit)
-            self._units_changed()
-
-    def add_external_after_setup(self, mod: nn.Module, param: nn.Parameter) -> None:
-        """register_external_parameter called after setup: gather ``param`` with ``mod`` from now on."""
-        if param not in self.unit_of:
-            return
-        mod = self._hooked(mod)
-        hooked = mod in self._own or mod in self._externals
-        self._add_external(mod, self.unit_of[param])
-        if not hooked:
-            self.trace.module_names[mod] = type(mod).__name__
-            self.trace.reset()
-            self._hook_module(mod)
-
     def managed_params(self) -> list[nn.Parameter]:
         return [p for u in self.units for p in u.params]
 
     def describe(self, param) -> str:
         return self.names.get(param, "<unknown>")
 
-    # -- hooks ---------------------------------------------------------------------------------------------
-    def _register_hooks(self, module_names) -> None:
-        root = self.module
-        root.register_forward_pre_hook(eager(self._root_pre_forward))
-        root.register_forward_hook(eager(self._root_post_forward), always_call=True)  # closes _root_depth
-        for mod in module_names:
-            self._hook_module(mod, gated=mod in self.root_group.members)
-        self._hook_grads(self.parts)
-
-    def _hook_module(self, mod: nn.Module, gated: bool = False) -> None:
-        """``gated``: a root group member, whose hooks do nothing while the group is gathered (root_group.py)."""
-        pre = eager(functools.partial(self._pre_forward, mod))
-        post = eager(functools.partial(self._post_forward, mod))
-        if gated:
-            pre, post = Gate(self.root_group, pre), Gate(self.root_group, post)
-        mod.register_forward_pre_hook(pre, with_kwargs=True)
-        mod.register_forward_hook(post)
-
-    def _units_changed(self) -> None:
-        self._unit_cache.clear()
-        self.root_group.gathered = False  # new or split units start sharded: the root's next hook gathers them
-
+    # -- the units a module's hooks gather (unit_setup.py builds the tables) -----------------------------
     def _units_for(self, mod: nn.Module) -> list[ParamUnit]:
         units = self._unit_cache.get(mod)
         if units is None:

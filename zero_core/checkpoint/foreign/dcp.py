@@ -22,7 +22,7 @@ from zero_core.layout import Range
 from zero_core.checkpoint.format import MASTER_KIND, CheckpointError, CheckpointMismatchError
 from zero_core.checkpoint.foreign.dcp_files import DCPFiles
 from zero_core.checkpoint.foreign.dcp_layout import read_layout
-from zero_core.checkpoint.sources import _flat_range_of_rows
+from zero_core.checkpoint.sources import flat_range_of_rows
 
 
 class DCPSource:
@@ -60,7 +60,7 @@ class DCPSource:
                 return self.files.read_rows(key, 0, 0)
             return self.files.read_rows(key, selection.start, selection.stop)
 
-        return _flat_range_of_rows(rows, self.files.shape(key), rng)
+        return flat_range_of_rows(rows, self.files.shape(key), rng)
 
     def dtype(self, name: str) -> torch.dtype:
         return self.files.dtype(self.layout.model[name])
