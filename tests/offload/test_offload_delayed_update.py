@@ -1,13 +1,14 @@
 """The one-step delayed parameter update (``offload_optimizer.delayed_update_after``; offload/delayed_update.py).
 
-Two ranks at stages 1-3 train to the weights of a hand-written delayed reference: plain torch AdamW on one process
-whose gradient of step s is taken at the weights after update s-1's predecessor (s-2 in 1-based update counts,
-the ZeRO-Offload paper's rule) once the warm-up's exact steps are done, with an LR that changes every step. Each
-step's loss on each rank matches the reference's (so the forward read the delayed weights); a checkpoint saved
-mid-run holds the masters after the last step (the update in flight was waited for) and does not change the run;
-``full_state_dict`` and ``close()`` wait for the update in flight, and after ``close()`` the model holds it. One
-process: the update reads gradient buffers of its own (the next backward's copies go into others) and its result
-is bit for bit the exact step's on the same gradients."""
+Two ranks at stages 1-3 (stage 3 also with ``offload_param: cpu``) train to the weights of a hand-written delayed
+reference: plain torch AdamW on one process whose gradient of step s is taken at the weights of one update
+earlier than the exact step's (the ZeRO-Offload paper's rule) once the warm-up's exact steps are done, with an LR
+that changes every step and clipping. Each step's loss on each rank matches the reference's (so the forward read
+the delayed weights); a checkpoint saved mid-run holds the masters after the last step (the update in flight was
+waited for) and does not change the run; ``full_state_dict`` and ``close()`` wait for the update in flight, and
+after ``close()`` the model holds it. One process: the update reads gradient buffers of its own (the next
+backward's copies go into others) and its result is bit for bit the exact offloaded step's on the same
+gradients."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ STEPS = 6
 AFTER = 2  # exact steps before the delay
 SAVE_AT = 3  # a checkpoint after this step (0-based)
 SMALL = {"reduce_bucket_size": 300, "allgather_bucket_size": 300, "param_persistence_threshold": 0}
+CLIP = 0.5  # gradient_clipping: active at every step here (the norms are larger)
+RUNS = {"stage 1": {"stage": 1}, "stage 2": {"stage": 2}, "stage 3": {"stage": 3},
+        "stage 3, offload_param cpu": {"stage": 3, "offload_param": {"device": "cpu"}}}
 TOLERANCE = 2e-5
 
 
@@ -58,6 +62,7 @@ def delayed_reference(steps: int, after, world_size: int):
             loss = forward(*make_batch(MODEL, rank, step, 0))
             (loss / world_size).backward()
             rank_losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(forward.parameters(), CLIP)
         for param, source in zip(model.parameters(), forward.parameters()):
             param.grad = source.grad.clone()
         optimizer.step()
@@ -69,14 +74,15 @@ def delayed_reference(steps: int, after, world_size: int):
 
 def delayed_worker(rank, world_size, checkpoint_root):
     results = {}
-    for stage in (1, 2, 3):
-        config = {"stage": stage, **SMALL, "offload_optimizer": {"device": "cpu", "delayed_update_after": AFTER}}
+    for index, (label, run) in enumerate(RUNS.items()):
+        config = {**run, **SMALL, "gradient_clipping": CLIP,
+                  "offload_optimizer": {"device": "cpu", "delayed_update_after": AFTER}}
         model = build_model(MODEL)
         optimizer = make_optimizer(model)
         scheduler = make_scheduler(optimizer)
         engine = zero_core.setup(model, optimizer, config)
         losses = []
-        checkpoint = f"{checkpoint_root}/stage{stage}"
+        checkpoint = f"{checkpoint_root}/run{index}"
         for step in range(STEPS):
             loss = engine.module(*make_batch(MODEL, rank, step, 0))
             engine.backward(loss)
@@ -91,17 +97,18 @@ def delayed_worker(rank, world_size, checkpoint_root):
         engine.close()
         closed = full_params(engine.module)
         fresh = build_model(MODEL)
-        loader = zero_core.setup(fresh, make_optimizer(fresh), {"stage": stage, **SMALL})
+        loader = zero_core.setup(fresh, make_optimizer(fresh), {"stage": run["stage"], **SMALL})
         loader.load_checkpoint(checkpoint)
         loaded = full_params(loader.module)
         loader.close()
-        results[stage] = {"losses": losses, "lagging": lagging, "masters": masters, "closed": closed,
+        results[label] = {"losses": losses, "lagging": lagging, "masters": masters, "closed": closed,
                           "loaded": loaded, "delayed_steps": delayed}
         dist.barrier()
     return results
 
 
 def test_delayed_update_matches_a_hand_written_delayed_reference_at_stages_1_to_3():
+    """Clipped by gradient_clipping at every step, with parameter offload too at stage 3."""
     history, reference_losses = delayed_reference(STEPS, AFTER, 2)
     exact_history, exact_losses = delayed_reference(STEPS, None, 2)
     # The rule is visible at this tolerance: the exact step's losses and weights are far from the delayed ones.
@@ -110,8 +117,8 @@ def test_delayed_update_matches_a_hand_written_delayed_reference_at_stages_1_to_
     with tempfile.TemporaryDirectory(prefix="zero-delayed-") as root:
         ranks = run_distributed(delayed_worker, 2, root, timeout=240)
     for rank, results in enumerate(ranks):
-        for stage, got in results.items():
-            label = f"rank {rank}, stage {stage}"
+        for run, got in results.items():
+            label = f"rank {rank}, {run}"
             assert got["delayed_steps"] == STEPS - AFTER, label
             for step, loss in enumerate(got["losses"]):
                 assert abs(loss - reference_losses[step][rank]) <= TOLERANCE, (label, step)
