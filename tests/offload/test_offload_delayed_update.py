@@ -161,18 +161,19 @@ def _offload(group: FlatParamGroup, after):
 def test_delayed_update_reads_its_own_gradients_while_the_next_backward_copies():
     """The thread is held back until the next backward has overwritten the gradient shards (and, in bf16, copied
     them to the host as buckets are reduced): the update still applies its own step's gradients, bit for bit the
-    exact offloaded step's, and the model's shards hold the weights of one step earlier."""
-    for dtype in (torch.bfloat16, torch.float32):
+    exact offloaded step's, and the model's shards hold the weights of one step earlier. With no warm-up the
+    first update, on the thread, makes the optimizer state."""
+    for dtype, after in ((torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 0)):
         reference, group = _flat_group(dtype), _flat_group(dtype)
         exact, exact_optimizer = _offload(reference, None)
-        offload, optimizer = _offload(group, 1)
+        offload, optimizer = _offload(group, after)
         # a master is never the model's shard itself, even where that is fp32 host memory
         assert all(m.data_ptr() != s.data_ptr() for m, s in zip(group.master_shards.buckets, group.param_shards()))
         offload.delayed._pool = ThreadPoolExecutor(max_workers=1)  # so that the test can hold the update back
         clip = torch.tensor(0.7)
         _set_grads(group, 0)
         offload.grad_reduced(group, None)
-        shards_before = None
+        shards_before = [s.clone() for s in reference.param_shards()]
         for step in range(4):
             _set_grads(reference, step)
             exact.step(exact_optimizer, [reference], [USED], 0.5, clip)
@@ -185,16 +186,16 @@ def test_delayed_update_reads_its_own_gradients_while_the_next_backward_copies()
             _set_grads(group, step + 1)  # the next backward: new gradients, copied to the host in bf16
             offload.grad_reduced(group, None)
             release.set()
-            if step >= 1:  # delayed: the model's shards hold the previous step's weights
-                assert all(torch.equal(a, b) for a, b in zip(group.param_shards(), shards_before)), (dtype, step)
+            if step >= after:  # delayed: the model's shards hold the previous step's weights
+                assert all(torch.equal(a, b) for a, b in zip(group.param_shards(), shards_before)), (dtype, after, step)
             shards_before = [s.clone() for s in reference.param_shards()]
         offload.settle()
-        assert all(torch.equal(a, b) for a, b in zip(group.masters, reference.masters)), dtype
+        assert all(torch.equal(a, b) for a, b in zip(group.masters, reference.masters)), (dtype, after)
         for piece, expected in zip(group.masters, reference.masters):
             want = exact_optimizer.state.get(expected, {})
             got = optimizer.state.get(piece, {})
-            assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), dtype
-        assert offload.take_unwritten() and offload.delayed.delayed_steps == 3
+            assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want), (dtype, after)
+        assert offload.take_unwritten() and offload.delayed.delayed_steps == 4 - after
         offload.close()
         exact.close()
 
