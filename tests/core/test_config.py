@@ -109,13 +109,18 @@ def test_defaults_equal_deepspeed():
     cfg = ZeroConfig()
     assert {k: getattr(cfg, k) for k in DEEPSPEED_ZERO_DEFAULTS} == DEEPSPEED_ZERO_DEFAULTS
     assert dataclasses.asdict(OffloadParamConfig()) == DEEPSPEED_OFFLOAD_PARAM_DEFAULTS
-    assert dataclasses.asdict(OffloadOptimizerConfig()) == DEEPSPEED_OFFLOAD_OPTIMIZER_DEFAULTS
+    assert dataclasses.asdict(OffloadOptimizerConfig()) == {**DEEPSPEED_OFFLOAD_OPTIMIZER_DEFAULTS,
+                                                            **OWN_OFFLOAD_OPTIMIZER_DEFAULTS}
     assert dataclasses.asdict(cfg.leaf_module) == DEEPSPEED_LEAF_MODULE_DEFAULTS
     assert dataclasses.asdict(cfg.fp16) == FP16_DEFAULTS
     assert dataclasses.asdict(cfg.bf16) == {"enabled": False}
     assert (cfg.gradient_clipping, cfg.gradient_accumulation_steps) == (0.0, 1)
     assert dataclasses.asdict(cfg.aio) == AIO_DEFAULTS
     assert dataclasses.asdict(cfg.checkpoint) == CHECKPOINT_DEFAULTS
+
+
+# Fields of lightning-zero's own in the offload_optimizer block (DeepSpeed has none of these), with defaults.
+OWN_OFFLOAD_OPTIMIZER_DEFAULTS = {"delayed_update_after": None}
 
 
 # Fields of lightning-zero's own in the zero_optimization block (DeepSpeed has none of these), with defaults.
@@ -148,7 +153,12 @@ def test_every_field_from_kwargs_dict_and_whole_config(name):
                                            "buffer_size": 2, "max_in_cpu": 3, "pin_memory": True}),
     ("offload_optimizer", OffloadOptimizerConfig, {"device": "nvme", "nvme_path": "/nvme", "buffer_count": 1,
                                                    "pin_memory": True, "pipeline_read": True,
-                                                   "pipeline_write": True, "fast_init": True}),
+                                                   "pipeline_write": True, "fast_init": True,
+                                                   "delayed_update_after": None}),
+    ("offload_optimizer", OffloadOptimizerConfig, {"device": "cpu", "nvme_path": None, "buffer_count": 4,
+                                                   "pin_memory": False, "pipeline_read": False,
+                                                   "pipeline_write": False, "fast_init": False,
+                                                   "delayed_update_after": 3}),
     ("fp16", FP16Config, {"enabled": True, "auto_cast": True, "loss_scale": 128.0, "initial_scale_power": 8,
                           "loss_scale_window": 10, "hysteresis": 3, "consecutive_hysteresis": True,
                           "min_loss_scale": 0.5}),
@@ -591,7 +601,8 @@ INVALID = [
     ("offload-optimizer-typo", D({"stage": 1, "offload_optimizer": {"pin_memroy": True}}),
      "unknown key 'zero_optimization.offload_optimizer.pin_memroy'; did you mean 'pin_memory'?"),
     ("offload-no-match", D({"offload_optimizer": {"zzz": 1}}),
-     "unknown key 'zero_optimization.offload_optimizer.zzz'; valid keys: buffer_count, device"),
+     "unknown key 'zero_optimization.offload_optimizer.zzz'; valid keys: buffer_count, delayed_update_after, "
+     "device"),
     ("fp16-typo", D({ZO: {}, "fp16": {"loss_scale_windw": 10}}),
      "unknown key 'fp16.loss_scale_windw'; did you mean 'loss_scale_window'?"),
     ("bf16-typo", D({"bf16": {"enable": True}}), "unknown key 'bf16.enable'; did you mean 'enabled'?"),

@@ -76,9 +76,21 @@ class OffloadOptimizerConfig(Block):
         False,
         doc="Overlap writing the previous tile with the step on the current one.")
     fast_init: bool = setting(False, doc="Fast optimizer initialisation when offloading to NVMe.")
+    delayed_update_after: Optional[int] = setting(
+        None, check=lambda v: v is None or v >= 0,
+        rule="null or an int >= 0",
+        doc="lightning-zero's own, device cpu only: after this many exact steps, each host step runs in the "
+            "background while the next forward and backward run, which use the weights from one step earlier "
+            "(the ZeRO-Offload paper's one-step delayed parameter update); null keeps every step exact. "
+            "docs/offload.md, \"Delayed parameter update\".")
 
     def _check_combinations(self) -> None:
         _check_nvme(self)
+        if self.delayed_update_after is not None and self.device != "cpu":
+            raise ZeroConfigError(
+                f"{self._PATH}.delayed_update_after needs {self._PATH}.device 'cpu', got {self.device!r} (the "
+                "delayed step runs on host masters; NVMe swaps them tile by tile); set device 'cpu' or remove "
+                "delayed_update_after")
 
 
 @checked_init

@@ -265,6 +265,12 @@ class ZeroConfig(Block):
                 f"{key_path('weights_ema_decay')} does not combine with {key_path('offload_optimizer')}.device "
                 "'nvme'; use device 'cpu' (the average then lives in host memory beside the masters) or no "
                 "weights_ema_decay")
+        if self.weights_ema_decay is not None and self.offload_optimizer is not None \
+                and self.offload_optimizer.delayed_update_after is not None:
+            # The average is updated right after the step, while the delayed step is still changing the masters.
+            raise ZeroConfigError(
+                f"{key_path('weights_ema_decay')} does not combine with {key_path('offload_optimizer')}"
+                ".delayed_update_after; remove one of them")
         self._check_zeropp()
 
     def _check_zeropp(self) -> None:

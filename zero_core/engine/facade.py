@@ -381,8 +381,13 @@ class ZeroEngine:
         With NVMe offload it also removes the swap files' names from ``nvme_path`` and stops the ``aio`` and
         write-back threads. The files stay open, so the engine can still evaluate, save or train (the threads
         start again); their disk space is freed by :meth:`remove_offload_files`, when the engine is collected,
-        or at exit (docs/offload.md, "NVMe files")."""
+        or at exit (docs/offload.md, "NVMe files").
+
+        With ``offload_optimizer.delayed_update_after`` it waits for the last step's update, running on the host,
+        and (``wait``) writes it into the model, so that the model holds the trained weights."""
         try:
+            if wait and self._masters.lands_delayed_update():
+                self.refresh_params_from_masters()  # a collective: every rank closes
             teardown.quiesce(self.runtime, wait)
         finally:
             teardown.release_offload(self._offload, self.runtime.param_swap)

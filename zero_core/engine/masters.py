@@ -45,6 +45,9 @@ class DeviceMasters:
     def shape_in_memory(self, master: torch.Tensor, key=None) -> Optional[torch.Size]:
         return None
 
+    def lands_delayed_update(self) -> bool:
+        return False
+
     def close(self) -> None:
         pass
 
@@ -84,6 +87,12 @@ class OffloadedMasters:
 
     def shape_in_memory(self, master: torch.Tensor, key=None) -> Optional[torch.Size]:
         return self.offload.shape_in_memory(master, key)
+
+    def lands_delayed_update(self) -> bool:
+        """Wait for a delayed update in flight (offload/delayed_update.py); whether the model's parameters lag
+        the masters since (the caller then writes the masters into the model)."""
+        self.offload.settle()
+        return self.offload.take_unwritten()
 
     def close(self) -> None:
         self.offload.close()

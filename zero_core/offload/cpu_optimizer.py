@@ -25,6 +25,7 @@ from zero_core.optim.kernels import FUSED_CPU, fused_sgd_would_fail, only_params
 from zero_core.optim.master_shards import master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
+from zero_core.offload.delayed_update import DelayedUpdate
 from zero_core.offload.host_masters import HostMasterShards
 from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
 from zero_core.offload.params import offload_param_shards
@@ -128,6 +129,9 @@ class OptimizerOffload:
         # Buckets whose host buffer holds the latest reduced gradient: with device 'cpu' each bucket is copied to
         # the host as soon as it is reduced (during backward), so the step need not wait for the copy.
         self._fresh: set[tuple] = set()
+        # Gradient buffers a delayed update read, free again (offload_optimizer.delayed_update_after): with the
+        # delay, one set is filled by backward while the update of the step before reads the other.
+        self._spare_grads: dict[tuple, torch.Tensor] = {}
         self.copied_during_backward = 0  # buckets copied to the host as they were reduced (a counter)
         self._noted: set[type] = set()
         self.swapper: Optional[NvmeSwapper] = None
@@ -141,6 +145,8 @@ class OptimizerOffload:
             # Freed tile buffers kept for reuse: buffer_count tiles of a master and Adam's two moments.
             pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, numel)
             self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio), pool_bytes)
+        after = block.delayed_update_after
+        self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
         self.adopt(parts)
 
     def adopt(self, parts: list) -> None:
@@ -149,17 +155,33 @@ class OptimizerOffload:
         for part in parts:
             if self.swapper is None:
                 part.on_grad_reduced = self.grad_reduced
-            part.master_shards = HostMasterShards(part.master_shards, self.pin, separate=self.swapper is not None)
+            # With the delayed update a master is never the model's shard itself: the thread changes the masters
+            # while the next forward reads the shards.
+            part.master_shards = HostMasterShards(part.master_shards, self.pin, separate=self.swapper is not None,
+                                                  own_copy=self.delayed is not None)
             if self.swapper is not None:
                 for piece in part.masters:
                     self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
             self.parts.append(part)
+
+    def settle(self) -> None:
+        """A delayed update in flight (``delayed_update_after``) lands: the masters and optimizer state are those
+        after the last step. The model's parameters may still lag them: see :meth:`take_unwritten`."""
+        if self.delayed is not None:
+            self.delayed.settle()
+
+    def take_unwritten(self) -> bool:
+        """Whether a landed delayed update is not in the model's parameters yet (forgotten: the caller writes
+        every master into the model)."""
+        return self.delayed is not None and self.delayed.take_unwritten()
 
     def all_masters(self) -> list[nn.Parameter]:
         return [m for part in self.parts for m in part.masters]
 
     def close(self) -> None:
         """Remove the swap file (also done when the engine is collected and at exit); stop the write-back thread."""
+        if self.delayed is not None:
+            self.delayed.stop()
         if self.swapper is not None:
             self.swapper.close()
         self._stop_writer()
@@ -167,6 +189,8 @@ class OptimizerOffload:
     def teardown(self) -> None:
         """The engine's teardown: the swap file's name leaves ``nvme_path`` and every thread stops; the engine
         stays usable (the open file and the threads serve a later step, save or evaluation)."""
+        if self.delayed is not None:
+            self.delayed.stop()
         if self.swapper is not None:
             self.swapper.teardown()
         self._stop_writer()
@@ -201,8 +225,37 @@ class OptimizerOffload:
         key = (id(part), bucket)
         grad = self._grads.get(key)
         if grad is None:
-            grad = self._grads[key] = host_empty(numel, torch.float32, self.pin)
+            grad = self._spare_grads.pop(key, None)
+            if grad is None:
+                grad = host_empty(numel, torch.float32, self.pin)
+            self._grads[key] = grad
         return grad
+
+    def take_grads(self, entries: list) -> tuple[list[torch.Tensor], dict]:
+        """The delayed update's gradients: each entry's fp32 host gradient, in buffers handed over with them
+        (the next backward copies into others). What backward did not copy yet is copied now, one copy per run
+        of contiguous pieces; fp32 host shards too, since the next backward overwrites them."""
+        taken: dict[tuple, torch.Tensor] = {}
+        copies = []
+        for part, bucket, start, end, _ in tile_runs(entries):
+            key = (id(part), bucket)
+            whole = part.grad_shards()[bucket]
+            if key not in taken:
+                taken[key] = self._host_bucket(part, bucket, whole.numel())
+                del self._grads[key]
+            if key not in self._fresh:
+                copies.append((taken[key][start:end], whole[start:end]))
+        _copy_all(copies, arrive=True)
+        self._fresh.difference_update(taken)
+        grads = []
+        for entry in entries:
+            fragment = entry.part.master_shards.pieces[entry.index]
+            grads.append(taken[(id(entry.part), fragment.bucket)][fragment.shard_range.as_slice()])
+        return grads, taken
+
+    def return_grads(self, buffers: dict) -> None:
+        """Buffers a delayed update has finished reading: for the next backward's copies."""
+        self._spare_grads.update(buffers)
 
     def grad_reduced(self, part, bucket: Optional[int]) -> None:
         """The reducer finished ``bucket`` of ``part`` (None: all of them): start its copy to the host now, so it
@@ -263,6 +316,11 @@ class OptimizerOffload:
         on_accelerator = [shard for part in parts for shard in part.grad_shards()[:1]]
         wait_for_copies(on_accelerator)  # the gradients copied out during backward (copy stream) have arrived
         try:
+            if self.delayed is not None and self.delayed.takes(optimizer):
+                self.use_fused(optimizer)
+                clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
+                self.delayed.step(optimizer, parts, used, inv_scale, clip)  # on a thread (delayed_update.py)
+                return
             self._step(optimizer, parts, used, inv_scale, clip_coef)
         finally:
             wait_for_copies(on_accelerator)
@@ -426,7 +484,8 @@ class OptimizerOffload:
         False: it only read it, the file holds the same values) or written back into the model's parameter shards
         and out to the file (``write``: it changed the masters or replaced their state), its write overlapping the
         next tile. So a checkpoint holds a few tiles in memory, never the whole state. Without NVMe, or inside
-        :meth:`resident`, one tile of everything."""
+        :meth:`resident`, one tile of everything. A delayed update in flight lands first."""
+        self.settle()
         swap = self.swapper
         if swap is None or self._resident_depth:
             yield list(masters)
@@ -490,7 +549,9 @@ class OptimizerOffload:
         """Everything in memory for the duration (GatheredParameters). Or only ``masters`` (of this offload),
         with their optimizer state if ``state``: what the debugging API and full state dicts read for one
         parameter at a time, so the swapped state never comes in all at once; afterwards written out again if
-        ``write`` (the caller changed it), else dropped (the file holds the same values)."""
+        ``write`` (the caller changed it), else dropped (the file holds the same values). A delayed update in
+        flight lands first."""
+        self.settle()
         if self.swapper is None or self._resident_depth:
             yield
             return

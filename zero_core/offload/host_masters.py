@@ -5,7 +5,8 @@ parameters that got no gradient keep ``grad=None`` and are not stepped. Where th
 - ``device: cpu``: each bucket has one host fp32 tensor (pinned with ``pin_memory`` when CUDA exists) and the
   pieces are views of it, so the write-back after a step is one copy per bucket. A bucket whose parameter shard
   is itself fp32 in (unpinned) host memory, as in fp32 training on a CPU-only machine, is its own master, as
-  without offload: copying it would only cost time and memory.
+  without offload: copying it would only cost time and memory (except with the delayed update, delayed_update.py,
+  whose masters change while the next forward reads the shards).
 - ``device: nvme``: each piece is a tensor of its own, because the swap (nvme_swap.py) frees and re-reads tensors
   one by one; a piece that is swapped out is empty, and the step wrote it back before swapping it out.
 """
@@ -28,14 +29,15 @@ def _host_fp32(tensor: torch.Tensor, pin: bool) -> bool:
 class HostMasterShards(MasterShards):
     """fp32 master pieces of one part on the host: bucket views (cpu) or separate tensors (nvme)."""
 
-    def __init__(self, source: MasterShards, pin: bool, separate: bool) -> None:
+    def __init__(self, source: MasterShards, pin: bool, separate: bool, own_copy: bool = False) -> None:
         self.pieces = list(source.pieces)
         self.separate = separate
         if separate:
             self.buckets = []
             self.params = [nn.Parameter(host_copy(p, torch.float32, False)) for p in source.params]
-        else:
-            self.buckets = [b if _host_fp32(b, pin) else host_copy(b, torch.float32, pin) for b in source.buckets]
+        else:  # own_copy: never the shard itself (the delayed update changes masters while the shards are read)
+            self.buckets = [b if _host_fp32(b, pin) and not own_copy else host_copy(b, torch.float32, pin)
+                            for b in source.buckets]
             self.params = [nn.Parameter(self.buckets[f.bucket][f.shard_range.as_slice()]) for f in self.pieces]
 
     def attach_grads(self, grad_shards, used, inv_scale, clip_coef) -> None:
