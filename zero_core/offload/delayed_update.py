@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from zero_core.optim.kernels import only_params
-from zero_core.optim.master_shards import TileEntry, _scale, master_tiles, tile_runs
+from zero_core.optim.master_shards import TileEntry, master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload.placement import copy_between, wait_for_copies
 
 _WHOLE = 1 << 62  # one tile: the thread steps every piece in one optimizer call
@@ -113,7 +113,7 @@ class DelayedUpdate:
 
         def update() -> None:
             with torch.no_grad():
-                _scale(grads, inv_scale, clip)  # the same arithmetic as the exact step
+                unscale_and_clip(grads, inv_scale, clip)  # the same arithmetic as the exact step
                 step_fn(shadow)
             for _, double in pairs:
                 double.grad = None
