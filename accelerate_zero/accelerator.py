@@ -340,8 +340,8 @@ class ZeroAccelerator(Accelerator):
         finally:
             handle.remove()
         state_io.load_engines(self, seen[-1])
-        # At another world size: the accumulation that keeps the global batch (not for the HF Trainer, whose
-        # own TrainingArguments drive its accumulation; it loads through hf_trainer.py).
+        # At another world size: the accumulation that keeps the global batch (the HF Trainer loads through
+        # hf_trainer.py, which re-plans its own TrainingArguments' accumulation instead).
         elastic.keep_global_batch(self, state_io.saved_global_batch(seen[-1]))
 
     @contextlib.contextmanager

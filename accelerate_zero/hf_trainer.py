@@ -18,6 +18,9 @@ wrapped, for trainers whose model runs under a ZeRO engine (any other trainer ru
 - ``_load_best_model`` (``load_best_model_at_end``): every rank loads the best checkpoint's weights into the
   engine, fp32 masters included (``model.load_state_dict`` would miss the masters, and at stage 3 the
   partitioned parameters).
+- ``_inner_training_loop`` (for any trainer on a ``ZeroAccelerator``, before the model is prepared): resuming
+  from a checkpoint saved at another world size first re-plans ``args.gradient_accumulation_steps`` to keep
+  the global batch (elastic.py), so the loop plans its epochs, the batches it skips and its steps with it.
 
 Wrapping is process-local (nothing is written to the installed package) and happens when a ``ZeroAccelerator``
 is created while ``transformers.trainer`` is imported, which is always the case when a ``Trainer`` creates it.
@@ -48,6 +51,7 @@ def install_if_loaded() -> None:
     for name, replacement in (("save_model", save_model), ("_save_optimizer_and_scheduler", save_optimizer),
                               ("_load_optimizer_and_scheduler", load_optimizer), ("_load_best_model", load_best)):
         setattr(trainer, name, _under_zero(getattr(trainer, name), replacement))
+    trainer._inner_training_loop = _on_zero_accelerator(trainer._inner_training_loop, training_loop)
     setattr(trainer, _WRAPPED, True)
 
 
@@ -58,6 +62,19 @@ def _under_zero(original: Callable, replacement: Callable) -> Callable:
         if managed is None:
             return original(self, *args, **kwargs)
         return replacement(self, managed, *args, **kwargs)
+
+    return method
+
+
+def _on_zero_accelerator(original: Callable, replacement: Callable) -> Callable:
+    """For methods that run before the model is prepared: the replacement gets the original to call."""
+    @functools.wraps(original)
+    def method(self, *args, **kwargs):
+        from .accelerator import ZeroAccelerator
+
+        if not isinstance(getattr(self, "accelerator", None), ZeroAccelerator):
+            return original(self, *args, **kwargs)
+        return replacement(self, original, *args, **kwargs)
 
     return method
 
@@ -102,10 +119,25 @@ def _name_saved_dtype(directory: Path, dtype: torch.dtype) -> None:
         write_hf_config(config, directory, dtype)
 
 
+def training_loop(trainer, original: Callable, batch_size=None, args=None, resume_from_checkpoint=None,
+                  *rest, **kwargs):
+    """Resuming at another world size: the accumulation that keeps the checkpoint's global batch, set before
+    the loop counts epochs, skipped batches and steps in micro-batches."""
+    if resume_from_checkpoint is not None:
+        from .elastic import keep_trainer_global_batch
+        from .state_io import saved_global_batch
+
+        keep_trainer_global_batch(trainer, saved_global_batch(resume_from_checkpoint))
+    return original(trainer, batch_size, args, resume_from_checkpoint, *rest, **kwargs)
+
+
 def save_optimizer(trainer, managed, output_dir: str) -> None:
+    from .elastic import batch_record
     from .state_io import save_engines
 
-    save_engines(trainer.accelerator, output_dir)  # every rank: zero_model/ and zero_state.json
+    # every rank: zero_model/ and zero_state.json, with the Trainer's accumulation (its Accelerator's is 1)
+    save_engines(trainer.accelerator, output_dir,
+                 batch_record(trainer.accelerator.num_processes, trainer.args.gradient_accumulation_steps))
     if trainer.args.should_save and trainer.lr_scheduler is not None:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

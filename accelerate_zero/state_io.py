@@ -44,9 +44,10 @@ def _positions(accelerator) -> list[tuple[object, int, list[Optional[int]]]]:
     return out
 
 
-def save_engines(accelerator, directory) -> None:
+def save_engines(accelerator, directory, global_batch: Optional[dict] = None) -> None:
     """Every rank: one sharded checkpoint per ZeRO model, then rank 0 writes ``zero_state.json`` (with
-    ``checkpoint.use_node_local_storage``: each machine's first process, into its own directory)."""
+    ``checkpoint.use_node_local_storage``: each machine's first process, into its own directory).
+    ``global_batch``: elastic.py's record, when the accumulation is not the Accelerator's (the HF Trainer's)."""
     from zero_core import save_checkpoint
 
     directory = Path(directory)
@@ -59,7 +60,9 @@ def save_engines(accelerator, directory) -> None:
     # node-local checkpoints: every machine's directory is its own, so each machine's first process records it
     node_local = any(m.engine.config.checkpoint.use_node_local_storage for m in accelerator._managed)
     if accelerator.is_main_process or (node_local and accelerator.is_local_main_process):
-        record = {"models": entries, elastic.KEY: elastic.batch_record(accelerator)}
+        if global_batch is None:
+            global_batch = elastic.batch_record(accelerator.num_processes, accelerator.gradient_accumulation_steps)
+        record = {"models": entries, elastic.KEY: global_batch}
         (directory / ZERO_STATE_FILE).write_text(json.dumps(record, indent=2) + "\n")
     accelerator.wait_for_everyone()
 

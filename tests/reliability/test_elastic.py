@@ -3,66 +3,24 @@ each). The second node is killed (agent and worker, SIGKILL) after 8 steps: the 
 the latest checkpoint with twice the gradient accumulation; when the second node comes back the job grows to
 two ranks again, and the final weights equal a fixed-size run's (computed here: the same global batches).
 
-torch 2.13 needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` to grow: with the shared store, a joining agent waits
-for the bootstrap address that the rank-0 agent writes only in its first round (docs/reliability.md).
+The agents' machinery is tests/support/elastic_agents.py (shared with tests/lightning/test_lightning_elastic.py).
 """
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import zero_core
-from launch import CORE_SCRIPTS, child_env, free_port
+from elastic_agents import kill_node, start_agent, start_two_nodes, starts, wait_for
+from launch import CORE_SCRIPTS, free_port
 
 SCRIPT = CORE_SCRIPTS / "elastic.py"
 sys.path.insert(0, str(SCRIPT.parent))
 import elastic  # noqa: E402  (the script's model and samples, for the reference)
-
-
-def start_agent(tmp: Path, port: int, name: str) -> subprocess.Popen:
-    env = child_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
-    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", "1",
-               "--max-restarts", "3", "--monitor-interval", "0.5", "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "elastic-test",
-               "--rdzv-conf", "last_call_timeout=5,join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3",
-               str(SCRIPT), str(tmp / "checkpoints"), str(tmp / "out")]
-    log = (tmp / f"{name}.log").open("w")
-    return subprocess.Popen(command, env=env, cwd=str(tmp), stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-
-
-def kill_node(agent: subprocess.Popen) -> None:
-    """SIGKILL an agent and its workers (torchrun starts them in sessions of their own)."""
-    children = Path(f"/proc/{agent.pid}/task/{agent.pid}/children")
-    pids = [int(p) for p in children.read_text().split()] if children.exists() else []
-    for pid in [*pids, agent.pid]:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    agent.wait()
-
-
-def wait_for(condition, deadline: float, what: str, tmp: Path) -> None:
-    while not condition():
-        if time.monotonic() > deadline:
-            logs = "\n".join(f"--- {p.name}\n{p.read_text()[-3000:]}" for p in sorted(tmp.glob("*.log")))
-            raise AssertionError(f"timed out waiting for {what}\n{logs}")
-        time.sleep(0.2)
-
-
-def starts(tmp: Path) -> list[dict]:
-    path = tmp / "out.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
 def fixed_size_weights() -> dict:
@@ -80,21 +38,21 @@ def fixed_size_weights() -> dict:
 def test_a_lost_node_continues_on_the_rest_and_grows_back(tmp_path):
     port, deadline, agents = free_port(), time.monotonic() + 150, []
     try:
-        agents.append(start_agent(tmp_path, port, "node0"))
-        time.sleep(0.5)  # node 0 hosts the rendezvous store
-        agents.append(start_agent(tmp_path, port, "node1"))
+        args = (str(tmp_path / "checkpoints"), str(tmp_path / "out"))
+        agents.extend(start_two_nodes(tmp_path, port, deadline, SCRIPT, *args))
         saved = lambda: len(list((tmp_path / "checkpoints").glob("step-*")))  # noqa: E731
         wait_for(lambda: saved() >= 4, deadline, "8 steps on two nodes", tmp_path)
         kill_node(agents[1])
-        wait_for(lambda: len(starts(tmp_path)) >= 2, deadline, "a restart on the remaining node", tmp_path)
-        agents.append(start_agent(tmp_path, port, "node1-back"))
+        wait_for(lambda: len(starts(tmp_path / "out.jsonl")) >= 2, deadline, "a restart on the remaining node",
+                 tmp_path)
+        agents.append(start_agent(tmp_path, port, "node1-back", SCRIPT, *args))
         wait_for(lambda: agents[0].poll() is not None, deadline, "the job to finish", tmp_path)
         assert agents[0].returncode == 0, (tmp_path / "node0.log").read_text()[-4000:]
     finally:
         for agent in agents:
             if agent.poll() is None:
                 kill_node(agent)
-    seen = starts(tmp_path)
+    seen = starts(tmp_path / "out.jsonl")
     assert [(s["world"], s["accumulation"]) for s in seen] == [(2, 2), (1, 4), (2, 2)], seen
     assert 8 <= seen[1]["resumed_at"] < seen[2]["resumed_at"], seen
     got = torch.load(tmp_path / "out.pt")

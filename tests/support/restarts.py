@@ -44,10 +44,12 @@ def launch(command: list[str], timeout: float, cwd: Path) -> str:
     return launching.run(command, timeout=timeout, cwd=cwd)
 
 
-def torchrun(script: Path, *args: str, port: int, restarts: int = 1, nproc: int = 2) -> list[str]:
+def torchrun(script: Path, *args: str, port: int, restarts: int = 1, nproc: int = 2,
+             swap: bool = False) -> list[str]:
+    """``swap``: run the script under ``-m accelerate_zero.swap`` (ZeroAccelerator for an HF Trainer script)."""
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
             "--max-restarts", str(restarts), "--monitor-interval", "0.5", "--master-addr", "127.0.0.1",
-            "--master-port", str(port), str(script), *args]
+            "--master-port", str(port), *(["-m", "accelerate_zero.swap"] if swap else []), str(script), *args]
 
 
 def assert_weights_equal(got: dict, expected: dict, atol: float = 1e-6) -> None:
