@@ -26,7 +26,7 @@ from zero_core.optim.master_shards import _scale, master_tiles, tile_runs
 from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
 from zero_core.offload.host_masters import HostMasterShards
-from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
+from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path
 from zero_core.offload.params import offload_param_shards
 from zero_core.offload.placement import copy_between, host_empty, pinning, wait_for_copies
 
@@ -109,6 +109,8 @@ class OptimizerOffload:
         block = config.offload_optimizer
         self.device = block.device
         self.sub_group_size = config.sub_group_size
+        if block.device == "nvme":  # a few tiles in memory at the step, not the whole state (nvme_swap.py)
+            self.sub_group_size = min(self.sub_group_size, NVME_TILE_NUMEL)
         # Elements per chunk of the Adam/AdamW step on device 'cpu' (chunked_step.py): CHUNK per pair of torch's
         # threads, so a machine of many cores steps big chunks (each chunk is one fused call split over every
         # thread; 1M-element chunks on 16 threads made an H200 host step 3x slower than one whole fused step).

@@ -7,7 +7,9 @@ parameters that got no gradient keep ``grad=None`` and are not stepped. Where th
   is itself fp32 in (unpinned) host memory, as in fp32 training on a CPU-only machine, is its own master, as
   without offload: copying it would only cost time and memory.
 - ``device: nvme``: each piece is a tensor of its own, because the swap (nvme_swap.py) frees and re-reads tensors
-  one by one; a piece that is swapped out is empty, and the step wrote it back before swapping it out.
+  one by one; a piece that is swapped out is empty, and the step wrote it back before swapping it out. Its first
+  copy, made here and swapped out at once, is in memory of the swap's own (``host_buffer``), so that it goes back
+  to the OS then rather than staying in the C allocator's heap.
 """
 
 from __future__ import annotations
@@ -18,11 +20,19 @@ import torch
 from torch import nn
 
 from zero_core.optim.master_shards import MasterShards
+from zero_core.offload.nvme_swap import host_buffer
 from zero_core.offload.placement import host_copy
 
 
 def _host_fp32(tensor: torch.Tensor, pin: bool) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and (tensor.is_pinned() or not pin)
+
+
+def _swappable_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """An fp32 host copy of ``tensor`` whose memory is unmapped when the swap frees it (nvme_swap.host_buffer)."""
+    out = host_buffer(tensor.numel() * 4).view(torch.float32).view(tensor.shape)
+    out.copy_(tensor.detach())
+    return out
 
 
 class HostMasterShards(MasterShards):
@@ -33,7 +43,7 @@ class HostMasterShards(MasterShards):
         self.separate = separate
         if separate:
             self.buckets = []
-            self.params = [nn.Parameter(host_copy(p, torch.float32, False)) for p in source.params]
+            self.params = [nn.Parameter(_swappable_copy(p)) for p in source.params]
         else:
             self.buckets = [b if _host_fp32(b, pin) else host_copy(b, torch.float32, pin) for b in source.buckets]
             self.params = [nn.Parameter(self.buckets[f.bucket][f.shard_range.as_slice()]) for f in self.pieces]
