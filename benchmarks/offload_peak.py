@@ -11,8 +11,9 @@ Runs:
   file), ``nvme_path`` a temporary directory under ``--dir``; other fields at their defaults unless given
   (``--sub-group-size``, ``--buffer-count``, ``--param-buffers``).
 
-What offload can take away is the fp32 master (here the parameter shard itself, counted once) and Adam's two
-moments: 12 bytes per parameter (the engine's ``memory_stats`` of the run without offload). The table gives the
+What offload can take away is the parameter shard, the fp32 master (in fp32 training the parameter shard itself,
+counted once) and Adam's two moments: 12 bytes per parameter in fp32, 14 with ``--bf16`` (the engine's
+``memory_stats`` of the run without offload). The table gives the
 peak of each run during training (after setup) and over the whole process, and the drop of the offloaded run's
 peak as a fraction of those bytes. glibc's allocator is left as users get it (no ``MALLOC_*`` variables) unless
 ``--mmap-threshold`` is given.
@@ -85,7 +86,7 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     baseline = rss_anon()
-    config = {"stage": 3}
+    config = {"stage": 3, "bf16": {"enabled": args.bf16}}
     if args.sub_group_size:
         config["sub_group_size"] = args.sub_group_size
     if args.run == "nvme":
@@ -102,7 +103,7 @@ def worker(args) -> None:
         engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
         del model
         after_setup = rss_anon()
-        x = torch.randn(args.batch, args.width)
+        x = torch.randn(args.batch, args.width, dtype=torch.bfloat16 if args.bf16 else torch.float32)
         steps, forward_backward = [], []  # seconds, from the second step on (the first creates Adam's state)
         for index in range(args.steps):
             start = time.perf_counter()
@@ -138,7 +139,7 @@ def run_all(args) -> dict:
             command = [sys.executable, "-m", "benchmarks.offload_peak", "--worker", run, "--nvme-path", nvme_path,
                        "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
                        "--steps", str(args.steps), "--threads", str(args.threads),
-                       "--sub-group-size", str(args.sub_group_size)]
+                       "--sub-group-size", str(args.sub_group_size)] + (["--bf16"] if args.bf16 else [])
             for flag, value in (("--buffer-count", args.buffer_count), ("--param-buffers", args.param_buffers)):
                 if value is not None:
                     command += [flag, str(value)]
@@ -148,7 +149,8 @@ def run_all(args) -> dict:
             output = subprocess.run(command, check=True, capture_output=True, text=True, env=env).stdout
             runs[run] = json.loads(output.strip().splitlines()[-1])
     base = runs["none"]["memory_stats"]
-    offloaded = base["fp32_master"] + base["optimizer_state"] + base["params"]  # fp32: master is the shard
+    # fp32: the master is the parameter shard (fp32_master 0); bf16: the master, the moments and the bf16 shard
+    offloaded = base["fp32_master"] + base["optimizer_state"] + base["params"]
     out = {"runs": runs, "offloaded_bytes": offloaded, "load_average": os.getloadavg(),
            "mmap_threshold": args.mmap_threshold or None}
     for kind in ("training_peak_bytes", "process_peak_bytes"):
@@ -160,7 +162,8 @@ def run_all(args) -> dict:
 def table(result: dict, command: str) -> str:
     runs, offloaded = result["runs"], result["offloaded_bytes"]
     lines = [f"`{command}` (load average {result['load_average'][0]:.1f}; offloaded bytes "
-             f"{offloaded / MiB:.0f} MiB: fp32 master = parameter shard, and Adam's moments)", "",
+             f"{offloaded / MiB:.0f} MiB: the parameter shard, the fp32 master (in fp32 training the shard itself) and "
+             "Adam's moments)", "",
              "| run | after setup | training peak (phase) | step peak | between steps | process peak "
              "| peak drop / offloaded (training, process) | step, fwd+bwd (s, best) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -186,6 +189,7 @@ def main(argv=None) -> None:
     parser.add_argument("--sub-group-size", type=int, default=0, help="0: the default (1e9)")
     parser.add_argument("--buffer-count", type=int, default=None, help="offload_optimizer.buffer_count")
     parser.add_argument("--param-buffers", type=int, default=None, help="offload_param.buffer_count")
+    parser.add_argument("--bf16", action="store_true", help="bf16 training (fp32 masters) instead of fp32")
     parser.add_argument("--mmap-threshold", type=int, default=0, help="MALLOC_MMAP_THRESHOLD_ (0: glibc's own)")
     parser.add_argument("--out", default=None, help="append the table (markdown) to this file")
     parser.add_argument("--worker", choices=("none", "nvme"), default=None)
