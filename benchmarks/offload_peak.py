@@ -13,12 +13,12 @@ Runs:
 
 What offload can take away is the parameter shard, the fp32 master (in fp32 training the parameter shard itself,
 counted once) and Adam's two moments: 12 bytes per parameter in fp32, 14 with ``--bf16`` (the engine's
-``memory_stats`` of the run without offload). The table gives the
-peak of each run during training (after setup) and over the whole process, and the drop of the offloaded run's
-peak as a fraction of those bytes. glibc's allocator is left as users get it (no ``MALLOC_*`` variables) unless
-``--mmap-threshold`` is given.
+``memory_stats`` of the run without offload). The table gives each run's peak during training (after setup), in
+the step, between steps and over the whole process, and the drop of the offloaded run's peak as a fraction of
+those bytes. glibc's allocator is left as users get it (no ``MALLOC_*`` variables) unless ``--mmap-threshold`` is
+given. Results: benchmarks/results/offload_peak.md, docs/offload.md ("Peak host memory with NVMe").
 
-    python -m benchmarks.offload_peak --dir /tmp --steps 4 --out benchmarks/results/offload_peak.md
+    python -m benchmarks.offload_peak --dir /tmp --steps 5 --mmap-threshold 1048576 --out benchmarks/results/offload_peak.md
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ import threading
 import time
 
 MiB = 1 << 20
-_PHASES = ("setup", "forward", "backward", "step")
 
 
 def rss_anon() -> int:
@@ -170,10 +169,10 @@ def table(result: dict, command: str) -> str:
     for name, run in runs.items():
         drop = "" if name == "none" else (f"{result['training_peak_drop_fraction']:.0%}, "
                                           f"{result['process_peak_drop_fraction']:.0%}")
-        peaks = run["peaks_bytes"]
-        lines.append(f"| {name} | {run['after_setup_bytes'] / MiB:.0f} MiB | {run['training_peak_bytes'] / MiB:.0f} MiB "
-                     f"({run['training_peak_phase']}) | {peaks['step'] / MiB:.0f} MiB | {peaks['between'] / MiB:.0f} MiB "
-                     f"| {run['process_peak_bytes'] / MiB:.0f} MiB | {drop} | {run['step_s']:.3f}, "
+        peaks, mib = run["peaks_bytes"], lambda n: f"{n / MiB:.0f} MiB"  # noqa: E731
+        lines.append(f"| {name} | {mib(run['after_setup_bytes'])} | {mib(run['training_peak_bytes'])} "
+                     f"({run['training_peak_phase']}) | {mib(peaks['step'])} | {mib(peaks['between'])} "
+                     f"| {mib(run['process_peak_bytes'])} | {drop} | {run['step_s']:.3f}, "
                      f"{run['forward_backward_s']:.3f} |")
     return "\n".join(lines) + "\n"
 
