@@ -85,7 +85,7 @@ def worker(args) -> None:
     torch.set_num_threads(args.threads)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     baseline = rss_anon()
-    config = {"stage": 3, "bf16": {"enabled": args.bf16}}
+    config = {"stage": 3, "bf16": {"enabled": args.bf16}, **json.loads(args.zero)}
     if args.sub_group_size:
         config["sub_group_size"] = args.sub_group_size
     if args.run == "nvme":
@@ -138,7 +138,8 @@ def run_all(args) -> dict:
             command = [sys.executable, "-m", "benchmarks.offload_peak", "--worker", run, "--nvme-path", nvme_path,
                        "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
                        "--steps", str(args.steps), "--threads", str(args.threads),
-                       "--sub-group-size", str(args.sub_group_size)] + (["--bf16"] if args.bf16 else [])
+                       "--sub-group-size", str(args.sub_group_size), "--zero", args.zero] + (
+                           ["--bf16"] if args.bf16 else [])
             for flag, value in (("--buffer-count", args.buffer_count), ("--param-buffers", args.param_buffers)):
                 if value is not None:
                     command += [flag, str(value)]
@@ -188,6 +189,8 @@ def main(argv=None) -> None:
     parser.add_argument("--sub-group-size", type=int, default=0, help="0: the default (1e9)")
     parser.add_argument("--buffer-count", type=int, default=None, help="offload_optimizer.buffer_count")
     parser.add_argument("--param-buffers", type=int, default=None, help="offload_param.buffer_count")
+    parser.add_argument("--zero", default="{}", help="more zero_optimization fields for both runs (JSON), e.g. "
+                        "stage 3's prefetch_bucket_size")
     parser.add_argument("--bf16", action="store_true", help="bf16 training (fp32 masters) instead of fp32")
     parser.add_argument("--mmap-threshold", type=int, default=0, help="MALLOC_MMAP_THRESHOLD_ (0: glibc's own)")
     parser.add_argument("--out", default=None, help="append the table (markdown) to this file")
