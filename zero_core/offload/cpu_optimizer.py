@@ -151,11 +151,13 @@ class OptimizerOffload:
         for part in parts:
             if self.swapper is None:
                 part.on_grad_reduced = self.grad_reduced
-            part.master_shards = HostMasterShards(part.master_shards, self.pin, separate=self.swapper is not None)
-            if self.swapper is not None:
-                for piece in part.masters:
-                    self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
+            store = None if self.swapper is None else self._store
+            part.master_shards = HostMasterShards(part.master_shards, self.pin, self.swapper is not None, store)
             self.parts.append(part)
+
+    def _store(self, piece: nn.Parameter) -> None:
+        """A new master piece goes to the swap file at once (HostMasterShards makes the next one after this)."""
+        self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
 
     def all_masters(self) -> list[nn.Parameter]:
         return [m for part in self.parts for m in part.masters]

@@ -14,7 +14,7 @@ parameters that got no gradient keep ``grad=None`` and are not stepped. Where th
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -38,12 +38,19 @@ def _swappable_copy(tensor: torch.Tensor) -> torch.Tensor:
 class HostMasterShards(MasterShards):
     """fp32 master pieces of one part on the host: bucket views (cpu) or separate tensors (nvme)."""
 
-    def __init__(self, source: MasterShards, pin: bool, separate: bool) -> None:
+    def __init__(self, source: MasterShards, pin: bool, separate: bool,
+                 store: Optional[Callable[[nn.Parameter], None]] = None) -> None:
+        """``store`` (nvme): called on each separate piece as soon as it is made (the swap writes it out), so that
+        one piece of the part is in memory at a time, not a copy of all of them."""
         self.pieces = list(source.pieces)
         self.separate = separate
         if separate:
             self.buckets = []
-            self.params = [nn.Parameter(_swappable_copy(p)) for p in source.params]
+            self.params = []
+            for p in source.params:
+                self.params.append(nn.Parameter(_swappable_copy(p)))
+                if store is not None:
+                    store(self.params[-1])
         else:
             self.buckets = [b if _host_fp32(b, pin) else host_copy(b, torch.float32, pin) for b in source.buckets]
             self.params = [nn.Parameter(self.buckets[f.bucket][f.shard_range.as_slice()]) for f in self.pieces]
