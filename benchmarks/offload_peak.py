@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -204,7 +205,7 @@ def main(argv=None) -> None:
     result = run_all(args)
     print(json.dumps(result, indent=1))
     if args.out:
-        command = "python -m benchmarks.offload_peak " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = "python -m benchmarks.offload_peak " + shlex.join(argv if argv is not None else sys.argv[1:])
         with open(args.out, "a") as f:
             f.write(table(result, command) + "\n")
 
