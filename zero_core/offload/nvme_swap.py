@@ -38,14 +38,15 @@ NVME_TILE_NUMEL = 1 << 20
 # (dynamic) mmap threshold has grown past it, and a freed block in the middle of the heap stays resident, so a
 # swap that frees tiles of a few MiB kept most of them in the process's memory.
 MAPPED_BYTES = 1 << 20
-_MAP_FLAGS = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", None)  # POSIX; elsewhere torch's allocator serves every buffer
+_MAP_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | (_ANONYMOUS or 0) | getattr(mmap, "MAP_POPULATE", 0)
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
     """``nbytes`` of host memory as a flat uint8 tensor. From ``MAPPED_BYTES`` up, an anonymous mapping of its own
     (page-aligned; its pages faulted in at once, MAP_POPULATE: reading 64 MiB into fresh pages took 131 ms one fault
     at a time, 70 ms so, 9 ms into pages already touched), unmapped when the last tensor on it is freed."""
-    if nbytes < MAPPED_BYTES:
+    if nbytes < MAPPED_BYTES or _ANONYMOUS is None:
         return torch.empty(nbytes, dtype=torch.uint8)
     return torch.frombuffer(mmap.mmap(-1, nbytes, flags=_MAP_FLAGS), dtype=torch.uint8)
 
