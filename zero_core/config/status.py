@@ -23,8 +23,9 @@ FIELD_STATUS = {
     "offload_param": HONOURED,
     "offload_optimizer": HONOURED,
     "sub_group_size": _mapped("the optimizer steps one piece per parameter fragment, in tiles of whole pieces up to "
-                              "this many elements (on the accelerator also at most reduce_bucket_size) wherever "
-                              "gradients need an fp32 copy or live offloaded"),
+                              "this many elements (on the accelerator also at most reduce_bucket_size; with NVMe "
+                              "offload also at most 1M, so that the step holds a few tiles) wherever gradients "
+                              "need an fp32 copy or live offloaded"),
     "prefetch_bucket_size": HONOURED,
     "param_persistence_threshold": HONOURED,
     "model_persistence_threshold": HONOURED,

@@ -439,8 +439,9 @@ class ZeroEngine:
 
     def offload_tiles(self, fragments: list[Fragment], write: bool = False) -> Iterator[list[Fragment]]:
         """``fragments`` in groups whose masters and optimizer state are in memory while the caller holds the
-        group: with NVMe offload, tiles of about ``sub_group_size`` elements read one ahead, then dropped, or with
-        ``write`` written back into the model and out to the file (OptimizerOffload.stream); else one group.
+        group: with NVMe offload, tiles of at most ``sub_group_size`` (and 1M) elements read one ahead, then
+        dropped, or with ``write`` written back into the model and out to the file (OptimizerOffload.stream); else
+        one group.
         Checkpoints save and load through it, so that NVMe state passes through memory a few tiles at a time."""
         return self._masters.tiles(fragments, write)
 

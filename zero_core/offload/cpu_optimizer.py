@@ -27,7 +27,7 @@ from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
 from zero_core.offload.delayed_update import DelayedUpdate
 from zero_core.offload.host_masters import HostMasterShards
-from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, check_nvme_path
+from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path
 from zero_core.offload.params import offload_param_shards
 from zero_core.offload.placement import copy_between, host_empty, pinning, wait_for_copies
 
@@ -110,6 +110,8 @@ class OptimizerOffload:
         block = config.offload_optimizer
         self.device = block.device
         self.sub_group_size = config.sub_group_size
+        if block.device == "nvme":  # a few tiles in memory at the step, not the whole state (nvme_swap.py)
+            self.sub_group_size = min(self.sub_group_size, NVME_TILE_NUMEL)
         # Elements per chunk of the Adam/AdamW step on device 'cpu' (chunked_step.py): CHUNK per pair of torch's
         # threads, so a machine of many cores steps big chunks (each chunk is one fused call split over every
         # thread; 1M-element chunks on 16 threads made an H200 host step 3x slower than one whole fused step).
@@ -157,12 +159,14 @@ class OptimizerOffload:
                 part.on_grad_reduced = self.grad_reduced
             # With the delayed update a master is never the model's shard itself: the thread changes the masters
             # while the next forward reads the shards.
-            part.master_shards = HostMasterShards(part.master_shards, self.pin, separate=self.swapper is not None,
+            store = None if self.swapper is None else self._store
+            part.master_shards = HostMasterShards(part.master_shards, self.pin, self.swapper is not None, store,
                                                   own_copy=self.delayed is not None)
-            if self.swapper is not None:
-                for piece in part.masters:
-                    self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
             self.parts.append(part)
+
+    def _store(self, piece: nn.Parameter) -> None:
+        """A new master piece goes to the swap file at once (HostMasterShards makes the next one after this)."""
+        self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
 
     def settle(self) -> None:
         """A delayed update in flight (``delayed_update_after``) lands: the masters and optimizer state are those

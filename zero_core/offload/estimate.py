@@ -6,10 +6,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zero_core.config import ZeroConfig
+from zero_core.offload.nvme_swap import NVME_TILE_NUMEL
 
 MASTER_BYTES = 4  # an offloaded master is always its own fp32 host copy
 HOST_GRAD_BYTES = 4  # the fp32 host gradient buffer the CPU step reads
-TILES_IN_FLIGHT = 3  # NVMe: the tile stepping, the next being read, the last being written
+TILES_IN_FLIGHT = 3  # NVMe: the tile stepping, the next being read, the last being written (during the step only)
 
 
 @dataclass(frozen=True)
@@ -34,7 +35,7 @@ def placement_bytes(estimate, config) -> Placement:
             host += moved + HOST_GRAD_BYTES * shard
         else:
             nvme += moved
-            tile = min(cfg.sub_group_size, shard)
+            tile = min(cfg.sub_group_size, NVME_TILE_NUMEL, shard)
             per_element = moved / shard if shard else 0
             host += int((TILES_IN_FLIGHT + cfg.offload_optimizer.buffer_count) * tile * per_element)
             host += HOST_GRAD_BYTES * tile

@@ -2,13 +2,18 @@
 
 A swapped-out tensor keeps its object (the optimizer's state dict and param_groups still hold it) but its
 ``.data`` becomes an empty tensor; swapping in points it at a host buffer again and reads the file into it. Freed
-buffers are kept for the next tiles (up to ``pool_bytes``): reading into memory already touched runs several
-times faster than into fresh pages. Each (tensor, state key) has a fixed region of the file, aligned to the aio
+buffers are kept for the next tiles (up to ``pool_bytes``) while anything is read in: reading into memory already
+touched runs several times faster than into fresh pages. Once nothing is read in any more (the end of a step, a
+checkpoint's stream, a debugging read) the kept buffers go back to the OS, so between steps the swap holds no
+memory and the peak of forward and backward does not pay for the step's tiles. Buffers of 1 MiB or more are
+mapped from the OS each on its own (:func:`host_buffer`), so that freeing one returns its memory at once whatever
+the C allocator's thresholds. Each (tensor, state key) has a fixed region of the file, aligned to the aio
 ``block_size``.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import shutil
 import uuid
@@ -20,6 +25,30 @@ import torch
 from zero_core.offload.aio import AioPool, Transfer
 
 _MASTER = "__master__"
+
+# With device 'nvme' the step reads, steps and writes out tiles of at most this many elements, whatever
+# sub_group_size says: the step holds about four tiles at once (the one stepping, the next being read, the last
+# being written, one freed for the next read), 12 bytes per element with Adam, so a tile of sub_group_size's
+# default (1e9 elements) brought the whole offloaded state back into memory for the step. A tile of 12 MiB still
+# keeps the aio queue (block_size x queue_depth x thread_count, 8 MiB by default) full: a 25M-parameter step took
+# 0.12 s in one tile and in 1M-element tiles alike (benchmarks/offload_peak.py).
+NVME_TILE_NUMEL = 1 << 20
+
+# Buffers this big or bigger are mapped on their own: glibc's malloc serves a large block from its heap once its
+# (dynamic) mmap threshold has grown past it, and a freed block in the middle of the heap stays resident, so a
+# swap that frees tiles of a few MiB kept most of them in the process's memory.
+MAPPED_BYTES = 1 << 20
+_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", None)  # POSIX; elsewhere torch's allocator serves every buffer
+_MAP_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | (_ANONYMOUS or 0) | getattr(mmap, "MAP_POPULATE", 0)
+
+
+def host_buffer(nbytes: int) -> torch.Tensor:
+    """``nbytes`` of host memory as a flat uint8 tensor. From ``MAPPED_BYTES`` up, an anonymous mapping of its own
+    (page-aligned; its pages faulted in at once, MAP_POPULATE: reading 64 MiB into fresh pages took 131 ms one fault
+    at a time, 70 ms so, 9 ms into pages already touched), unmapped when the last tensor on it is freed."""
+    if nbytes < MAPPED_BYTES or _ANONYMOUS is None:
+        return torch.empty(nbytes, dtype=torch.uint8)
+    return torch.frombuffer(mmap.mmap(-1, nbytes, flags=_MAP_FLAGS), dtype=torch.uint8)
 
 
 def check_nvme_path(path: Optional[str], field: str, need_bytes: int) -> None:
@@ -128,16 +157,23 @@ class NvmeSwapper:
         old = tensor.data
         tensor.data = torch.empty(0, dtype=tensor.dtype)
         nbytes = old.numel() * old.element_size()
-        if old.untyped_storage().nbytes() == nbytes and self._free_bytes + nbytes <= self.pool_bytes:
+        if self._read_in and old.untyped_storage().nbytes() == nbytes and self._free_bytes + nbytes <= self.pool_bytes:
             self._free.setdefault(nbytes, []).append(old.reshape(-1).view(torch.uint8))
             self._free_bytes += nbytes
+        elif not self._read_in:
+            self.trim()
+
+    def trim(self) -> None:
+        """Give the kept buffers back (done by itself once nothing is read in)."""
+        self._free.clear()
+        self._free_bytes = 0
 
     def _buffer(self, nbytes: int) -> torch.Tensor:
         free = self._free.get(nbytes)
         if free:
             self._free_bytes -= nbytes
             return free.pop()
-        return torch.empty(nbytes, dtype=torch.uint8)
+        return host_buffer(nbytes)
 
     def swap_in(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> Transfer:
         """Grow each tensor's storage back and read its region into it."""

@@ -31,10 +31,9 @@ def offload_param_shards(runtime, units: list, config, rank: int) -> None:
         unit.offloaded = True
         old = unit.shard
         if block.device == "nvme" and in_cpu + old.numel() > block.max_in_cpu:
+            # A master that was the shard itself keeps the shard's memory as its own (the shard moves to the
+            # file): no copy, and so no second copy of every such unit while setup offloads them all.
             to_file.append(unit)
-            if _master_aliases(unit, old):  # the master was the shard itself: it keeps its own copy
-                unit.master_shards = MasterShards(unit.layout, unit.rank, [b.clone() for b in unit.param_shards()],
-                                                  torch.float32)
             continue
         in_cpu += old.numel()
         unit.shard = host_copy(old, old.dtype, pin)
