@@ -12,9 +12,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stage3"))  # tests/stage3, for the shared model
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "stage3"))  # tests/stage3, for fused_forward
 
-from test_stage3_read_in_forward import TinyLM, fused_forward  # noqa: E402
+from test_stage3_read_in_forward import fused_forward  # noqa: E402
+from tiny_lm import TinyLM  # noqa: E402
 
 STAGE3 = {"stage": 3, "param_persistence_threshold": 0, "max_live_parameters": 100}
 STEPS = 4

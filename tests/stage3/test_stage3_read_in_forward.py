@@ -15,49 +15,20 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import zero_core
 from distributed import run_distributed
 from stage3_support import full_params, max_abs_diff
+from tiny_lm import TinyLM, lm_batch
 from zero_core.stage3.partitioned_param import is_released
 
-VOCAB, DIM, SEQ, STEPS = 19, 12, 5, 3
+STEPS = 3
 TOLERANCE = 1e-5
 CONFIGS = {
     "root group": {"stage": 3, "param_persistence_threshold": 0},
     "no root group": {"stage": 3, "param_persistence_threshold": 0, "max_live_parameters": 100},
 }
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.norm = nn.LayerNorm(DIM)
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def hidden(self, tokens):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
-
-    def forward(self, tokens, targets):
-        return F.cross_entropy(self.lm_head(self.hidden(tokens)).flatten(0, 1), targets.flatten())
 
 
 def fused_forward(self, tokens, targets):
@@ -67,9 +38,7 @@ def fused_forward(self, tokens, targets):
 
 
 def batch(step: int):
-    generator = torch.Generator().manual_seed(100 * step + dist.get_rank())
-    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
+    return lm_batch(step, dist.get_rank())
 
 
 def train(step_fn, steps=STEPS):

@@ -18,12 +18,12 @@ from types import MethodType
 import torch
 import torch._dynamo
 import torch.nn.functional as F
-from torch import nn
 
 from accelerate_zero import ZeroAccelerator, ZeroPlugin
 from common import fresh_state, rank, to_lists, write_json
+from tiny_lm import TinyLM as SharedTinyLM, lm_batch
 
-VOCAB, DIM, SEQ, STEPS = 19, 12, 5, 3
+STEPS = 3
 STAGE3 = {"stage": 3, "param_persistence_threshold": 0, "max_live_parameters": 100}  # the head gathered on read
 RUNS = {  # name: (ZeRO config or None for DDP, autocast, mixed_precision, patch after prepare[, compiled])
     "ddp_autocast": (None, False, "bf16", False),
@@ -39,29 +39,14 @@ RUNS = {  # name: (ZeRO config or None for DDP, autocast, mixed_precision, patch
 }
 
 
-class Block(nn.Module):
+class TinyLM(SharedTinyLM):
+    """Accelerate-style output: a dict with the loss."""
+
     def __init__(self):
-        super().__init__()
-        self.norm = nn.LayerNorm(DIM)
-        self.fc = nn.Linear(DIM, DIM)
-
-    def forward(self, x):
-        return x + torch.tanh(self.fc(self.norm(x)))
-
-
-class TinyLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList([Block(), Block()])
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        super().__init__(final_norm=False)
 
     def forward(self, tokens, targets):
-        x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x)
-        return {"loss": F.cross_entropy(self.lm_head(x).float().flatten(0, 1), targets.flatten())}
+        return {"loss": super().forward(tokens, targets)}
 
 
 def add_fused_head(model: TinyLM) -> None:
@@ -80,9 +65,7 @@ def add_fused_head(model: TinyLM) -> None:
 
 
 def batch(step: int):
-    generator = torch.Generator().manual_seed(100 * step + rank())
-    tokens = torch.randint(0, VOCAB, (3, SEQ + 1), generator=generator)
-    return tokens[:, :-1], tokens[:, 1:]
+    return lm_batch(step, rank())
 
 
 def one_run(config, autocast: bool, mixed_precision: str, after: bool, compiled: bool = False) -> dict:
