@@ -26,6 +26,22 @@ if TYPE_CHECKING:  # annotations only: these modules import this one's users
     from zero_core.optim.master_shards import MasterShards
 
 
+class UpdateHandle(Protocol):
+    """A part's optimizer update still being written into its parameter shards (the offloaded step overlapped
+    with the next forward, zero_core/offload/overlapped_step.py)."""
+
+    def wait(self) -> None:
+        """Return once the update is in the shards (on an accelerator: the current stream is ordered after it)."""
+
+
+def wait_for_update(part: "Part") -> None:
+    """Before reading ``part``'s parameter shards (a gather): its update in flight, if any, has landed."""
+    handle = part.update_in_flight
+    if handle is not None:
+        part.update_in_flight = None
+        handle.wait()
+
+
 @runtime_checkable
 class Part(Protocol):
     """One flat group of parameters of one optimizer group and dtype, with this rank's shards."""
@@ -38,6 +54,7 @@ class Part(Protocol):
     dtype: torch.dtype
     device: torch.device
     master_shards: Optional["MasterShards"]
+    update_in_flight: Optional[UpdateHandle]  # set by an overlapped step until the shards hold its update
     on_grad_reduced: Optional[Callable]  # offload: called with (part, bucket or None) after each reduction
 
     @property
@@ -79,6 +96,10 @@ class Runtime(Protocol):
     def reduce_gradients(self, parts: list) -> None: ...
 
     def after_step(self, parts: list) -> None: ...
+
+    def update_order(self, parts: list) -> list:
+        """``parts`` in the order the next forward reads their parameter shards (an overlapped step updates
+        them in this order)."""
 
     def zero_grads(self, parts: list) -> None: ...
 

@@ -84,6 +84,13 @@ class OffloadOptimizerConfig(Block):
             "(the ZeRO-Offload paper's one-step delayed parameter update); null keeps every step exact. "
             "docs/offload.md, \"Delayed parameter update\".")
 
+    overlap_step: bool = setting(
+        True,
+        doc="lightning-zero's own, device cpu only: the host step runs on a thread while the next forward "
+            "starts, each part's update written into the model in the order the forward reads it and waited "
+            "for there (the maths unchanged; where the shards are on an accelerator); false runs the step "
+            "inline. docs/offload.md, \"The step overlapped with the next forward\".")
+
     def _check_combinations(self) -> None:
         _check_nvme(self)
         if self.delayed_update_after is not None and self.device != "cpu":

@@ -90,7 +90,9 @@ class _Kernel:
         beta1, beta2 = group["betas"]
         self.amsgrad = group["amsgrad"]
         self.fn = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
-        self.kwargs = dict(amsgrad=self.amsgrad, lr=group["lr"], beta1=float(beta1), beta2=float(beta2),
+        lr = group["lr"]  # as of now: a tensor LR a scheduler changes in place is copied
+        lr = lr.detach().clone() if torch.is_tensor(lr) else lr
+        self.kwargs = dict(amsgrad=self.amsgrad, lr=lr, beta1=float(beta1), beta2=float(beta2),
                            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                            grad_scale=None, found_inf=None)
 

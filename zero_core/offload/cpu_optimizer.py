@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Iterator, Optional
+from typing import Callable, Iterator, Optional
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps
 from zero_core.offload.delayed_update import DelayedUpdate
 from zero_core.offload.host_masters import HostMasterShards
 from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path
+from zero_core.offload.overlapped_step import OverlappedStep
 from zero_core.offload.params import offload_param_shards
 from zero_core.offload.placement import copy_between, host_empty, pinning, wait_for_copies
 
@@ -106,7 +107,7 @@ class _Pipeline:
 class OptimizerOffload:
     """Host-resident (or NVMe-swapped) master pieces and state, and the tiled CPU step over them."""
 
-    def __init__(self, parts: list, config, rank: int) -> None:
+    def __init__(self, parts: list, config, rank: int, update_order: Optional[Callable[[list], list]] = None) -> None:
         block = config.offload_optimizer
         self.device = block.device
         self.sub_group_size = config.sub_group_size
@@ -149,6 +150,11 @@ class OptimizerOffload:
             self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio), pool_bytes)
         after = block.delayed_update_after
         self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
+        # The step overlapped with the next forward (overlapped_step.py): None, where the shards are on an
+        # accelerator; True / False: always / never (offload_optimizer.overlap_step false)
+        self.overlap: Optional[bool] = None if block.overlap_step else False
+        self.overlapped = OverlappedStep(self)
+        self.update_order = update_order or list  # the runtime's: parts in the order the next forward reads them
         self.adopt(parts)
 
     def adopt(self, parts: list) -> None:
@@ -171,6 +177,7 @@ class OptimizerOffload:
     def settle(self) -> None:
         """A delayed update in flight (``delayed_update_after``) lands: the masters and optimizer state are those
         after the last step. The model's parameters may still lag them: see :meth:`take_unwritten`."""
+        self.overlapped.settle()
         if self.delayed is not None:
             self.delayed.settle()
 
@@ -184,6 +191,7 @@ class OptimizerOffload:
 
     def close(self) -> None:
         """Remove the swap file (also done when the engine is collected and at exit); stop the write-back thread."""
+        self.overlapped.stop()
         if self.delayed is not None:
             self.delayed.stop()
         if self.swapper is not None:
@@ -193,6 +201,7 @@ class OptimizerOffload:
     def teardown(self) -> None:
         """The engine's teardown: the swap file's name leaves ``nvme_path`` and every thread stops; the engine
         stays usable (the open file and the threads serve a later step, save or evaluation)."""
+        self.overlapped.stop()
         if self.delayed is not None:
             self.delayed.stop()
         if self.swapper is not None:
@@ -257,6 +266,25 @@ class OptimizerOffload:
             grads.append(taken[(id(entry.part), fragment.bucket)][fragment.shard_range.as_slice()])
         return grads, taken
 
+    def owned_grads(self, entries: list) -> list[torch.Tensor]:
+        """The overlapped step's gradients: each entry's fp32 host gradient in a buffer of the offload's own (the
+        step reads them after the step call returned and the engine zeroed the gradient shards). What backward
+        copied already is used as it is; the rest (fp32 host shards too) is copied now, one copy per run of
+        contiguous pieces. The next backward copies into the same buffers once the step has landed."""
+        copies = []
+        for part, bucket, start, end, _ in tile_runs(entries):
+            whole = part.grad_shards()[bucket]
+            host = self._host_bucket(part, bucket, whole.numel())
+            if (id(part), bucket) not in self._fresh:
+                copies.append((host[start:end], whole[start:end]))
+        _copy_all(copies, arrive=True)
+        self._fresh.clear()  # consumed by this step
+        grads = []
+        for entry in entries:
+            fragment = entry.part.master_shards.pieces[entry.index]
+            grads.append(self._grads[(id(entry.part), fragment.bucket)][fragment.shard_range.as_slice()])
+        return grads
+
     def return_grads(self, buffers: dict) -> None:
         """Buffers a delayed update has finished reading: for the next backward's copies."""
         self._spare_grads.update(buffers)
@@ -264,6 +292,7 @@ class OptimizerOffload:
     def grad_reduced(self, part, bucket: Optional[int]) -> None:
         """The reducer finished ``bucket`` of ``part`` (None: all of them): start its copy to the host now, so it
         overlaps the rest of backward. Later reductions (accumulation) copy again; the last one is what steps."""
+        self.overlapped.settle()  # the step in flight reads these buffers
         shards = part.grad_shards()
         for index in range(len(shards)) if bucket is None else (bucket,):
             grad = shards[index]
@@ -317,6 +346,7 @@ class OptimizerOffload:
         Starts once the copies made during backward have arrived; returns once every write-back reached the
         model's parameter shards, so the next forward reads them and the next step may change the masters they
         were copied from."""
+        self.overlapped.settle()  # the step before (another optimizer's) has landed
         on_accelerator = [shard for part in parts for shard in part.grad_shards()[:1]]
         wait_for_copies(on_accelerator)  # the gradients copied out during backward (copy stream) have arrived
         try:
@@ -325,6 +355,13 @@ class OptimizerOffload:
                 clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
                 self.delayed.step(optimizer, parts, used, inv_scale, clip)  # on a thread (delayed_update.py)
                 return
+            self.use_fused(optimizer)
+            if self.overlapped.applies(optimizer, parts, self.overlap):
+                mask = {id(part): flags for part, flags in zip(parts, used)}
+                ordered = self.update_order(parts)
+                clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
+                if self.overlapped.start(optimizer, ordered, [mask[id(p)] for p in ordered], inv_scale, clip):
+                    return  # on a thread; each part's next reader waits for its update (overlapped_step.py)
             self._step(optimizer, parts, used, inv_scale, clip_coef)
         finally:
             wait_for_copies(on_accelerator)
@@ -587,7 +624,7 @@ def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:
     block = config.offload_optimizer
     if block is None or block.device == "none":
         return None
-    return OptimizerOffload(runtime.parts, config, rank)
+    return OptimizerOffload(runtime.parts, config, rank, runtime.update_order)
 
 
 def adopt(runtime, parts: list, config, offload: Optional[OptimizerOffload]) -> None:

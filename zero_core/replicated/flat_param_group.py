@@ -31,6 +31,7 @@ class FlatParamGroup:
     ``zero_core.contracts.Part``."""
 
     swap = None  # parameter shards are never swapped to NVMe at stages 1-2 (a stage 3 unit's may be)
+    update_in_flight = None  # an overlapped offloaded step's handle until this group's shards hold its update
 
     def __init__(
         self,

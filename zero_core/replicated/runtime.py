@@ -14,6 +14,7 @@ from torch import nn
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
+from zero_core.contracts import wait_for_update
 from zero_core.grad_notes import GradNotes
 from zero_core.replicated.flat_param_group import FlatParamGroup
 from zero_core.replicated.grad_reducer import GradReducer
@@ -150,14 +151,21 @@ class ReplicatedParamsRuntime:
         """Nothing was kept (stages 1 and 2)."""
 
     def after_step(self, parts: list[FlatParamGroup]) -> None:
-        """Every rank updated its shards of ``parts``; all-gather them so each rank holds whole parameters again."""
+        """Every rank updated its shards of ``parts``; all-gather them so each rank holds whole parameters again
+        (a group whose update an overlapped step is still writing is gathered once it landed, while the next
+        group steps)."""
         works = []
         for group in parts:
+            wait_for_update(group)
             group.write_back_masters()
             for bucket in group.layout.buckets:
                 works += self._gather_bucket(group, bucket)
         for work in works:
             work.wait()
+
+    def update_order(self, parts: list[FlatParamGroup]) -> list[FlatParamGroup]:
+        """The order ``after_step`` gathers them in."""
+        return list(parts)
 
     def _gather_bucket(self, group: FlatParamGroup, bucket) -> list:
         full = group.flat[bucket.range.as_slice()]

@@ -25,6 +25,7 @@ from zero_core.layout import FlatLayout
 from zero_core.optim.master_shards import MasterShards
 from zero_core.stage3.partitioned_param import unguarded
 from zero_core.comm.quantize import BLOCK, Quantized, quantize
+from zero_core.contracts import wait_for_update
 
 
 class UnitState(enum.Enum):
@@ -36,6 +37,8 @@ class UnitState(enum.Enum):
 class ParamUnit:
     """Partitioned storage, gather/release, gradient shard and fp32 masters of one unit; a
     ``zero_core.contracts.Part``."""
+
+    update_in_flight = None  # an overlapped offloaded step's handle until this unit's shard holds its update
 
     def __init__(
         self,
@@ -313,6 +316,7 @@ def gather_together(units: Sequence[ParamUnit], comm: Communicator, phase: Optio
     nothing from coalescing them (``Communicator.gathers_alone``: gloo), after the coalesced rest."""
     plain = []
     for unit in units:
+        wait_for_update(unit)  # an overlapped step writes this unit's shard: its update first
         unit._allocate()
         if unit.quantized is None and comm.plain_gather(phase, frozen=not unit.trainable):
             plain.append(unit)

@@ -398,6 +398,19 @@ class PartitionedParamsRuntime(UnitSetup, GradientReduction):
         if self.session.unsynced_grads:
             self._finish_backward(only=set(parts))
 
+    def update_order(self, parts: list[ParamUnit]) -> list[ParamUnit]:
+        """Persistent units first (``after_step`` gathers them at once), then the units in the order the last
+        forward gathered them (the trace), then the rest in model order."""
+        wanted = set(parts)
+        ordered = [unit for unit in parts if unit.persistent]
+        seen = set(ordered)
+        for module in self.trace.order:
+            for unit in self._units_for(module):
+                if unit in wanted and unit not in seen:
+                    ordered.append(unit)
+                    seen.add(unit)
+        return ordered + [unit for unit in parts if unit not in seen]
+
     def after_step(self, parts: list[ParamUnit]) -> None:
         """Updated masters of ``parts`` go back into the 16-bit shards; persistent units are gathered again, and
         any other gathered copy is dropped (stale, or no longer needed)."""

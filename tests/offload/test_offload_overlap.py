@@ -1,0 +1,113 @@
+"""The offloaded step overlapped with the next forward (``offload_optimizer.overlap_step``; offload/overlapped_step.py).
+
+Two ranks at stages 1-3 (stage 3 also with persistent units, with ``offload_param: cpu``, and in bf16) train the
+same steps twice in one process: with the overlap forced on (on a CPU-only run it is off by default) and with
+``overlap_step: false`` (the inline step, today's). Clipping and an LR scheduler stepped after every ``step()``
+are on. Every loss, every final parameter and every master is bit for bit the inline run's; the thread took every
+step after the first (which makes the state inline), its first part was slowed down so that the next forward
+cannot have read a stale shard by luck, and each part's update was waited for where its shard is read (stage 3:
+the unit's gather in the next forward; stages 1-2: its all-gather after the step). A checkpoint taken right after
+a step holds that step's masters."""
+
+from __future__ import annotations
+
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+import zero_core
+from distributed import run_distributed
+from models import build_model, make_batch
+from reference import make_optimizer, make_scheduler
+from stage3_support import full_params
+
+from zero_core.offload import overlapped_step
+
+MODEL = "transformer"
+STEPS = 4
+SMALL = {"reduce_bucket_size": 300, "allgather_bucket_size": 300, "param_persistence_threshold": 0}
+RUNS = {"stage 1": {"stage": 1}, "stage 2": {"stage": 2}, "stage 3": {"stage": 3},
+        "stage 3, persistent units": {"stage": 3, "param_persistence_threshold": 200},
+        "stage 3, offload_param cpu": {"stage": 3, "offload_param": {"device": "cpu"}},
+        "stage 3, bf16": {"stage": 3, "bf16": {"enabled": True}}}
+
+
+def train(rank: int, config: dict, overlap: bool, checkpoint: str) -> dict:
+    model = build_model(MODEL)
+    optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer)
+    engine = zero_core.setup(model, optimizer, config)
+    engine._offload.overlap = True if overlap else False
+    dtype = torch.bfloat16 if "bf16" in config else torch.float32
+    losses = []
+    for step in range(STEPS):
+        loss = engine.module(*make_batch(MODEL, rank, step, 0, dtype=dtype))
+        engine.backward(loss)
+        engine.step()
+        scheduler.step()
+        losses.append(loss.float().item())
+        if step == 1:
+            engine.save_checkpoint(checkpoint)  # right after an overlapped step: it waits for it
+    masters = engine.full_state_dict(rank0_only=False)
+    result = {"losses": losses, "params": full_params(engine.module), "masters": masters,
+              "overlapped": engine._offload.overlapped.overlapped_steps}
+    engine.close()
+    fresh = build_model(MODEL)
+    loader = zero_core.setup(fresh, make_optimizer(fresh), {**config, "offload_optimizer": None})
+    loader.load_checkpoint(checkpoint)
+    result["loaded"] = full_params(loader.module)
+    loader.close()
+    return result
+
+
+def overlap_worker(rank, world_size, root):
+    waits = []
+    wait = overlapped_step.UpdateInFlight.wait
+    step_part = overlapped_step.OverlappedStep._step_part
+
+    def counted_wait(handle):
+        waits.append(1)
+        wait(handle)
+
+    def slow_first_part(self, *args):  # the forward must wait for it, not find it done
+        if not self._slowed:
+            self._slowed = True
+            time.sleep(0.2)
+        step_part(self, *args)
+
+    overlapped_step.UpdateInFlight.wait = counted_wait
+    overlapped_step.OverlappedStep._step_part = slow_first_part
+    results = {}
+    for index, (label, run) in enumerate(RUNS.items()):
+        config = {**SMALL, **run, "gradient_clipping": 0.5, "offload_optimizer": {"device": "cpu"}}
+        got = {}
+        for overlap in (False, True):
+            overlapped_step.OverlappedStep._slowed = False
+            waits.clear()
+            got[overlap] = train(rank, config, overlap, f"{root}/run{index}-{overlap}")
+            got[overlap]["waits"] = len(waits)
+        results[label] = got
+        dist.barrier()
+    return results
+
+
+def test_overlapped_step_equals_the_inline_step_bit_for_bit_at_stages_1_to_3():
+    with tempfile.TemporaryDirectory(prefix="zero-overlap-") as root:
+        ranks = run_distributed(overlap_worker, 2, root, timeout=300)
+    for rank, results in enumerate(ranks):
+        for run, got in results.items():
+            label = f"rank {rank}, {run}"
+            inline, overlapped = got[False], got[True]
+            assert inline["overlapped"] == 0 and inline["waits"] == 0, label
+            assert overlapped["overlapped"] == STEPS - 1, f"{label}: {overlapped['overlapped']} overlapped steps"
+            assert overlapped["waits"] >= STEPS - 1, f"{label}: no reader waited for a part's update"
+            assert inline["losses"] == overlapped["losses"], f"{label}: losses {inline['losses']} {overlapped['losses']}"
+            for key in ("params", "masters", "loaded"):
+                for name, value in inline[key].items():
+                    assert torch.equal(value, overlapped[key][name]), f"{label}: {key} {name} differs"
+            start = build_model(MODEL).state_dict()
+            changed = [name for name, value in inline["params"].items()
+                       if name in start and not torch.equal(value.float(), start[name].float())]
+            assert changed, f"{label}: the reference run did not train"
