@@ -153,6 +153,23 @@ def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0
             "host_pinned": [t.is_pinned() for t in _host_tensors(engine)]}
 
 
+def overlap_run(device, stage: int, overlap: bool, pin: bool = True) -> dict:
+    """The offloaded step overlapped with the next forward (its default on a GPU) or inline
+    (``overlap_step: false``), nothing read between the steps: losses and final weights, and how many steps the
+    thread took."""
+    block = {"device": "cpu", "pin_memory": pin, "overlap_step": overlap}
+    model, engine = _engine(device, stage, offload={"offload_optimizer": block})
+    losses = []
+    for tokens in batches(device):
+        loss = engine.module(tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    weights = engine.full_state_dict(rank0_only=False)
+    return {"losses": losses, "weights": {n: weights[n] for n, _ in model.named_parameters()},
+            "overlapped": engine._offload.overlapped.overlapped_steps}
+
+
 def host_syncs(device, stage: int | None, control: bool = False) -> list[str]:
     """Every synchronising CUDA call (torch's sync debug mode) in two training steps after two warm-up steps, each
     with the Python stack that made it. ``stage`` None: plain autocast training. ``control``: a deliberate
@@ -223,6 +240,9 @@ def main(out: str) -> None:
     results["zero2_resumed"] = engine_run(device, 2, resume_at=STEPS // 2)
     for label, stage, offload in OFFLOADS:
         results[label] = engine_run(device, stage, offload=offload)
+    for stage, pin in ((2, True), (3, True), (3, False)):
+        for overlap in (True, False):
+            results[f"overlap_zero{stage}_{'pinned' if pin else 'pageable'}_{overlap}"] = overlap_run(device, stage, overlap, pin)
     results["host_syncs"] = {f"zero{stage}": host_syncs(device, stage) for stage in (1, 2, 3)}
     results["host_syncs"]["plain"] = host_syncs(device, None)
     results["host_syncs"]["control"] = host_syncs(device, 3, control=True)

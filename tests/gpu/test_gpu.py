@@ -83,6 +83,17 @@ def test_a_checkpoint_resumes_on_the_gpu_as_if_never_stopped(gpu_runs):
         assert torch.equal(resumed["weights"][name], value), name
 
 
+@pytest.mark.parametrize("run", ["zero2_pinned", "zero3_pinned", "zero3_pageable"])
+def test_overlapped_offloaded_step_equals_the_inline_step_on_the_gpu(gpu_runs, run):
+    """offload_optimizer.overlap_step (on by default here): the host step runs on a thread while the next forward
+    starts, each unit's gather waiting on a stream event for its write-back; bit for bit the inline step."""
+    overlapped, inline = gpu_runs[f"overlap_{run}_True"], gpu_runs[f"overlap_{run}_False"]
+    assert overlapped["overlapped"] == len(overlapped["losses"]) - 1 and inline["overlapped"] == 0
+    assert overlapped["losses"] == inline["losses"], (overlapped["losses"], inline["losses"])
+    for name, value in inline["weights"].items():
+        assert torch.equal(overlapped["weights"][name], value), name
+
+
 @pytest.mark.parametrize("label, stage", [("zero2_offload", 2), ("zero3_offload", 3), ("zero3_offload_param", 3),
                                           ("zero3_offload_pageable", 3)])  # gpu_workers.OFFLOADS
 def test_offloaded_step_trains_like_the_step_on_the_gpu(gpu_runs, label, stage):

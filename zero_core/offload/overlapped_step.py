@@ -40,7 +40,7 @@ from zero_core.optim.kernels import only_params
 from zero_core.optim.master_shards import TileEntry, master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload import chunked_step
 from zero_core.offload.chunked_step import _Kernel, _cuts, _segments, steps_fused_adam
-from zero_core.offload.placement import _copy_stream, copy_between, wait_for_copies
+from zero_core.offload.placement import _copy_stream, copy_between
 
 _WHOLE = 1 << 62  # master_tiles: one tile of everything (the parts are split below)
 _FAILED = ("offload_optimizer: the overlapped host step failed on its thread (the parameters it did not reach "
@@ -137,7 +137,8 @@ class OverlappedStep:
                     self._step_part(part_entries, [states[i] for i in positions], [grads[i] for i in positions],
                                     groups, kernels, inv_scale, clip)
                 handle.finish(self._write_back(part_entries, shards))
-            wait_for_copies(shards)  # before the next step may change the masters they were copied from
+            for device in {shard.device for shard in shards if shard.is_cuda}:  # before the next step changes
+                _copy_stream(device).synchronize()  # the masters they read (not the compute stream: the forward)
         except BaseException as error:  # every waiter raises it (raise_error)
             self._error = error
             for _, _, handle in work:
