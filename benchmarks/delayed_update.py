@@ -1,6 +1,7 @@
 """The offloaded step overlapped with the accelerator's work, measured on a CPU (issue 38).
 
     python -m benchmarks.delayed_update overlap              # stand-in: step time against sum and max
+    python -m benchmarks.delayed_update overlap --stage 3    # ... with the exact step overlapped, unit by unit
     python -m benchmarks.delayed_update loss --steps 300     # loss curve: delayed update against the exact step
 
 ``overlap``: a CPU stand-in for one GPU. The model's forward and backward are a sleep of a set length (a GPU
@@ -8,7 +9,9 @@ frees the host's cores while it computes) plus the host work a real backward lea
 reduced into buckets); its parameters (``--numel`` fp32 elements) are offloaded (``offload_optimizer: cpu``,
 stage 2, world size 1), so the optimizer step is a real host step of that size. Two engines, the exact step and
 ``delayed_update_after`` (the host step of step t on a thread while step t+1's forward and backward run), take
-turns (a shared machine's load then falls on both). Each reports the median time per iteration, its
+turns (a shared machine's load then falls on both); with ``--stage 3`` each of ``--tensors`` blocks is a unit,
+the sleep is split over their forwards and backwards, and a third engine overlaps the exact step with the next
+forward (``overlap_step``, forced on: it is on by default only beside an accelerator). Each reports the median time per iteration, its
 forward+backward, its step call and the host step inside it, against the sum and the max of (everything else,
 host step) of the exact engine. ``--fb-ms`` sets the sleep; by default it equals the exact host step, measured
 first.
@@ -34,31 +37,57 @@ import zero_core
 from benchmarks.gpt import GPTConfig, batch, build_gpt
 
 
+class _SleepInBackward(torch.autograd.Function):
+    """Identity whose backward sleeps: a block's share of the accelerator's backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, seconds: float) -> torch.Tensor:
+        ctx.seconds = seconds
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        time.sleep(ctx.seconds)
+        return grad, None
+
+
+class SleepingBlock(nn.Module):
+    """One parameter of ``size`` elements (a stage-3 unit of its own); its forward and its backward each sleep
+    ``seconds`` (its share of the accelerator's time) and its backward writes one gradient element per element."""
+
+    def __init__(self, size: int, seconds: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.full((size,), 0.01))
+        self.seconds = seconds
+
+    def forward(self, scale: torch.Tensor) -> torch.Tensor:
+        time.sleep(self.seconds)
+        return _SleepInBackward.apply((self.weight * scale).sum(), self.seconds)
+
+
 class SleepingModel(nn.Module):
-    """``tensors`` parameters of ``numel`` elements in all; forward sleeps ``fb_s`` (the accelerator's time) and
-    returns a loss whose backward writes one gradient element per parameter element."""
+    """``tensors`` blocks of ``numel`` elements in all; forward and backward together sleep ``fb_s`` (the
+    accelerator's time), half in each, spread over the blocks (so at stage 3 a unit's forward waits for its
+    update and the later units' sleeps run meanwhile)."""
 
     def __init__(self, numel: int, tensors: int, fb_s: float) -> None:
         super().__init__()
-        size = numel // tensors
-        self.weights = nn.ParameterList(nn.Parameter(torch.full((size,), 0.01)) for _ in range(tensors))
-        self.fb_s = fb_s
+        self.blocks = nn.ModuleList(SleepingBlock(numel // tensors, fb_s / (2 * tensors)) for _ in range(tensors))
 
     def forward(self, scale: torch.Tensor) -> torch.Tensor:
-        time.sleep(self.fb_s)
-        return sum((w * scale).sum() for w in self.weights)
+        return sum(block(scale) for block in self.blocks)
 
 
 def _engine(model: nn.Module, lr: float, config: dict):
     return zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=lr), config)
 
 
-def _config(delayed: bool, after: int = 2, dtype: torch.dtype = torch.float32) -> dict:
+def _config(delayed: bool, after: int = 2, dtype: torch.dtype = torch.float32, stage: int = 2) -> dict:
     block = {"device": "cpu"}
     if delayed:
         block["delayed_update_after"] = after
-    return {"stage": 2, "offload_optimizer": block, "reduce_bucket_size": 50_000_000,
-            "bf16": {"enabled": dtype == torch.bfloat16}}
+    return {"stage": stage, "offload_optimizer": block, "reduce_bucket_size": 50_000_000,
+            "param_persistence_threshold": 0, "bf16": {"enabled": dtype == torch.bfloat16}}
 
 
 class StandIn:
@@ -66,9 +95,12 @@ class StandIn:
     host step inside that call (the offloaded masters' step: in a delayed run, what the training thread spends
     on it)."""
 
-    def __init__(self, args, fb_s: float, delayed: bool) -> None:
+    def __init__(self, args, fb_s: float, delayed: bool, overlapped: bool = False) -> None:
         self.dtype = args.dtype
-        self.engine = _engine(SleepingModel(args.numel, args.tensors, fb_s), 1e-3, _config(delayed, dtype=args.dtype))
+        self.engine = _engine(SleepingModel(args.numel, args.tensors, fb_s), 1e-3,
+                              _config(delayed, dtype=args.dtype, stage=args.stage))
+        # overlap_step is on by default only where the shards are on an accelerator: forced here, off elsewhere
+        self.engine._offload.overlap = overlapped
         self.times: dict[str, list[float]] = {"iteration": [], "fb": [], "step": [], "host": []}
         self.index = 0
         masters = self.engine._masters
@@ -118,7 +150,10 @@ def bench_overlap_dtype(args) -> str:
     fb_s = probe.medians()["host"] if args.fb_ms is None else args.fb_ms / 1000
     probe.engine.close()
     del probe
-    runs = {"exact step": StandIn(args, fb_s, False), "delayed update": StandIn(args, fb_s, True)}
+    runs = {"exact step": StandIn(args, fb_s, False)}
+    if args.stage == 3:  # the exact step overlapped with the next forward, unit by unit (overlapped_step.py)
+        runs["overlapped exact step"] = StandIn(args, fb_s, False, overlapped=True)
+    runs["delayed update"] = StandIn(args, fb_s, True)
     for turn in range(args.turns):  # the two take turns, so that both see the same load on a shared machine
         for run in (runs.values() if turn % 2 == 0 else reversed(list(runs.values()))):
             run.run(args.turn, 2)
@@ -128,7 +163,7 @@ def bench_overlap_dtype(args) -> str:
     exact = results["exact step"]
     host, rest = exact["host"], exact["iteration"] - exact["host"]
     kept = args.turns * (args.turn - 2)
-    lines = [f"CPU stand-in: {args.numel / 1e6:g}M parameters ({args.dtype}) in {args.tensors} tensors, stage 2, "
+    lines = [f"CPU stand-in: {args.numel / 1e6:g}M parameters ({args.dtype}) in {args.tensors} tensors, stage {args.stage}, "
              f"world size 1 (gloo), offload_optimizer cpu, torch threads {torch.get_num_threads()}; the "
              f"accelerator's forward+backward = a sleep of {ms(fb_s)} ms (the exact host step, measured first), "
              f"plus the host's own gradient work. The exact and the delayed engine take {args.turns} turns of "
@@ -199,6 +234,8 @@ def main(argv=None) -> None:
     overlap.add_argument("--fb-ms", type=float, default=None, help="the sleep; default: the exact host step")
     overlap.add_argument("--turns", type=int, default=6)
     overlap.add_argument("--turn", type=int, default=6, help="iterations per turn (at least 3)")
+    overlap.add_argument("--stage", type=int, choices=(2, 3), default=2,
+                         help="3: also the exact step overlapped with the next forward, each block a unit")
     overlap.add_argument("--dtypes", choices=("float32", "bfloat16"), nargs="+", default=["float32", "bfloat16"])
     loss = sub.add_parser("loss", help="loss curve: delayed update against the exact step")
     loss.add_argument("--steps", type=int, default=300)
