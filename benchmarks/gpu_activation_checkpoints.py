@@ -7,8 +7,9 @@ torch.utils.checkpoint keeps each block's input on the GPU), ``cpu`` (``cpu_chec
 pinned host memory and come back on a side stream ahead of their recomputation), and ``none`` (no checkpointing,
 for scale). Per mode: the peak of ``max_memory_allocated`` over forward and backward above what was allocated
 before them (the optimizer step's own transients, an fp32 copy of the gradients, are left out: they are the same
-in every mode and larger than these activations), and the median step time (forward, backward and step). Target (issue 37): the ``cpu`` peak is lower by the checkpointed inputs' bytes (``layers x
-tokens x hidden x 2``, printed; less three layers' worth: the first block's input is the caller's tensor, and
+in every mode and larger than these activations), and the median step time (forward, backward and step).
+Target (issue 37): the ``cpu`` peak is lower by the checkpointed inputs' bytes (``layers x tokens x hidden x 2``,
+printed; less three layers' worth: the first block's input is the caller's tensor, and
 at the start of backward one input is back for its recomputation and the next one on its way), at a step time
 within 1.10x of ``checkpoint``'s. Each mode also prints (stderr) and records its peak by phase, from one more
 step synchronized between phases: ``forward``, ``backward`` (autograd's pass: recomputations, each checkpoint's
@@ -111,11 +112,12 @@ def run_mode(mode: str, args, device) -> dict:
           + f" MiB: the peak is in the {where}", file=sys.stderr)
     stats = vars(checkpointing.current().stats).copy()
     steps = args.warmup + args.steps + 1
+    reserved = torch.cuda.memory_reserved() - reserved_at_start
     engine.close()
     del engine, model, x
     return {"peak_forward_backward_MiB": round(max(peaks) / 2**20, 1), "peak_phase": where,
             "phase_peaks_MiB": {name: round(value / 2**20, 1) for name, value in phases.items()},
-            "reserved_MiB": round((torch.cuda.memory_reserved() - reserved_at_start) / 2**20, 1),
+            "reserved_MiB": round(reserved / 2**20, 1),
             "step_s": round(statistics.median(times), 4),
             "host_bytes_per_step": stats["host_bytes"] // steps,
             "prefetched": stats["prefetched"]}
