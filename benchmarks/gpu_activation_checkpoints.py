@@ -7,10 +7,15 @@ torch.utils.checkpoint keeps each block's input on the GPU), ``cpu`` (``cpu_chec
 pinned host memory and come back on a side stream ahead of their recomputation), and ``none`` (no checkpointing,
 for scale). Per mode: the peak of ``max_memory_allocated`` over forward and backward above what was allocated
 before them (the optimizer step's own transients, an fp32 copy of the gradients, are left out: they are the same
-in every mode and larger than these activations), and the median step time (forward, backward and step). Target (issue 37): the ``cpu`` peak is lower by the checkpointed inputs' bytes (``layers x
-tokens x hidden x 2``, printed; less three layers' worth: the first block's input is the caller's tensor, and
+in every mode and larger than these activations), and the median step time (forward, backward and step).
+Target (issue 37): the ``cpu`` peak is lower by the checkpointed inputs' bytes (``layers x tokens x hidden x 2``,
+printed; less three layers' worth: the first block's input is the caller's tensor, and
 at the start of backward one input is back for its recomputation and the next one on its way), at a step time
-within 1.10x of ``checkpoint``'s. About 20 s on an H100.
+within 1.10x of ``checkpoint``'s. Each mode also prints (stderr) and records its peak by phase, from one more
+step synchronized between phases: ``forward``, ``backward`` (autograd's pass: recomputations, each checkpoint's
+backward) and ``gradient flush`` (the engine's end-of-backward reduction into the gradient shards), and which
+phase holds the peak; ``reserved_MiB`` is what the caching allocator holds for the mode (blocks a side-stream
+copy still reads are held there, not counted as allocated). About 20 s on an H100 (one extra step per mode).
 
     python -m benchmarks.gpu_activation_checkpoints [--layers 24] [--hidden 1024] [--tokens 8192] [--steps 5]
 """
@@ -78,6 +83,7 @@ def run_mode(mode: str, args, device) -> dict:
 
     gc.collect()
     torch.cuda.empty_cache()
+    reserved_at_start = torch.cuda.memory_reserved()
     torch.manual_seed(0)
     model = build(args.layers, args.hidden)(checkpointed=mode != "none").to(device)
     config = {"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
@@ -99,12 +105,52 @@ def run_mode(mode: str, args, device) -> dict:
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             peaks.append(peak)
+    phases = phase_peaks(engine, model, x)  # one more step, synchronized between its phases (untimed)
+    where = max(phases, key=phases.get)
+    print(f"{mode}: peak {max(peaks) / 2**20:.1f} MiB; by phase "
+          + ", ".join(f"{name} {value / 2**20:.1f}" for name, value in phases.items())
+          + f" MiB: the peak is in the {where}", file=sys.stderr)
     stats = vars(checkpointing.current().stats).copy()
+    steps = args.warmup + args.steps + 1
+    reserved = torch.cuda.memory_reserved() - reserved_at_start
     engine.close()
     del engine, model, x
-    return {"peak_forward_backward_MiB": round(max(peaks) / 2**20, 1), "step_s": round(statistics.median(times), 4),
-            "host_bytes_per_step": stats["host_bytes"] // (args.warmup + args.steps),
+    return {"peak_forward_backward_MiB": round(max(peaks) / 2**20, 1), "peak_phase": where,
+            "phase_peaks_MiB": {name: round(value / 2**20, 1) for name, value in phases.items()},
+            "reserved_MiB": round(reserved / 2**20, 1),
+            "step_s": round(statistics.median(times), 4),
+            "host_bytes_per_step": stats["host_bytes"] // steps,
             "prefetched": stats["prefetched"]}
+
+
+def phase_peaks(engine, model, x) -> dict:
+    """One step's peak allocated memory (above what was allocated before it) in each phase: ``forward``;
+    ``backward``, autograd's pass (the recomputations, each checkpoint's backward, the gradients staged for
+    reduction); ``gradient flush``, the engine's end-of-backward callback (the reduced gradients added into their
+    shards). The split is a callback queued from a hook on the loss: autograd runs its callbacks in the order
+    queued, and this one is queued before the engine's (the loss's gradient comes first)."""
+    import torch
+    from torch.autograd import Variable
+
+    peaks: dict = {}
+    base = [0]
+
+    def mark(name: str) -> None:
+        torch.cuda.synchronize()
+        peaks[name] = torch.cuda.max_memory_allocated() - base[0]
+        torch.cuda.reset_peak_memory_stats()
+
+    torch.cuda.synchronize()
+    base[0] = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    loss = model(x)
+    mark("forward")
+    loss.register_hook(lambda grad: Variable._execution_engine.queue_callback(lambda: mark("backward")))
+    engine.backward(loss)
+    mark("gradient flush")
+    engine.step()
+    torch.cuda.synchronize()
+    return peaks
 
 
 def main(argv=None) -> int:

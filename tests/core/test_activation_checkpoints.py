@@ -314,3 +314,50 @@ def test_accelerate_zero_yaml_takes_the_block_inside_zero_optimization(tmp_path)
                        "activation_checkpointing: {cpu_checkpointing: true}\n")
     with pytest.raises(zero_core.ZeroConfigError, match="move it inside the 'zero_optimization:' block"):
         read_launch_config(outside)
+
+
+def test_cpu_checkpointing_holds_each_input_only_in_its_stash_until_its_recomputation():
+    """What the GPU peak depends on, on the CPU path: after forward no block's input is held but in its stash
+    (torch's checkpoint keeps each one), and in backward each stash is freed once its block's backward is over,
+    so at each recomputation only the stashes of the blocks still to come are alive."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 16)) for _ in range(4)])
+
+    def run(fn):
+        inputs, live_at_recomputation = [], []
+        recomputing = [False]
+
+        def pre_hook(module, args):
+            if recomputing[0]:
+                live_at_recomputation.append([not ref.expired() for ref in kept])
+            else:
+                inputs.append(StorageWeakRef(args[0].untyped_storage()))
+
+        handles = [block.register_forward_pre_hook(pre_hook) for block in blocks]
+        try:
+            h = torch.randn(8, 16, requires_grad=True)
+            for block in blocks:
+                h = h + fn(block, h)
+            loss = h.square().sum()
+            del h
+            kept = [StorageWeakRef(ref().kept[0].untyped_storage()) for ref in checkpointing.current().pending]
+            held = [not ref.expired() for ref in inputs[1:]]  # the first is the caller's
+            recomputing[0] = True
+            loss.backward()
+        finally:
+            for handle in handles:
+                handle.remove()
+        return held, live_at_recomputation
+
+    held, _ = run(lambda block, h: torch_checkpoint.checkpoint(block, h, use_reentrant=False))
+    assert held == [True, True, True]  # torch keeps them: the contrast
+    checkpointing.configure(checkpoint_in_cpu=True)
+    try:
+        held, live = run(checkpointing.checkpoint)
+        assert held == [False, False, False]
+        assert live == [[True] * 4, [True] * 3 + [False], [True] * 2 + [False] * 2, [True] + [False] * 3]
+        assert checkpointing.current().stats.restored == 4
+    finally:
+        checkpointing.configure()

@@ -141,6 +141,7 @@ class Stash:
         pending = self.settings.pending
         pending[:] = [ref for ref in pending if ref() is not None and ref() is not self]
         following = pending[-1]() if pending else None  # backward runs the checkpoints in reverse
+        self.prefetch()  # this stash's own copy first (when nothing brought it back ahead): it is waited for now
         if following is not None and following.prefetch():
             self.settings.stats.prefetched += 1
         flat = self._local()

@@ -137,7 +137,12 @@ class CoalescedReduce:
         # A bucket sized for its units leaves the rest of its pool buffer free: the result, and the transport's
         # receive buffer (comm.reduce_scatter's scratch), go there rather than into fresh allocations.
         spare = bucket.buffer[send.numel():]
-        if spare.numel() >= bucket.filled:
+        if bucket.world == 1:
+            # One rank: the reduce-scatter's sum is its input, so it is reduced in place (NCCL's in-place form,
+            # output = input's own slice). A bucket sized for every unit (one GPU) leaves no spare, and a fresh
+            # result would double the end of backward's gradient memory (docs/stage3.md, "Activation checkpoints").
+            self.result = send
+        elif spare.numel() >= bucket.filled:
             self.result, spare = spare[: bucket.filled], spare[bucket.filled:]
         else:
             self.result = torch.empty(bucket.filled, dtype=first.dtype, device=first.device)
