@@ -1,5 +1,6 @@
 #!/bin/bash
 # The GPU checks of one session, in one call of the device tool. Sections (default: wave3):
+#   overlap the GPU tier and the 6.58B offloaded step overlapped with the next forward against inline (issue 38)
 #   wave3   the GPU tier (tests/gpu), the 873M/110M table beside plain and FSDP2 (the stage 3 ratio after the
 #           wave-3 changes), and activation checkpoints with and without cpu_checkpointing when the script is
 #           there (about 330 s on an H200)
@@ -19,6 +20,13 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 SECTION=${1:-wave3}
+if [ "$SECTION" = overlap ]; then
+# Issue 38's exact overlap on a GPU: the GPU tier (its overlap tests against overlap_step false), then 6.58B with
+# the step overlapped (zero3) and inline (zero3_inline) in one call (about 330 s on an H200 in all)
+{ step tests; nvidia-smi -L; timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 190; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
+{ step offload7B_overlap; timeout 230 python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 --impls zero3 zero3_inline --timeout 110; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_7B_overlap.txt"
+exit 0
+fi
 if [ "$SECTION" = wave3 ]; then
 { step tests; nvidia-smi -L; timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 190; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
 { step table; timeout 100 python3 -m benchmarks.gpu --preset 873M 110M --steps 8 --warmup 3 --repeats 2; echo "rc=$?"; } 2>&1 | tee "$OUT/table.txt"
