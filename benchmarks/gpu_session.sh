@@ -25,7 +25,9 @@ if [ "$SECTION" = overlap ]; then
 # the step overlapped (zero3) and inline (zero3_inline) in one call (about 330 s on an H200 in all)
 { step tests; nvidia-smi -L; timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 190; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
 { step activation_checkpoints; timeout 90 python3 -m benchmarks.gpu_activation_checkpoints --out "$OUT/activation_checkpoints.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/activation_checkpoints.txt"
-{ step offload7B_overlap; timeout 230 python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 --impls zero3 zero3_inline --timeout 110; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_7B_overlap.txt"
+# OVERLAP_LAYERS=8: 1.75B, about 60 s for the pair; 32 (the default): 6.58B, about 120 s
+L=${OVERLAP_LAYERS:-32}
+{ step offload_overlap_$L; timeout 260 python3 -m benchmarks.gpu_offload --layers $L --steps 3 --warmup 2 --impls zero3 zero3_inline --timeout 125; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_overlap_$L.txt"
 exit 0
 fi
 if [ "$SECTION" = wave3 ]; then
