@@ -26,7 +26,9 @@ fails, one line says so and the other implementations still run. On a machine wi
 the CPU (gloo; for a quick check of the code path with a tiny ``--width``/``--layers``, DeepSpeed then needs
 ``DS_ACCELERATOR=cpu``).
 
-Reports per implementation: parameters, median step (s), tokens/s, peak GPU memory and peak RSS.
+Reports per implementation, a row as soon as its process ends: parameters, median step (s) and its forward+backward,
+tokens/s, peak GPU memory, peak RSS, setup (model built and wrapped), the DeepSpeed op's load or build, the whole
+process's wall time, torch's threads; then each implementation's losses (they should agree to bf16's precision).
 """
 
 from __future__ import annotations
@@ -209,35 +211,38 @@ def main(argv=None) -> None:
             return
         print("RESULT " + json.dumps(result), flush=True)
         return
-    rows = []
-    for impl in args.impls:
-        cmd = [sys.executable, "-m", "benchmarks.gpu_offload", "--worker", impl, "--layers", str(args.layers),
-               "--width", str(args.width), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
-        try:
-            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{impl}: timed out after {args.timeout} s")
-            continue
-        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-        skipped = [l for l in done.stdout.splitlines() if l.startswith(SKIP)]
-        if skipped:
-            print(f"{impl}: not measured: {skipped[-1][len(SKIP):]}")
-            continue
-        if done.returncode or not lines:
-            print(f"{impl}: exited {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}")
-            continue
-        rows.append(json.loads(lines[-1][7:]))
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"{where}; d {args.width}, {args.layers} layers, batch {args.batch_size}x{args.seq_len}, "
           f"bf16, AdamW, optimizer on the CPU; median of {args.steps} steps after {args.warmup}")
     print("| implementation | params | step s | of which forward+backward | tokens/s | peak GPU GiB | peak RSS GiB | "
-          "setup s | build s | torch threads |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
+          "setup s | build s | process s | torch threads |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    rows = []
+    for impl in args.impls:  # each row as soon as it is measured: a run cut short keeps the rows it has
+        cmd = [sys.executable, "-m", "benchmarks.gpu_offload", "--worker", impl, "--layers", str(args.layers),
+               "--width", str(args.width), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
+               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
+        start = time.perf_counter()
+        try:
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            print(f"{impl}: timed out after {args.timeout} s", flush=True)
+            continue
+        lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
+        skipped = [l for l in done.stdout.splitlines() if l.startswith(SKIP)]
+        if skipped:
+            print(f"{impl}: not measured: {skipped[-1][len(SKIP):]}", flush=True)
+            continue
+        if done.returncode or not lines:
+            print(f"{impl}: exited {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}", flush=True)
+            continue
+        r = json.loads(lines[-1][7:])
+        r["process_s"] = time.perf_counter() - start
+        rows.append(r)
         print(f"| {r['impl']} | {r['params'] / 1e9:.2f}B | {r['step_s']:.2f} | {r['forward_backward_s']:.2f} | "
               f"{r['tokens_per_s']:,.0f} | {r['peak_gpu_gib']:.1f} | {r['peak_rss_gib']:.1f} | {r['setup_s']:.0f} | "
-              f"{'-' if r.get('build_s') is None else format(r['build_s'], '.1f')} | {r['threads']} |")
+              f"{'-' if r.get('build_s') is None else format(r['build_s'], '.1f')} | {r['process_s']:.0f} | "
+              f"{r['threads']} |", flush=True)
     for r in rows:  # the same model, data and hyperparameters: the losses should agree to bf16's precision
         print(f"{r['impl']} losses: {r['losses']}")
     for r in rows:
