@@ -15,7 +15,8 @@ Variants, each timed over ``--repeats`` steps after one warm-up, on the same ten
 
 ``--deepspeed`` (issue 38: "host step within 1.2x of DeepSpeed's compiled CPU Adam on the same host, threads and
 tensor sizes") needs no GPU: one AdamW step (lr 1e-4, betas 0.9/0.999, eps 1e-8, weight decay 0.01) over one flat
-fp32 tensor of each ``--numel``, best of ``--repeats`` after one warm-up step that also creates the state, taking turns, by
+fp32 tensor of each ``--numel``, best of ``--repeats`` after one warm-up step that also creates the state (the
+three take turns), by
 - ``ours``: the engine's offloaded host step, ``chunked_adam_step`` (zero_core/offload/chunked_step.py) in the
   chunks of ``OptimizerOffload`` on device 'cpu' (``CHUNK`` per pair of threads), without the gradient copies
   and the write-back around it;

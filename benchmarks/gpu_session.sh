@@ -45,7 +45,7 @@ export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
 import time; start = time.perf_counter()
 import torch, deepspeed
 from deepspeed.ops.op_builder import CPUAdamBuilder
-print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__} from {deepspeed.__file__}')
+print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}', deepspeed.__file__)
 built = time.perf_counter()
 CPUAdamBuilder().load(verbose=False)
 print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports {built - start:.1f} s)')"
