@@ -1,7 +1,8 @@
 """Issue 19 on one GPU: a GPT of Llama-7B width (d 4096, 32 heads) trained in bf16 with the optimizer on the CPU,
 our stage 3 with ``offload_optimizer: {device: cpu, pin_memory: true}`` (``zero3``), with ``offload_param`` as
 well (``zero3_param``, what FSDP2's policy offloads), against FSDP2 with ``CPUOffloadPolicy``
-(bf16 ``MixedPrecisionPolicy``, torch's fused CPU AdamW), each in its own process, one after the other.
+(bf16 ``MixedPrecisionPolicy``, torch's fused CPU AdamW), and against DeepSpeed's ZeRO-Offload (``deepspeed``),
+each in its own process, one after the other.
 
     python -m benchmarks.gpu_offload --layers 32                 # about 6.6B parameters
     python -m benchmarks.gpu_offload --layers 8 --impls zero3    # a quick look
@@ -16,7 +17,23 @@ forward+backward is the GPU's alone and its step minus that is the host step: is
 step time against ``zero3``'s forward+backward is issue 38's target for the delayed update (use ``--warmup`` 3 or
 more, so that every timed step has an update in flight).
 
-Reports per implementation: parameters, median step (s), tokens/s, peak GPU memory and peak RSS.
+``deepspeed`` (issue 38; DeepSpeed is never a dependency of the project, install it beside it to run this) is
+DeepSpeed's ZeRO-3 with the very config ``zero3`` passes to ``zero_core.setup`` (``ZERO3_CONFIG``: ``bf16``
+enabled, ``zero_optimization: {stage: 3, offload_optimizer: {device: cpu, pin_memory: true}}``, every other
+setting at its default, which our config shares with DeepSpeed's by name and value) plus the batch keys DeepSpeed
+requires, and its compiled ``DeepSpeedCPUAdam`` with torch AdamW's defaults (lr 1e-4, betas 0.9/0.999, eps 1e-8,
+weight decay 0.01, ``adamw_mode``), what DeepSpeed itself picks for ``AdamW`` under ``offload_optimizer``. The
+same model (built in fp32 on the GPU; DeepSpeed casts it to bf16, as our engine keeps bf16 parameters), data and
+process group (world size 1 from ``MASTER_ADDR``/``MASTER_PORT``). Its ``cpu_adam`` op is JIT-built by
+DeepSpeed on first use (a compiler and ninja are needed; ``benchmarks/gpu_session.sh ds`` builds it first): the
+load or build is timed apart (``build s``) and left out of ``setup s``; where DeepSpeed is missing or the build
+fails, one line says so and the other implementations still run. On a machine without CUDA the worker runs on
+the CPU (gloo; for a quick check of the code path with a tiny ``--width``/``--layers``, DeepSpeed then needs
+``DS_ACCELERATOR=cpu``).
+
+Reports per implementation, a row as soon as its process ends: parameters, median step (s) and its forward+backward,
+tokens/s, peak GPU memory, peak RSS, setup (model built and wrapped), the DeepSpeed op's load or build, the whole
+process's wall time, torch's threads; then each implementation's losses (they should agree to bf16's precision).
 """
 
 from __future__ import annotations
@@ -34,19 +51,68 @@ import torch
 
 from .gpt import GPTConfig, batch, build_gpt, num_params
 
+IMPLS = ("zero3", "zero3_inline", "zero3_param", "zero3_delayed", "fsdp2", "deepspeed")
+# What zero3 passes to zero_core.setup, and DeepSpeed gets as it is (plus its batch keys)
+ZERO3_CONFIG = {"bf16": {"enabled": True},
+                "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)  # torch.optim.AdamW's defaults, lr 1e-4
+SKIP = "SKIP "  # a worker's line saying why it measured nothing (DeepSpeed missing, its op did not build)
+
+
+class Unavailable(Exception):
+    """The implementation cannot run on this machine; the message says why."""
+
+
+def deepspeed_engine(model: torch.nn.Module, config: GPTConfig) -> tuple:
+    """(DeepSpeed's ZeRO-3 engine over ``model`` with ``DeepSpeedCPUAdam``, seconds its cpu_adam op took to
+    load or build)."""
+    try:
+        import deepspeed
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+        from deepspeed.ops.op_builder import CPUAdamBuilder
+    except Exception as error:  # noqa: BLE001 - any import failure means: no usable DeepSpeed here
+        raise Unavailable(f"deepspeed not importable ({type(error).__name__}: {error})") from error
+    start = time.perf_counter()
+    try:
+        CPUAdamBuilder().load(verbose=False)
+    except Exception as error:  # noqa: BLE001 - a failed JIT build is reported, the other implementations run
+        raise Unavailable(f"DeepSpeed's cpu_adam did not build ({type(error).__name__}: "
+                          f"{str(error)[-300:]})") from error
+    build_s = time.perf_counter() - start
+    ds_config = {**ZERO3_CONFIG, "train_micro_batch_size_per_gpu": config.batch_size,
+                 "gradient_accumulation_steps": 1, "steps_per_print": 1 << 30}
+    optimizer = DeepSpeedCPUAdam(model.parameters(), adamw_mode=True, **ADAMW)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    stepper = getattr(engine.optimizer, "optimizer", None)  # ZeRO-3's optimizer wraps the one it steps
+    if engine.zero_optimization_stage() != 3 or not engine.zero_cpu_offload() or stepper is not optimizer:
+        raise RuntimeError(f"DeepSpeed did not set up ZeRO-3 with its CPU Adam on the CPU (stage "
+                           f"{engine.zero_optimization_stage()}, cpu offload {engine.zero_cpu_offload()}, "
+                           f"stepping {type(stepper).__name__}): check benchmarks/gpu_offload.py's ds_config")
+    return engine, build_s
+
 
 def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: bool = False) -> dict:
     import torch.distributed as dist
 
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29557")
-    torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    for name in ("RANK", "LOCAL_RANK"):  # DeepSpeed reads these beside the process group
+        os.environ.setdefault(name, "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    if cuda:
+        torch.cuda.set_device(0)
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=device)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1)
     t0 = time.perf_counter()
-    with torch.device("cuda"):
+    with device:
         model = build_gpt(config)
     psi = num_params(model)
-    offload = {"offload_optimizer": {"device": "cpu", "pin_memory": True}}
+    build_s = None
+    offload = {k: dict(v) for k, v in ZERO3_CONFIG["zero_optimization"].items() if k != "stage"}
     if impl == "zero3_param":  # parameters too, as FSDP2's CPUOffloadPolicy does
         offload["offload_param"] = {"device": "cpu", "pin_memory": True}
     if impl == "zero3_inline":  # the step inline, as before issue 38's overlap (the host step alone: step - f+b)
@@ -61,36 +127,50 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         for block in model.blocks:
             fully_shard(block, **policy)
         fully_shard(model, **policy)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        optimizer = torch.optim.AdamW(model.parameters(), fused=True, **ADAMW)
 
         def forward_backward(tokens, targets):
-            model(tokens, targets).backward()
+            loss = model(tokens, targets)
+            loss.backward()
+            return loss.detach()
 
         def step():
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-    else:
-        import zero_core
-
-        engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), {
-            "bf16": {"enabled": True}, "zero_optimization": {"stage": 3, **offload}})
+    elif impl == "deepspeed":
+        engine, build_s = deepspeed_engine(model, config)
         del model
 
         def forward_backward(tokens, targets):
-            engine.backward(engine.module(tokens, targets))
+            loss = engine(tokens, targets)
+            engine.backward(loss)
+            return loss.detach()
 
         step = engine.step
-    setup_s = time.perf_counter() - t0
-    times, phases = [], []
+    else:
+        import zero_core
+
+        engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), **ADAMW), {
+            **ZERO3_CONFIG, "zero_optimization": {"stage": 3, **offload}})
+        del model
+
+        def forward_backward(tokens, targets):
+            loss = engine.module(tokens, targets)
+            engine.backward(loss)
+            return loss.detach()
+
+        step = engine.step
+    setup_s = time.perf_counter() - t0 - (build_s or 0.0)
+    times, phases, losses = [], [], []
     for s in range(warmup + steps):
-        tokens, targets = (t.cuda() for t in batch(config, 0, s))
-        torch.cuda.synchronize()
+        tokens, targets = (t.to(device) for t in batch(config, 0, s))
+        sync()
         start = time.perf_counter()
-        forward_backward(tokens, targets)
-        torch.cuda.synchronize()
+        losses.append(forward_backward(tokens, targets))
+        sync()
         middle = time.perf_counter()
         step()
-        torch.cuda.synchronize()
+        sync()
         if s >= warmup:
             times.append(time.perf_counter() - start)
             phases.append(middle - start)
@@ -98,18 +178,19 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
     if profile_step:  # one more step under the profiler: where the host's step time goes
         from torch.profiler import ProfilerActivity, profile as profiler
 
-        tokens, targets = (t.cuda() for t in batch(config, 0, warmup + steps))
+        tokens, targets = (t.to(device) for t in batch(config, 0, warmup + steps))
         forward_backward(tokens, targets)
-        torch.cuda.synchronize()
-        with profiler(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        sync()
+        with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             step()
-            torch.cuda.synchronize()
+            sync()
         profile = prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60)
     dist.destroy_process_group()
-    return {"profile": profile, "impl": impl, "params": psi, "setup_s": setup_s, "step_s": statistics.median(times),
+    return {"profile": profile, "impl": impl, "params": psi, "setup_s": setup_s, "build_s": build_s,
+            "step_s": statistics.median(times), "losses": [round(float(l), 4) for l in losses],
             "forward_backward_s": statistics.median(phases), "threads": torch.get_num_threads(),
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
-            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -119,7 +200,7 @@ def main(argv=None) -> None:
     p.add_argument("--width", type=int, default=4096)
     p.add_argument("--seq-len", type=int, default=1024)
     p.add_argument("--batch-size", type=int, default=2)
-    p.add_argument("--impls", nargs="+", default=["zero3", "zero3_param", "fsdp2"], choices=("zero3", "zero3_inline", "zero3_param", "zero3_delayed", "fsdp2"))
+    p.add_argument("--impls", nargs="+", default=["zero3", "zero3_param", "fsdp2"], choices=IMPLS)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=int, default=600, help="seconds per implementation's process")
@@ -130,32 +211,47 @@ def main(argv=None) -> None:
     config = GPTConfig(vocab=32000, d_model=args.width, n_layer=args.layers, n_head=args.width // 128,
                        seq_len=args.seq_len, batch_size=args.batch_size)
     if args.worker:
-        print("RESULT " + json.dumps(worker(args.worker, config, args.steps, args.warmup, args.profile)), flush=True)
+        try:
+            result = worker(args.worker, config, args.steps, args.warmup, args.profile)
+        except Unavailable as why:
+            print(SKIP + str(why), flush=True)
+            return
+        print("RESULT " + json.dumps(result), flush=True)
         return
+    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    print(f"{where}; d {args.width}, {args.layers} layers, batch {args.batch_size}x{args.seq_len}, "
+          f"bf16, AdamW, optimizer on the CPU; median of {args.steps} steps after {args.warmup}")
+    print("| implementation | params | step s | of which forward+backward | tokens/s | peak GPU GiB | peak RSS GiB | "
+          "setup s | build s | process s | torch threads |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     rows = []
-    for impl in args.impls:
+    for impl in args.impls:  # each row as soon as it is measured: a run cut short keeps the rows it has
         cmd = [sys.executable, "-m", "benchmarks.gpu_offload", "--worker", impl, "--layers", str(args.layers),
                "--width", str(args.width), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
                "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
+        start = time.perf_counter()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
         except subprocess.TimeoutExpired:
-            print(f"{impl}: timed out after {args.timeout} s")
+            print(f"{impl}: timed out after {args.timeout} s", flush=True)
             continue
         lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
-        if done.returncode or not lines:
-            print(f"{impl}: exited {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}")
+        skipped = [l for l in done.stdout.splitlines() if l.startswith(SKIP)]
+        if skipped:
+            print(f"{impl}: not measured: {skipped[-1][len(SKIP):]}", flush=True)
             continue
-        rows.append(json.loads(lines[-1][7:]))
-    print(f"{torch.cuda.get_device_name(0)}; d {args.width}, {args.layers} layers, batch {args.batch_size}x{args.seq_len}, "
-          f"bf16, AdamW, optimizer on the CPU; median of {args.steps} steps after {args.warmup}")
-    print("| implementation | params | step s | of which forward+backward | tokens/s | peak GPU GiB | peak RSS GiB | "
-          "setup s | torch threads |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for r in rows:
+        if done.returncode or not lines:
+            print(f"{impl}: exited {done.returncode}\n{(done.stdout + done.stderr)[-3000:]}", flush=True)
+            continue
+        r = json.loads(lines[-1][7:])
+        r["process_s"] = time.perf_counter() - start
+        rows.append(r)
         print(f"| {r['impl']} | {r['params'] / 1e9:.2f}B | {r['step_s']:.2f} | {r['forward_backward_s']:.2f} | "
               f"{r['tokens_per_s']:,.0f} | {r['peak_gpu_gib']:.1f} | {r['peak_rss_gib']:.1f} | {r['setup_s']:.0f} | "
-              f"{r['threads']} |")
+              f"{'-' if r.get('build_s') is None else format(r['build_s'], '.1f')} | {r['process_s']:.0f} | "
+              f"{r['threads']} |", flush=True)
+    for r in rows:  # the same model, data and hyperparameters: the losses should agree to bf16's precision
+        print(f"{r['impl']} losses: {r['losses']}")
     for r in rows:
         if r.get("profile"):
             print(f"\n{r['impl']}: one step under torch.profiler\n{r['profile']}")

@@ -5,13 +5,21 @@
 #           wave-3 changes), and activation checkpoints with and without cpu_checkpointing when the script is
 #           there (about 330 s on an H200)
 #   offload issue 18/19's offload runs: the host step, 1.75B and 6.58B against FSDP2, the 6.58B profile (about 460 s)
+#   ds      issue 38: DeepSpeed 0.19.8 beside ours: its cpu_adam JIT-built once (timed), the host step against its
+#           compiled CPU Adam at 16 threads and 1, and 6.58B ZeRO-Offload against ours and FSDP2's
+#           CPUOffloadPolicy in the same call (about 300 s on an H200; each part bounded by timeout: 480 s at most)
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
 #   echo /.whl/ >> .git/info/exclude
 #   python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 -d .whl jsonargparse==4.53.0 docstring_parser==0.18.0 typeshed_client==2.15.0
-# then run `bash benchmarks/gpu_session.sh [wave3|offload]` with `.whl` in the call's carry.
+# For `ds` also DeepSpeed (a pure-Python wheel: DS_BUILD_OPS=0 pip wheel --no-deps --no-build-isolation
+# deepspeed==0.19.8) and what it needs that the image lacks, the same way (--python-version 3.12, manylinux):
+#   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+#   typing-extensions==4.16.0   (pydantic 2.14 needs >= 4.16; the image's is older or unknown)
+# DeepSpeed is never a dependency of the project.
+# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds]` with `.whl` in the call's carry.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site
@@ -28,6 +36,53 @@ if [ "$SECTION" = overlap ]; then
 # OVERLAP_LAYERS=8: 1.75B, about 60 s for the pair; 32 (the default): 6.58B, about 120 s
 L=${OVERLAP_LAYERS:-32}
 { step offload_overlap_$L; timeout 260 python3 -m benchmarks.gpu_offload --layers $L --steps 3 --warmup 2 --impls zero3 zero3_inline --timeout 125; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_overlap_$L.txt"
+exit 0
+fi
+if [ "$SECTION" = ds ]; then
+NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
+# cpu_adam is built by DeepSpeed's CPU op builder (g++, ninja, -march=native) even with the cuda accelerator;
+# DS_SKIP_CUDA_CHECK only matters to its CUDA ops (nvcc 13.0 against torch's cu130 match anyway).
+export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DS_SKIP_CUDA_CHECK=1
+# Sizes (a dry run on a CPU machine passes smaller ones, and DS_ACCELERATOR=cpu)
+DS_HOST_ARGS=${DS_HOST_ARGS:---numel 2e7 2e8 --threads 16 1}
+DS_MODEL_ARGS=${DS_MODEL_ARGS:---layers 32}
+export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+# Expected: ~40 s (two C++ files on 16 cores, DeepSpeed's import and CPU probe; 55 s on a quiet 2-core machine)
+{ step ds_build; echo "CUDA_HOME=$CUDA_HOME"; g++ --version | head -1; "$NVCC" --version | tail -1
+  # Bytecode now (the install skips it), so DeepSpeed's setup does not include compiling its modules
+  timeout 60 python3 -m compileall -q -j 0 /tmp/site >/dev/null; echo "compileall rc=$? (t=$(( $(date +%s) - T0 ))s)"
+  timeout 150 python3 -c "
+import time; start = time.perf_counter()
+import torch, deepspeed
+from deepspeed.ops.op_builder import CPUAdamBuilder
+print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}', deepspeed.__file__)
+built = time.perf_counter()
+CPUAdamBuilder().load(verbose=False)
+print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports {built - start:.1f} s)')"
+  rc=$?; echo "rc=$rc"; echo $rc > /tmp/ds_build.rc; } 2>&1 | tee "$OUT/ds_build.txt" | tail -8
+# A failed or killed build (its lock left behind would stall every later load): DeepSpeed out of the way, so the
+# rest says "deepspeed not importable" in one line and measures ours and torch's, FSDP2's
+if [ "$(cat /tmp/ds_build.rc)" != 0 ]; then echo "DeepSpeed's cpu_adam did not build: measuring without it"
+  mv /tmp/site/deepspeed /tmp/site/deepspeed.unbuilt; fi
+# Expected: ~30 s (a process per thread count: imports, 3.2 GB of tensors, 6 steps of each of the three)
+{ step ds_host_step; timeout 60 python3 -m benchmarks.gpu_host_step --deepspeed $DS_HOST_ARGS \
+    --repeats 5 --timeout 29; echo "rc=$?"; } 2>&1 | tee "$OUT/ds_host_step.txt"
+# Expected: ~280 s: ours (overlapped, then inline) ~55 s each and FSDP2 ~65 s (setup 18 s and 28 s, 5 steps of
+# ~2.3 s, exit), DeepSpeed ~100 s (its ZeRO-3 setup with 26 GB of pinned fp32 masters and gradients, 52 GB of Adam
+# state made at the first step). DeepSpeed before FSDP2 (measured before at 2.43 s a step): if time runs out,
+# FSDP2's row is the one lost. Two warm-up steps: the first overlapped step's own call is short.
+{ step ds_offload7B; timeout 330 python3 -m benchmarks.gpu_offload $DS_MODEL_ARGS --steps 3 --warmup 2 \
+    --impls zero3 zero3_inline deepspeed fsdp2 --timeout 150 --json "$OUT/ds_offload_7B.json"; echo "rc=$?"; } 2>&1 \
+  | tee "$OUT/ds_offload_7B.txt"
+# The delayed update's target (issue 38) where the GPU's forward+backward is at least the host step: 1.75B at
+# batch 8x1024, inline against delayed, if the call has time left (about 70 s)
+LEFT=$(( ${DS_SECTION_BUDGET:-545} - $(date +%s) + T0 ))
+if [ $LEFT -gt 60 ]; then
+{ step delayed_1_75B_b8; timeout $LEFT python3 -m benchmarks.gpu_offload --layers 8 --batch-size 8 --steps 3 --warmup 3 \
+    --impls zero3_inline zero3_delayed --timeout $(( LEFT / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/delayed_1_75B_b8.txt"
+fi
+step end
 exit 0
 fi
 if [ "$SECTION" = wave3 ]; then
