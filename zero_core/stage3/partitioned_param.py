@@ -230,8 +230,8 @@ def _loads_into(func, args, released) -> bool:
             and registry.pending_partition_of(released) is not None)
 
 
-# [Note: compiled reads] Dynamo runs compiled graphs with torch functions disabled, so a graph never reaches
-# this guard at run time: a parameter no hook gathered before the graph (read directly by a patched forward, as
+# [Note: compiled reads] Dynamo traces this guard into its graphs and runs them with torch functions disabled, so
+# such a graph never reaches the guard at run time: a parameter no hook gathered before the graph (read directly by a patched forward, as
 # TRL's fused LM head reads ``lm_head.weight``, in a graph after a break) would be read from freed memory. So each
 # partitioned parameter carries a flag, set by its unit (param_unit.py): True while the parameter is released,
 # and while it is gathered only for reads (the runtime's gather_on_read); False while a hook or prefetch holds
