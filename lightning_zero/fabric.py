@@ -28,7 +28,7 @@ from torch.optim import Optimizer
 
 import zero_core
 
-from . import checkpoint_io
+from . import checkpoint_io, save_pretrained
 from .activation_checkpointing import Policy, apply_activation_checkpointing, check_policy
 from .config import base_config, run_config
 from .deepspeed_args import apply_deepspeed_args, given_keywords
@@ -155,6 +155,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         config = run_config(self.zero_config, self.precision.precision)
         self._engine = zero_core.setup(module, optimizers, config)
         self.precision.engine = self._engine
+        save_pretrained.install_if_loaded(config.stage)  # rank-0 save_pretrained at stage 3: a clear error
 
     def module_to_device(self, module: Module) -> None:
         # zero_core.Init already placed the partitioned parameters; everything else follows, as under DDP.

@@ -31,7 +31,7 @@ from lightning.pytorch.utilities.rank_zero import WarningCache
 
 import zero_core
 
-from . import checkpoint_io
+from . import checkpoint_io, save_pretrained
 from .activation_checkpointing import Policy, apply_activation_checkpointing, check_policy
 from .config import base_config, differing_fields, run_config
 from .deepspeed_args import apply_deepspeed_args, given_keywords
@@ -238,6 +238,8 @@ class ZeroStrategy(DDPStrategy):
         else:
             self._setup_plain_for_inference()
         self.setup_precision_plugin()
+        if self._engine is not None:  # rank-0 save_pretrained of a stage 3 model: a clear error
+            save_pretrained.install_if_loaded(self._engine.config.stage)
         if fitting and self.resume is not None:
             self._resume_by_itself(trainer)
 

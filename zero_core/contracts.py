@@ -175,6 +175,10 @@ class ParamOwner(Protocol):
 
     def run_on_released(self, func, args, kwargs) -> Any: ...
 
+    def gather_for_read(self, params) -> bool:
+        """Gather released ``params`` for a read compiled code makes next (partitioned_param.py); False where no
+        read may gather them now (then the read is an error naming the parameter)."""
+
     def gather_params(self, params) -> list:
         """Gather what is partitioned; returns what was opened (for :meth:`commit_params`). A collective."""
 

@@ -23,9 +23,9 @@ class Block(nn.Module):
 class TinyLM(nn.Module):
     """``final_norm=False`` leaves out the norm after the blocks, as the Accelerate script's model always had.
 
-    Open finding (issue 34's note): in that script's compiled stage-3 runs, a patched forward that goes through
-    ``self.hidden(tokens)`` instead of its own loop over the blocks failed with "data is not allocated yet" (a
-    released parameter read inside the compiled graph); the script keeps its own loop."""
+    A patched forward calls ``self.hidden(tokens)`` and then reads ``lm_head.weight``: compiled, that read lands
+    in a graph after the break at the blocks' hooks, which stage 3 gathers first ([Note: compiled reads] in
+    zero_core/stage3/partitioned_param.py)."""
 
     def __init__(self, final_norm: bool = True):
         super().__init__()

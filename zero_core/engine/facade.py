@@ -488,6 +488,14 @@ class ZeroEngine:
         with it); any operation inside the model's forward gathers the parameters it reads (``gather_on_read``)."""
         return func is torch.equal or self.runtime.gathers_on_read()
 
+    def gather_for_read(self, params) -> bool:
+        """A read in compiled code that no hook covers gathers as an eager read does: inside the model's forward or
+        a backward only."""
+        if not self.runtime.gathers_on_read():
+            return False
+        self.runtime.gather_on_read(params)
+        return True
+
     def run_on_released(self, func, args, kwargs):
         if func is not torch.equal:
             self.runtime.gather_on_read(released_params(args, kwargs))

@@ -197,6 +197,11 @@ class Init:
     def handles_released(self, func) -> bool:
         return self._open and self.config.override_module_apply
 
+    def gather_for_read(self, params) -> bool:
+        """Compiled code cannot keep a parameter gathered for one operation as ``run_on_released`` does: its read
+        is the error that points to GatheredParameters."""
+        return False
+
     def copy_in(self, param: nn.Parameter, source: torch.Tensor) -> nn.Parameter:
         """``param.copy_(source)`` after the context, before setup: what ``model.load_state_dict`` does. Rank 0's
         values are kept, as inside the context; one parameter is gathered at a time."""

@@ -23,7 +23,7 @@ from zero_core.comm.communicator import Communicator
 from zero_core.fragments import Fragment
 from zero_core.layout import FlatLayout
 from zero_core.optim.master_shards import MasterShards
-from zero_core.stage3.partitioned_param import unguarded
+from zero_core.stage3.partitioned_param import set_gather_on_read_flag, unguarded
 from zero_core.comm.quantize import BLOCK, Quantized, quantize
 from zero_core.contracts import wait_for_update
 
@@ -169,6 +169,7 @@ class ParamUnit:
 
     def _allocate(self) -> None:
         self.full.untyped_storage().resize_(self.full.numel() * self.full.element_size())
+        set_gather_on_read_flag(self.params, False)  # [Note: compiled reads] (partitioned_param.py)
 
     def wait(self) -> None:
         if self.state is UnitState.GATHERING:
@@ -233,6 +234,7 @@ class ParamUnit:
             return
         self.wait()
         self.full.untyped_storage().resize_(0)
+        set_gather_on_read_flag(self.params, True)
         self.state = UnitState.SHARDED
 
     def write_full_into_shard(self) -> None:

@@ -84,6 +84,8 @@ def is_stale(tensor) -> bool:
 
 
 def _op_name(func) -> str:
+    if isinstance(func, str):
+        return func
     name = getattr(func, "__name__", str(func))
     if name in ("__get__", "__set__"):
         name = getattr(getattr(func, "__self__", None), "__name__", name)
@@ -228,9 +230,46 @@ def _loads_into(func, args, released) -> bool:
             and registry.pending_partition_of(released) is not None)
 
 
+# [Note: compiled reads] Dynamo traces this guard into its graphs and runs them with torch functions disabled, so
+# such a graph never reaches the guard at run time: a parameter no hook gathered before the graph (read directly by a patched forward, as
+# TRL's fused LM head reads ``lm_head.weight``, in a graph after a break) would be read from freed memory. So each
+# partitioned parameter carries a flag, set by its unit (param_unit.py): True while the parameter is released,
+# and while it is gathered only for reads (the runtime's gather_on_read); False while a hook or prefetch holds
+# it. Dynamo reads the flag while it traces this guard and guards on its value: where it is set, the trace
+# breaks at the read and an eager call gathers first (or raises the error naming the parameter); where it is
+# clear, the graph gets nothing and no break. A gather for a read leaves the flag set, so it is the same at
+# every entry of the frame from step to step (no recompilation); a frame entered with the other value
+# (a prefetch gathered the parameter this time) is compiled once more for it.
+GATHER_ON_READ_FLAG = "_zero_gather_on_read"
+
+
+def set_gather_on_read_flag(params, value: bool) -> None:
+    for param in params:
+        setattr(param, GATHER_ON_READ_FLAG, value)
+
+
+def _gather_for_compiled_read(args, kwargs) -> None:
+    """Traced by dynamo ([Note: compiled reads]): a call into eager code before a read of a released parameter."""
+    for tensor in tensors_in(args, kwargs):
+        if isinstance(tensor, PartitionedParameter) and getattr(tensor, GATHER_ON_READ_FLAG, False):
+            _gather_before_compiled_read(tensor)
+
+
+@torch.compiler.disable
+def _gather_before_compiled_read(param) -> None:
+    """Run eagerly: gather ``param`` for the compiled read that follows, as the eager guard would (inside the
+    model's forward or a backward), or raise the guard's error naming it."""
+    if not is_released(param):
+        return
+    owner = registry.owner_of(param)
+    if owner is None or not owner.gather_for_read([param]):
+        raise _released_error(param, "compiled code")
+
+
 def _dispatch(func, args, kwargs):
     """The guard shared by partitioned parameters and their views."""
     if torch.compiler.is_compiling():  # compiled code runs between the eager hooks, on gathered parameters
+        _gather_for_compiled_read(args, kwargs or {})
         with _Disable():
             return func(*args, **(kwargs or {}))
     if _moves_nowhere(func, args, kwargs):

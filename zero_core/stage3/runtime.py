@@ -28,6 +28,7 @@ from zero_core.stage3.execution_trace import ExecutionTrace
 from zero_core.stage3.generation_keeping import GenerationKeeping
 from zero_core.stage3.gradients import GradientReduction
 from zero_core.stage3.param_unit import ParamUnit, UnitState, gather_together
+from zero_core.stage3.partitioned_param import set_gather_on_read_flag
 from zero_core.stage3.phase import Phase, checked
 from zero_core.stage3.policy import Stage3Policy
 from zero_core.stage3.prefetch import Prefetcher
@@ -385,6 +386,7 @@ class PartitionedParamsRuntime(UnitSetup, GradientReduction):
         units = list(dict.fromkeys(self.unit_of[p] for p in params if p in self.unit_of))
         for unit in units:
             self._gather(unit)
+            set_gather_on_read_flag(unit.params, True)  # compiled reads keep calling in: [Note: compiled reads]
         self.backward.touched.update(units)
         if torch.is_grad_enabled():
             self.use.held.update(units)
