@@ -11,7 +11,7 @@ stage 2, world size 1), so the optimizer step is a real host step of that size. 
 ``delayed_update_after`` (the host step of step t on a thread while step t+1's forward and backward run), take
 turns (a shared machine's load then falls on both); with ``--stage 3`` each of ``--tensors`` blocks is a unit,
 the sleep is split over their forwards and backwards, and a third engine overlaps the exact step with the next
-forward (``overlap_step``, forced on: it is on by default only beside an accelerator). Each reports the median time per iteration, its
+forward (``overlap_with_forward``, forced on: it acts only beside an accelerator). Each reports the median time per iteration, its
 forward+backward, its step call and the host step inside it, against the sum and the max of (everything else,
 host step) of the exact engine. ``--fb-ms`` sets the sleep; by default it equals the exact host step, measured
 first.
@@ -99,7 +99,7 @@ class StandIn:
         self.dtype = args.dtype
         self.engine = _engine(SleepingModel(args.numel, args.tensors, fb_s), 1e-3,
                               _config(delayed, dtype=args.dtype, stage=args.stage))
-        # overlap_step is on by default only where the shards are on an accelerator: forced here, off elsewhere
+        # overlap_with_forward is opt-in and acts only beside an accelerator: forced here, off elsewhere
         self.engine._offload.overlap = overlapped
         self.times: dict[str, list[float]] = {"iteration": [], "fb": [], "step": [], "host": []}
         self.index = 0

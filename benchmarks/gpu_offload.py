@@ -8,10 +8,11 @@ each in its own process, one after the other.
     python -m benchmarks.gpu_offload --layers 8 --impls zero3    # a quick look
     python -m benchmarks.gpu_offload --impls zero3 zero3_delayed --steps 3 --warmup 3   # the delayed update
 
-``zero3`` overlaps the host step with the next forward (``overlap_step``, on by default: its forward+backward
-column then includes waits for the step); ``zero3_inline`` runs it inline (``overlap_step: false``), so its
-forward+backward is the GPU's alone and its step minus that is the host step: issue 38's exact-overlap target is
-``zero3``'s step <= 1.10x the larger of the two.
+``zero3_overlap`` overlaps the host step with the next forward (``overlap_with_forward: true``; its
+forward+backward column then includes waits for the step); ``zero3`` and ``zero3_inline`` run it inline (the
+default; ``overlap_with_forward: false`` said explicitly), so their forward+backward is the GPU's alone and the
+step minus that is the host step: issue 38's exact-overlap target is ``zero3_overlap``'s step <= 1.10x the larger
+of the two.
 
 ``zero3_delayed`` is ``zero3`` with ``delayed_update_after: 1`` (docs/offload.md, "Delayed parameter update"): its
 step time against ``zero3``'s forward+backward is issue 38's target for the delayed update (use ``--warmup`` 3 or
@@ -51,7 +52,7 @@ import torch
 
 from .gpt import GPTConfig, batch, build_gpt, num_params
 
-IMPLS = ("zero3", "zero3_inline", "zero3_param", "zero3_delayed", "fsdp2", "deepspeed")
+IMPLS = ("zero3", "zero3_inline", "zero3_overlap", "zero3_param", "zero3_delayed", "fsdp2", "deepspeed")
 # What zero3 passes to zero_core.setup, and DeepSpeed gets as it is (plus its batch keys)
 ZERO3_CONFIG = {"bf16": {"enabled": True},
                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
@@ -115,8 +116,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
     offload = {k: dict(v) for k, v in ZERO3_CONFIG["zero_optimization"].items() if k != "stage"}
     if impl == "zero3_param":  # parameters too, as FSDP2's CPUOffloadPolicy does
         offload["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if impl == "zero3_inline":  # the step inline, as before issue 38's overlap (the host step alone: step - f+b)
-        offload["offload_optimizer"]["overlap_step"] = False
+    if impl in ("zero3_inline", "zero3_overlap"):  # issue 38: the host step inline, or overlapped with the forward
+        offload["offload_optimizer"]["overlap_with_forward"] = impl == "zero3_overlap"
     if impl == "zero3_delayed":  # issue 38: the host step of step t during step t+1's forward and backward
         offload["offload_optimizer"]["delayed_update_after"] = 1
     if impl == "fsdp2":

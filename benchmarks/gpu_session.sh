@@ -29,13 +29,13 @@ T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 SECTION=${1:-wave3}
 if [ "$SECTION" = overlap ]; then
-# Issue 38's exact overlap on a GPU: the GPU tier (its overlap tests against overlap_step false), then 6.58B with
+# Issue 38's exact overlap on a GPU: the GPU tier (its overlap tests against the inline step), then 6.58B with
 # the step overlapped (zero3) and inline (zero3_inline) in one call (about 330 s on an H200 in all)
 { step tests; nvidia-smi -L; timeout 200 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 190; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
 { step activation_checkpoints; timeout 90 python3 -m benchmarks.gpu_activation_checkpoints --out "$OUT/activation_checkpoints.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/activation_checkpoints.txt"
 # OVERLAP_LAYERS=8: 1.75B, about 60 s for the pair; 32 (the default): 6.58B, about 120 s
 L=${OVERLAP_LAYERS:-32}
-{ step offload_overlap_$L; timeout 260 python3 -m benchmarks.gpu_offload --layers $L --steps 3 --warmup 2 --impls zero3 zero3_inline --timeout 125; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_overlap_$L.txt"
+{ step offload_overlap_$L; timeout 260 python3 -m benchmarks.gpu_offload --layers $L --steps 3 --warmup 2 --impls zero3_overlap zero3_inline --timeout 125; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_overlap_$L.txt"
 exit 0
 fi
 if [ "$SECTION" = ds ]; then
@@ -73,7 +73,7 @@ if [ "$(cat /tmp/ds_build.rc)" != 0 ]; then echo "DeepSpeed's cpu_adam did not b
 # state made at the first step). DeepSpeed before FSDP2 (measured before at 2.43 s a step): if time runs out,
 # FSDP2's row is the one lost. Two warm-up steps: the first overlapped step's own call is short.
 { step ds_offload7B; timeout 330 python3 -m benchmarks.gpu_offload $DS_MODEL_ARGS --steps 3 --warmup 2 \
-    --impls zero3 zero3_inline deepspeed fsdp2 --timeout 150 --json "$OUT/ds_offload_7B.json"; echo "rc=$?"; } 2>&1 \
+    --impls zero3_overlap zero3_inline deepspeed fsdp2 --timeout 150 --json "$OUT/ds_offload_7B.json"; echo "rc=$?"; } 2>&1 \
   | tee "$OUT/ds_offload_7B.txt"
 # The delayed update's target (issue 38) where the GPU's forward+backward is at least the host step: 1.75B at
 # batch 8x1024, inline against delayed, if the call has time left (about 70 s)

@@ -155,9 +155,9 @@ def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0
 
 def overlap_run(device, stage: int, overlap: bool, pin: bool = True) -> dict:
     """The offloaded step overlapped with the next forward (its default on a GPU) or inline
-    (``overlap_step: false``), nothing read between the steps: losses and final weights, and how many steps the
+    (``overlap_with_forward: false``), nothing read between the steps: losses and final weights, and how many steps the
     thread took."""
-    block = {"device": "cpu", "pin_memory": pin, "overlap_step": overlap}
+    block = {"device": "cpu", "pin_memory": pin, "overlap_with_forward": overlap}
     model, engine = _engine(device, stage, offload={"offload_optimizer": block})
     losses = []
     for tokens in batches(device):

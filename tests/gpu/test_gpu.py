@@ -85,7 +85,7 @@ def test_a_checkpoint_resumes_on_the_gpu_as_if_never_stopped(gpu_runs):
 
 @pytest.mark.parametrize("run", ["zero2_pinned", "zero3_pinned", "zero3_pageable"])
 def test_overlapped_offloaded_step_equals_the_inline_step_on_the_gpu(gpu_runs, run):
-    """offload_optimizer.overlap_step (on by default here): the host step runs on a thread while the next forward
+    """offload_optimizer.overlap_with_forward (opt-in): the host step runs on a thread while the next forward
     starts, each unit's gather waiting on a stream event for its write-back; bit for bit the inline step."""
     overlapped, inline = gpu_runs[f"overlap_{run}_True"], gpu_runs[f"overlap_{run}_False"]
     assert overlapped["overlapped"] == len(overlapped["losses"]) - 1 and inline["overlapped"] == 0

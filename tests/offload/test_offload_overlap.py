@@ -1,8 +1,8 @@
-"""The offloaded step overlapped with the next forward (``offload_optimizer.overlap_step``; offload/overlapped_step.py).
+"""The offloaded step overlapped with the next forward (``offload_optimizer.overlap_with_forward``; offload/overlapped_step.py).
 
 Two ranks at stages 1-3 (stage 3 also with persistent units, with ``offload_param: cpu``, and in bf16) train the
 same steps twice in one process: with the overlap forced on (on a CPU-only run it is off by default) and with
-``overlap_step: false`` (the inline step, today's). Clipping and an LR scheduler stepped after every ``step()``
+``overlap_with_forward: false`` (the inline step, today's). Clipping and an LR scheduler stepped after every ``step()``
 are on. Every loss, every final parameter and every master is bit for bit the inline run's; the thread took every
 step after the first (which makes the state inline), its first part was slowed down so that the next forward
 cannot have read a stale shard by luck, and each part's update was waited for where its shard is read (stage 3:

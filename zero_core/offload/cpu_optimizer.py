@@ -151,8 +151,8 @@ class OptimizerOffload:
         after = block.delayed_update_after
         self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
         # The step overlapped with the next forward (overlapped_step.py): None, where the shards are on an
-        # accelerator; True / False: always / never (offload_optimizer.overlap_step false)
-        self.overlap: Optional[bool] = None if block.overlap_step else False
+        # accelerator; True / False: always / never (offload_optimizer.overlap_with_forward, off by default)
+        self.overlap: Optional[bool] = None if block.overlap_with_forward else False
         self.overlapped = OverlappedStep(self)
         self.update_order = update_order or list  # the runtime's: parts in the order the next forward reads them
         self.adopt(parts)
