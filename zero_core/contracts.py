@@ -33,6 +33,9 @@ class UpdateHandle(Protocol):
     def wait(self) -> None:
         """Return once the update is in the shards (on an accelerator: the current stream is ordered after it)."""
 
+    def ready(self) -> bool:
+        """Whether ``wait`` would return without waiting on the host."""
+
 
 def wait_for_update(part: "Part") -> None:
     """Before reading ``part``'s parameter shards (a gather): its update in flight, if any, has landed."""
@@ -40,6 +43,13 @@ def wait_for_update(part: "Part") -> None:
     if handle is not None:
         part.update_in_flight = None
         handle.wait()
+
+
+def update_landed(part: "Part") -> bool:
+    """Whether reading ``part``'s shards now would not wait on the host for an update in flight (prefetch leaves
+    such a part to its own gather rather than hold up the forward for it)."""
+    handle = part.update_in_flight
+    return handle is None or handle.ready()
 
 
 @runtime_checkable

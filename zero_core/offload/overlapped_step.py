@@ -62,6 +62,9 @@ class UpdateInFlight:
         self._copied = copied
         self._done.set()
 
+    def ready(self) -> bool:
+        return self._done.is_set()
+
     def wait(self) -> None:
         self._done.wait()
         self._step.raise_error()
