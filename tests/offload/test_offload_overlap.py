@@ -53,6 +53,9 @@ def train(rank: int, config: dict, overlap: bool, checkpoint: str) -> dict:
     masters = engine.full_state_dict(rank0_only=False)
     result = {"losses": losses, "params": full_params(engine.module), "masters": masters,
               "overlapped": engine._offload.overlapped.overlapped_steps}
+    pool = engine._offload.overlapped._pool
+    if pool is not None:  # the thread's kernels use one core fewer; the training thread's count is unchanged
+        result["threads"] = (torch.get_num_threads(), pool.submit(torch.get_num_threads).result())
     engine.close()
     fresh = build_model(MODEL)
     loader = zero_core.setup(fresh, make_optimizer(fresh), {**config, "offload_optimizer": None})
@@ -77,6 +80,8 @@ def overlap_worker(rank, world_size, root, only=None):
             time.sleep(0.2)
         step_part(self, *args)
 
+    if world_size == 1:
+        torch.set_num_threads(2)  # so that the overlapped step's thread has one fewer to show
     overlapped_step.UpdateInFlight.wait = counted_wait
     overlapped_step.OverlappedStep._step_part = slow_first_part
     results = {}
@@ -113,6 +118,8 @@ def check(ranks: list) -> None:
             label = f"rank {rank}, {run}"
             inline, overlapped = got[False], got[True]
             assert inline["overlapped"] == 0 and inline["waits"] == 0, label
+            if len(ranks) == 1:
+                assert overlapped["threads"] == (2, 1), f"{label}: threads (training, step) {overlapped['threads']}"
             assert overlapped["overlapped"] == STEPS - 1, f"{label}: {overlapped['overlapped']} overlapped steps"
             assert overlapped["waits"] >= STEPS - 1, f"{label}: no reader waited for a part's update"
             assert inline["losses"] == overlapped["losses"], f"{label}: losses {inline['losses']} {overlapped['losses']}"

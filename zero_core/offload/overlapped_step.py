@@ -49,6 +49,12 @@ _FAILED = ("offload_optimizer: the overlapped host step failed on its thread (th
            "to run the step inline, and report the error below")
 
 
+def _use_threads(count: int) -> None:
+    """This thread's torch CPU kernels use ``count`` threads (torch reads the count once per thread, first)."""
+    torch.get_num_threads()
+    torch.set_num_threads(count)
+
+
 class UpdateInFlight:
     """One part's update on the thread: ``wait()`` returns once its values are in the part's parameter shards
     (on an accelerator: once the calling stream is ordered after the write-back's copies)."""
@@ -125,7 +131,14 @@ class OverlappedStep:
         self._parts = list(parts)
         self._error = None
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-overlapped-step")
+            # One core fewer than the training thread's: torch's CPU kernels split their work evenly over their
+            # threads, so one of them sharing a core with the training thread (a CUDA synchronise spins on its
+            # core) would hold up the whole step, each chunk of it.
+            threads = torch.get_num_threads()
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-overlapped-step",
+                                            initializer=_use_threads, initargs=(max(1, threads - 1),))
+            self._pool.submit(lambda: None).result()  # the thread has set its own count: now put back torch's
+            torch.set_num_threads(threads)  # process-wide default, which setting a count also changes
         self._flight = self._pool.submit(self._run, work, entries, states, grads, groups, kernels, inv_scale, clip)
         self.overlapped_steps += 1
         return True
