@@ -1,6 +1,7 @@
 """The offloaded step overlapped with the next forward (``offload_optimizer.overlap_with_forward``; offload/overlapped_step.py).
 
-Two ranks at stages 1-3 (stage 3 also with persistent units, with ``offload_param: cpu``, and in bf16) train the
+Two ranks at stages 1-3 (stage 3 also with persistent units, with ``offload_param: cpu``, and in bf16; stages 2
+and 3 with ``device: nvme``, tiles of 500 elements) train the
 same steps twice in one process (one rank too, at stage 3): with the overlap forced on (on a CPU-only run it is off by default) and with
 ``overlap_with_forward: false`` (the inline step, today's). Clipping and an LR scheduler stepped after every ``step()``
 are on. Every loss, every final parameter and every master is bit for bit the inline run's; the thread took every
@@ -31,7 +32,10 @@ SMALL = {"reduce_bucket_size": 300, "allgather_bucket_size": 300, "param_persist
 RUNS = {"stage 1": {"stage": 1}, "stage 2": {"stage": 2}, "stage 3": {"stage": 3},
         "stage 3, persistent units": {"stage": 3, "param_persistence_threshold": 200},
         "stage 3, offload_param cpu": {"stage": 3, "offload_param": {"device": "cpu"}},
-        "stage 3, bf16": {"stage": 3, "bf16": {"enabled": True}}}
+        "stage 3, bf16": {"stage": 3, "bf16": {"enabled": True}},
+        "stage 2, nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 500},
+        "stage 3, nvme, bf16": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 500,
+                                "bf16": {"enabled": True}}}
 
 
 def train(rank: int, config: dict, overlap: bool, checkpoint: str) -> dict:
@@ -57,6 +61,7 @@ def train(rank: int, config: dict, overlap: bool, checkpoint: str) -> dict:
     if pool is not None:  # the thread's kernels use one core fewer; the training thread's count is unchanged
         result["threads"] = (torch.get_num_threads(), pool.submit(torch.get_num_threads).result())
     engine.close()
+    engine.remove_offload_files()
     fresh = build_model(MODEL)
     loader = zero_core.setup(fresh, make_optimizer(fresh), {**config, "offload_optimizer": None})
     loader.load_checkpoint(checkpoint)
@@ -88,7 +93,10 @@ def overlap_worker(rank, world_size, root, only=None):
     for index, (label, run) in enumerate(RUNS.items()):
         if only is not None and label not in only:
             continue
-        config = {**SMALL, **run, "gradient_clipping": 0.5, "offload_optimizer": {"device": "cpu"}}
+        offload = {"device": "cpu", **run.get("offload_optimizer", {})}
+        if offload["device"] == "nvme":  # a swap file per rank and run, tiles of 500 elements (several per part)
+            offload["nvme_path"] = tempfile.mkdtemp(dir=root)
+        config = {**SMALL, **run, "gradient_clipping": 0.5, "offload_optimizer": offload}
         got = {}
         for overlap in (False, True):
             overlapped_step.OverlappedStep._slowed = False

@@ -86,7 +86,7 @@ class OffloadOptimizerConfig(Block):
 
     overlap_with_forward: bool = setting(
         False,
-        doc="lightning-zero's own, device cpu only, opt-in: the host step runs on a thread while the next "
+        doc="lightning-zero's own, opt-in: the host step runs on a thread while the next "
             "forward starts, each part's update written into the model in the order the forward reads it and "
             "waited for there (the maths unchanged; acts where the shards are on an accelerator). Measured no "
             "faster at 1.75B and slower at 6.58B on one H200. docs/offload.md, \"The step overlapped with the "

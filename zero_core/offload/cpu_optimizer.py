@@ -26,7 +26,7 @@ from zero_core.optim.master_shards import master_tiles, tile_runs, unscale_and_c
 from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
 from zero_core.offload.delayed_update import DelayedUpdate
-from zero_core.offload.host_masters import HostMasterShards
+from zero_core.offload.host_masters import HostMasterShards, write_back_pieces
 from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path
 from zero_core.offload.overlapped_step import OverlappedStep
 from zero_core.offload.params import offload_param_shards
@@ -39,18 +39,6 @@ _SWAP_BYTES_PER_ELEMENT = 4 * 3
 def _in_host_fp32(grad: torch.Tensor) -> bool:
     return grad.device.type == "cpu" and grad.dtype == torch.float32
 
-
-def _write_back(tile: list[tuple]) -> None:
-    """Copy a tile's updated pieces into the model's parameter shards (read in and out again when those are
-    offloaded to NVMe themselves)."""
-    by_part: dict = {}
-    for piece, _, part, index in tile:
-        by_part.setdefault(part, []).append((index, piece))
-    for part, entries in by_part.items():
-        with part.shard_in_memory():
-            shards = part.param_shards()
-            for index, piece in entries:
-                part.master_shards.piece_shard(shards, index).copy_(piece.detach())
 
 
 def _copy_all(copies: list[tuple], arrive: bool = False) -> None:
@@ -271,18 +259,20 @@ class OptimizerOffload:
         step reads them after the step call returned and the engine zeroed the gradient shards). What backward
         copied already is used as it is; the rest (fp32 host shards too) is copied now, one copy per run of
         contiguous pieces. The next backward copies into the same buffers once the step has landed."""
-        copies = []
+        copies, buffers = [], {}
         for part, bucket, start, end, _ in tile_runs(entries):
+            key = (id(part), bucket)
             whole = part.grad_shards()[bucket]
-            host = self._host_bucket(part, bucket, whole.numel())
-            if (id(part), bucket) not in self._fresh:
-                copies.append((host[start:end], whole[start:end]))
+            if key not in buffers:  # nvme: a buffer of its own per bucket (the gradients wait in host memory)
+                buffers[key] = self._host_bucket(part, bucket, whole.numel())
+            if self.swapper is not None or key not in self._fresh:
+                copies.append((buffers[key][start:end], whole[start:end]))
         _copy_all(copies, arrive=True)
         self._fresh.clear()  # consumed by this step
         grads = []
         for entry in entries:
             fragment = entry.part.master_shards.pieces[entry.index]
-            grads.append(self._grads[(id(entry.part), fragment.bucket)][fragment.shard_range.as_slice()])
+            grads.append(buffers[(id(entry.part), fragment.bucket)][fragment.shard_range.as_slice()])
         return grads
 
     def return_grads(self, buffers: dict) -> None:
@@ -411,7 +401,7 @@ class OptimizerOffload:
                     if arriving is not None:
                         arriving.result()  # queued before this write-back: it does not wait for it
                     continue
-                _write_back(tile)  # the write-back after the step skips swapped-out pieces
+                write_back_pieces(tile)  # the write-back after the step skips swapped-out pieces
                 if writing is not None:
                     writing.wait()
                 writing = swap.swap_out(self._swap_items(m for m, *_ in tile))
@@ -550,7 +540,7 @@ class OptimizerOffload:
             if not write:
                 swap.drop(items)
                 return None
-            _write_back([(m, None, *where[id(m)]) for m in tile if id(m) in where])
+            write_back_pieces([(m, None, *where[id(m)]) for m in tile if id(m) in where])
             return swap.swap_out(self._swap_items(tile))
 
         reading = read(tiles[0]) if tiles else None

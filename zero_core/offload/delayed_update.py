@@ -31,6 +31,7 @@ from torch import nn
 
 from zero_core.optim.kernels import only_params
 from zero_core.optim.master_shards import TileEntry, master_tiles, tile_runs, unscale_and_clip
+from zero_core.offload.host_masters import write_back_pieces
 from zero_core.offload.placement import copy_between, wait_for_copies
 
 _WHOLE = 1 << 62  # one tile: the thread steps every piece in one optimizer call
@@ -162,7 +163,6 @@ class DelayedUpdate:
     def _write_into_model(entries: list[TileEntry]) -> None:
         """Copy the landed masters into the model's parameter shards: one copy per run of contiguous pieces (on an
         accelerator cast there, placement.py), or piece by piece for shards offloaded to NVMe."""
-        from zero_core.offload.cpu_optimizer import _write_back  # the owner's module imports this one
 
         swapped = [entry for entry in entries if entry.part.swap is not None]
         shards = []
@@ -174,5 +174,5 @@ class DelayedUpdate:
                     copy_between(shard, master)
                     shards.append(shard)
             if swapped:
-                _write_back(swapped)
+                write_back_pieces(swapped)
         wait_for_copies(shards)

@@ -90,3 +90,16 @@ class HostMasterShards(MasterShards):
             return
         for index, master in enumerate(self.params):  # the caller holds the pieces resident
             master.detach().copy_(self.piece_shard(param_shards, index))
+
+
+def write_back_pieces(tile: list[tuple]) -> None:
+    """Copy a tile's updated pieces into the model's parameter shards (read in and out again when those are
+    offloaded to NVMe themselves)."""
+    by_part: dict = {}
+    for piece, _, part, index in tile:
+        by_part.setdefault(part, []).append((index, piece))
+    for part, entries in by_part.items():
+        with part.shard_in_memory():
+            shards = part.param_shards()
+            for index, piece in entries:
+                part.master_shards.piece_shard(shards, index).copy_(piece.detach())
