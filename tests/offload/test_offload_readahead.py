@@ -90,7 +90,8 @@ def worker(rank, world_size):
         result, engine = train_engine(Chain, chain_batch, config(nvme_dir, param, overlap), STEPS, accumulation=1)
         swap = engine.runtime.param_swap
         counters = {k: getattr(swap, k) for k in ("reads_ahead", "reads_with_gather", "reads_waited",
-                                                  "reads_issued_ahead", "reads_dropped", "reads_stale")}
+                                                  "reads_issued_ahead", "reads_dropped", "reads_stale",
+                                                  "reads_from_write")}
         report[name] = {
             "same_as_plain": all(torch.equal(result.params[n], plain.params[n]) for n in plain.params),
             "ddp_diff": max_abs_diff(result.params, ddp.params),
@@ -126,7 +127,10 @@ def test_param_nvme_read_ahead_matches_and_reads_ahead():
                 # in forward and in backward
                 # (each layer has two units, weight and bias, in two optimizer groups: 1 buffer reads one ahead)
                 per_pass = (LAYERS - 1) * min(2, CASES[name][0]["buffer_count"])
-                assert counters["reads_ahead"] >= (STEPS - 1) * 2 * per_pass, r
+                # (on a loaded machine the write-back of a shard may still be running when its next gather comes:
+                # that read takes the write's buffer, without reading the file, instead of a read ahead)
+                served = counters["reads_ahead"] + counters["reads_from_write"]
+                assert served >= (STEPS - 1) * 2 * per_pass, r
 
 
 class FakeUnit(SimpleNamespace):
