@@ -3,8 +3,7 @@
 
 from __future__ import annotations
 
-from zero_core.stage3 import save_pretrained_check
-from zero_core.stage3.save_pretrained_check import given_state_dict as _given_state_dict  # noqa: F401 (tests)
+from zero_core import install_save_pretrained_check
 
 ADVICE = (
     "with a Trainer (TRL's too), `trainer.save_model(dir)` on every rank (for a PEFT model it writes the "
@@ -16,4 +15,4 @@ ADVICE = (
 
 def install_if_loaded() -> None:
     """Wrap ``save_pretrained`` of ``PeftModel`` and ``PreTrainedModel`` (if imported) with the check."""
-    save_pretrained_check.install_if_loaded("accelerate", ADVICE)
+    install_save_pretrained_check("accelerate", ADVICE)

@@ -3,7 +3,7 @@ check (zero_core/stage3/save_pretrained_check.py) with the ways to save that wor
 
 from __future__ import annotations
 
-from zero_core.stage3 import save_pretrained_check
+from zero_core import install_save_pretrained_check
 
 ADVICE = (
     "in Lightning, `trainer.strategy.save_16bit_model(dir)` on every rank (the live weights as safetensors "
@@ -16,4 +16,4 @@ def install_if_loaded(stage: int) -> None:
     """At stage 3, wrap ``save_pretrained`` of ``PeftModel`` and ``PreTrainedModel`` (if imported by now: the
     model is built) with the check."""
     if stage == 3:
-        save_pretrained_check.install_if_loaded("lightning", ADVICE)
+        install_save_pretrained_check("lightning", ADVICE)

@@ -42,6 +42,7 @@ from zero_core.stage3.external_params import GatheredParameters, register_extern
 from zero_core.fragments import Fragment
 from zero_core.stage3.init_context import Init
 from zero_core.stage3.partitioned_param import is_released
+from zero_core.stage3.save_pretrained_check import install_if_loaded as install_save_pretrained_check
 from zero_core.pretrained.into_shards import load_pretrained
 from zero_core.layout import FlatLayout, Range, compute_layout
 from zero_core.stage3.leaf_modules import get_z3_leaf_modules, set_z3_leaf_modules, unset_z3_leaf_modules, z3_leaf_module
@@ -95,6 +96,7 @@ __all__ = [
     "engine_of",
     "is_partitioned",
     "is_released",
+    "install_save_pretrained_check",
     "ShardedOptimizer",
     "cast_floating_inputs",
     "MANIFEST_FILE",

@@ -158,7 +158,7 @@ def test_save_pretrained_sees_a_state_dict_given_by_name_by_position_or_through_
     from peft import PeftModel
     from transformers import PreTrainedModel
 
-    from accelerate_zero.save_pretrained import _given_state_dict
+    from zero_core.stage3.save_pretrained_check import given_state_dict as _given_state_dict
 
     hf, peft = inspect.signature(PreTrainedModel.save_pretrained), inspect.signature(PeftModel.save_pretrained)
     given = {"w": torch.zeros(1)}

@@ -65,6 +65,7 @@ class CollectiveGuard:
     """Records this rank's collectives; checks them against the other ranks' at each step and on a stall."""
 
     HISTORY = 16
+    READERS_WAIT_S = 2.0  # at most this long, a rank that posts a failure waits for the others to read it
 
     def __init__(self, topology: Topology) -> None:
         self.rank = topology.rank
@@ -409,20 +410,34 @@ class CollectiveGuard:
                 store = self._get_store()
                 if not store.check(["failure"]):
                     store.set("failure", encode_failure(self.rank, error, message))
+                    self._await_readers(store)
             except Exception:  # noqa: BLE001 - the error below matters more than telling the others
                 pass
         self._raise_failure()
+
+    def _await_readers(self, store: dist.Store) -> None:
+        """Give the other ranks a moment to read the posted failure before this rank raises it: a rank blocked
+        in a wait that cannot time out reads it from its watchdog thread (every half second), and when this rank
+        exits it may take the store with it (rank 0 hosts it without a launcher's agent), leaving that rank only
+        the transport's 'connection closed'. At most READERS_WAIT_S, once per job."""
+        others = [f"failure_seen/{rank}" for rank in range(self.world_size) if rank != self.rank]
+        deadline = time.monotonic() + self.READERS_WAIT_S
+        while others and time.monotonic() < deadline and not store.check(others):
+            time.sleep(0.05)
 
     def _raise_failure(self) -> None:
         error, message = self._failure
         raise error(message)
 
     def _read_failure(self, store: dist.Store) -> tuple[type, str]:
-        """The posted failure; a malformed one becomes a StoreMessageError naming the key, for the caller to raise."""
+        """The posted failure; a malformed one becomes a StoreMessageError naming the key, for the caller to raise.
+        Says it was read (the rank that posted it waits for that before it raises and maybe exits)."""
         try:
-            return decode_failure(store.get("failure"), self._namespace + "failure")
+            found = decode_failure(store.get("failure"), self._namespace + "failure")
         except StoreMessageError as error:
-            return StoreMessageError, str(error)
+            found = StoreMessageError, str(error)
+        store.set(f"failure_seen/{self.rank}", b"1")
+        return found
 
     def _raise_posted_failure(self) -> None:
         if self._failure is None:
