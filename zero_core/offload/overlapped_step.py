@@ -97,7 +97,7 @@ class OverlappedStep:
         """Whether this step can be overlapped (``forced``: True/False, or None for where it helps)."""
         if forced is False or not parts:
             return False
-        if any(getattr(part, "swap", None) is not None for part in parts):
+        if any(part.swap is not None for part in parts):
             return False  # parameter shards on NVMe: written back by the part itself, after the step
         if forced is None and not self.owner._on_accelerator(parts):
             return False
