@@ -65,6 +65,7 @@ class Part(Protocol):
     device: torch.device
     master_shards: Optional["MasterShards"]
     update_in_flight: Optional[UpdateHandle]  # set by an overlapped step until the shards hold its update
+    swap: Optional[Any]  # offload_param nvme: the swap file holding its parameter shards (stage 3), else None
     on_grad_reduced: Optional[Callable]  # offload: called with (part, bucket or None) after each reduction
 
     @property
