@@ -23,12 +23,12 @@ import torch.distributed as dist
 
 import zero_core
 from distributed import run_distributed
+from flat_groups import flat_group, set_grads
 from models import build_model, make_batch
 from reference import make_optimizer, make_scheduler, snapshot
 from stage3_support import full_params, max_abs_diff
 
 from zero_core.config import ZeroConfig, ZeroConfigError
-from zero_core.layout import compute_layout
 from zero_core.offload import OptimizerOffload
 from zero_core.replicated.flat_param_group import FlatParamGroup
 
@@ -147,21 +147,6 @@ SIZES = [30, 50, 7, 64, 20, 41]
 USED = [True, True, False, True, True, True]  # parameter 2 got no gradient: never stepped
 
 
-def _flat_group(dtype: torch.dtype) -> FlatParamGroup:
-    generator = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(size, generator=generator).to(dtype)) for size in SIZES]
-    group = FlatParamGroup(params, [f"p{i}" for i in range(len(params))], 0, compute_layout(SIZES, 1, 64),
-                           rank=0, full_grads=False)
-    group.build_masters(torch.float32)
-    return group
-
-
-def _set_grads(group: FlatParamGroup, step: int) -> None:
-    generator = torch.Generator().manual_seed(100 + step)
-    for shard in group.grad_shards():
-        shard.copy_(torch.randn(shard.shape, generator=generator).to(shard.dtype))
-
-
 def _offload(group: FlatParamGroup, after):
     config = ZeroConfig(stage=2, offload_optimizer={"device": "cpu", "delayed_update_after": after})
     offload = OptimizerOffload([group], config, rank=0)
@@ -176,18 +161,18 @@ def test_delayed_update_reads_its_own_gradients_while_the_next_backward_copies()
     exact offloaded step's, and the model's shards hold the weights of one step earlier. With no warm-up the
     first update, on the thread, makes the optimizer state."""
     for dtype, after in ((torch.bfloat16, 1), (torch.float32, 1), (torch.bfloat16, 0)):
-        reference, group = _flat_group(dtype), _flat_group(dtype)
+        reference, group = flat_group(SIZES, 64, dtype), flat_group(SIZES, 64, dtype)
         exact, exact_optimizer = _offload(reference, None)
         offload, optimizer = _offload(group, after)
         # a master is never the model's shard itself, even where that is fp32 host memory
         assert all(m.data_ptr() != s.data_ptr() for m, s in zip(group.master_shards.buckets, group.param_shards()))
         offload.delayed._pool = ThreadPoolExecutor(max_workers=1)  # so that the test can hold the update back
         clip = torch.tensor(0.7)
-        _set_grads(group, 0)
+        set_grads(group, 0)
         offload.grad_reduced(group, None)
         shards_before = [s.clone() for s in reference.param_shards()]
         for step in range(4):
-            _set_grads(reference, step)
+            set_grads(reference, step)
             exact.step(exact_optimizer, [reference], [USED], 0.5, clip)
             reference.write_back_masters()
             release = threading.Event()
@@ -195,7 +180,7 @@ def test_delayed_update_reads_its_own_gradients_while_the_next_backward_copies()
             offload.step(optimizer, [group], [USED], 0.5, clip)
             group.write_back_masters()
             offload.forget_grads()
-            _set_grads(group, step + 1)  # the next backward: new gradients, copied to the host in bf16
+            set_grads(group, step + 1)  # the next backward: new gradients, copied to the host in bf16
             offload.grad_reduced(group, None)
             release.set()
             if step >= after:  # delayed: the model's shards hold the previous step's weights

@@ -1,14 +1,15 @@
-"""The offloaded step overlapped with the next forward (``offload_optimizer.overlap_with_forward``; offload/overlapped_step.py).
+"""The offloaded step overlapped with the next forward (``offload_optimizer.overlap_with_forward``;
+offload/overlapped_step.py).
 
 Two ranks at stages 1-3 (stage 3 also with persistent units, with ``offload_param: cpu``, and in bf16; stages 2
-and 3 with ``device: nvme``, tiles of 500 elements) train the
-same steps twice in one process (one rank too, at stage 3): with the overlap forced on (on a CPU-only run it is off by default) and with
-``overlap_with_forward: false`` (the inline step, today's). Clipping and an LR scheduler stepped after every ``step()``
-are on. Every loss, every final parameter and every master is bit for bit the inline run's; the thread took every
-step after the first (which makes the state inline), its first part was slowed down so that the next forward
-cannot have read a stale shard by luck, and each part's update was waited for where its shard is read (stage 3:
-the unit's gather in the next forward; stages 1-2: its all-gather after the step). A checkpoint taken right after
-a step holds that step's masters."""
+and 3 with ``device: nvme``, tiles of 64 elements), and one rank at stage 3, train the same steps twice in one
+process: with the overlap forced on (it acts only beside an accelerator) and with ``overlap_with_forward: false``
+(the inline step). Clipping and an LR scheduler stepped after every ``step()`` are on, with AdamW and full
+partitioning. Every loss, every final parameter and every master is bit for bit the inline run's; the thread
+took every step after the first (which makes the state inline), its first part was slowed down so that the next
+forward cannot have read a stale shard by luck, and each part's update was waited for where its shard is read
+(stage 3: the unit's gather in the next forward; stages 1-2: its all-gather after the step). A checkpoint taken
+right after a step holds that step's masters."""
 
 from __future__ import annotations
 
@@ -33,8 +34,8 @@ RUNS = {"stage 1": {"stage": 1}, "stage 2": {"stage": 2}, "stage 3": {"stage": 3
         "stage 3, persistent units": {"stage": 3, "param_persistence_threshold": 200},
         "stage 3, offload_param cpu": {"stage": 3, "offload_param": {"device": "cpu"}},
         "stage 3, bf16": {"stage": 3, "bf16": {"enabled": True}},
-        "stage 2, nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 500},
-        "stage 3, nvme, bf16": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 500,
+        "stage 2, nvme": {"stage": 2, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 64},
+        "stage 3, nvme, bf16": {"stage": 3, "offload_optimizer": {"device": "nvme"}, "sub_group_size": 64,
                                 "bf16": {"enabled": True}}}
 
 
@@ -44,6 +45,11 @@ def train(rank: int, config: dict, overlap: bool, checkpoint: str) -> dict:
     scheduler = make_scheduler(optimizer)
     engine = zero_core.setup(model, optimizer, config)
     engine._offload.overlap = True if overlap else False
+    reads = []  # nvme: the tiles read in (each swap_in call)
+    swapper = engine._offload.swapper
+    if swapper is not None:
+        swap_in = swapper.swap_in
+        swapper.swap_in = lambda items: (reads.append(1), swap_in(items))[1]
     dtype = torch.bfloat16 if "bf16" in config else torch.float32
     losses = []
     for step in range(STEPS):
@@ -57,6 +63,7 @@ def train(rank: int, config: dict, overlap: bool, checkpoint: str) -> dict:
     masters = engine.full_state_dict(rank0_only=False)
     result = {"losses": losses, "params": full_params(engine.module), "masters": masters,
               "overlapped": engine._offload.overlapped.overlapped_steps}
+    result["tiles_read"] = len(reads)
     pool = engine._offload.overlapped._pool
     if pool is not None:  # the thread's kernels use one core fewer; the training thread's count is unchanged
         result["threads"] = (torch.get_num_threads(), pool.submit(torch.get_num_threads).result())
@@ -94,7 +101,7 @@ def overlap_worker(rank, world_size, root, only=None):
         if only is not None and label not in only:
             continue
         offload = {"device": "cpu", **run.get("offload_optimizer", {})}
-        if offload["device"] == "nvme":  # a swap file per rank and run, tiles of 500 elements (several per part)
+        if offload["device"] == "nvme":  # a swap file per rank and run, tiles of 64 elements (several per part)
             offload["nvme_path"] = tempfile.mkdtemp(dir=root)
         config = {**SMALL, **run, "gradient_clipping": 0.5, "offload_optimizer": offload}
         got = {}
@@ -126,11 +133,15 @@ def check(ranks: list) -> None:
             label = f"rank {rank}, {run}"
             inline, overlapped = got[False], got[True]
             assert inline["overlapped"] == 0 and inline["waits"] == 0, label
+            # nvme: the thread reads each part in tiles of sub_group_size as the inline step does (split at the
+            # parts' ends too, so at least as many reads), never a whole part at once
+            assert overlapped["tiles_read"] >= inline["tiles_read"], (label, overlapped["tiles_read"],
+                                                                      inline["tiles_read"])
             if len(ranks) == 1:
                 assert overlapped["threads"] == (2, 1), f"{label}: threads (training, step) {overlapped['threads']}"
             assert overlapped["overlapped"] == STEPS - 1, f"{label}: {overlapped['overlapped']} overlapped steps"
             assert overlapped["waits"] >= STEPS - 1, f"{label}: no reader waited for a part's update"
-            assert inline["losses"] == overlapped["losses"], f"{label}: losses {inline['losses']} {overlapped['losses']}"
+            assert inline["losses"] == overlapped["losses"], (label, inline["losses"], overlapped["losses"])
             for key in ("params", "masters", "loaded"):
                 for name, value in inline[key].items():
                     assert torch.equal(value, overlapped[key][name]), f"{label}: {key} {name} differs"

@@ -12,11 +12,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from flat_groups import flat_group, set_grads
+
 from zero_core.config import ZeroConfig
-from zero_core.layout import compute_layout
 from zero_core.offload import OptimizerOffload, chunked_step
 from zero_core.optim.master_shards import step_in_tiles
-from zero_core.replicated.flat_param_group import FlatParamGroup
 
 SIZES = [30, 50, 7, 64, 20, 41]
 BUCKET = 64
@@ -24,27 +24,12 @@ TILE = 60
 USED = [True, True, False, True, True, True]  # parameter 2 got no gradient: never stepped
 
 
-def flat_group() -> FlatParamGroup:
-    generator = torch.Generator().manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(size, generator=generator).to(torch.bfloat16)) for size in SIZES]
-    group = FlatParamGroup(params, [f"p{i}" for i in range(len(params))], 0, compute_layout(SIZES, 1, BUCKET),
-                           rank=0, full_grads=False)
-    group.build_masters(torch.float32)
-    return group
-
-
-def set_grads(group: FlatParamGroup, step: int) -> None:
-    generator = torch.Generator().manual_seed(100 + step)
-    for shard in group.grad_shards():
-        shard.copy_(torch.randn(shard.shape, generator=generator).to(torch.bfloat16))
-
-
 def test_offloaded_step_equals_the_step_without_offload_with_or_without_the_copy_thread():
-    reference = flat_group()
+    reference = flat_group(SIZES, BUCKET)
     reference_optimizer = torch.optim.AdamW(reference.masters, lr=1e-2, weight_decay=0.1)
     runs = []
     for copy_thread, in_backward in ((True, False), (True, True), (False, False), (False, True)):
-        group = flat_group()
+        group = flat_group(SIZES, BUCKET)
         config = ZeroConfig(stage=2, offload_optimizer={"device": "cpu"}, sub_group_size=TILE)
         offload = OptimizerOffload([group], config, rank=0)
         offload.copy_thread = copy_thread
@@ -75,20 +60,11 @@ def test_offloaded_step_equals_the_step_without_offload_with_or_without_the_copy
         assert len(optimizer.state) == len(SIZES) - 1, f"{label}: the unused parameter got optimizer state"
         offload.close()
     assert torch.equal(reference.params[2].detach(), before)
-    assert not torch.equal(reference.params[0].detach(), flat_group().params[0].detach())
+    assert not torch.equal(reference.params[0].detach(), flat_group(SIZES, BUCKET).params[0].detach())
 
 
 CHUNK_SIZES = [200, 130, 7, 64, 300, 45]  # pieces above the chunk: cut inside, on 64-element boundaries
 CHUNK_USED = [True, True, True, False, True, True]
-
-
-def chunk_group(sizes: list[int]) -> FlatParamGroup:
-    generator = torch.Generator().manual_seed(1)
-    params = [torch.nn.Parameter(torch.randn(size, generator=generator).to(torch.bfloat16)) for size in sizes]
-    group = FlatParamGroup(params, [f"p{i}" for i in range(len(params))], 0, compute_layout(sizes, 1, 256),
-                           rank=0, full_grads=False)
-    group.build_masters(torch.float32)
-    return group
 
 
 def chunked_vs_reference(make_optimizer, mode: str, monkeypatch) -> None:
@@ -97,10 +73,10 @@ def chunked_vs_reference(make_optimizer, mode: str, monkeypatch) -> None:
     optimizer step (no 'lr_scheduler.step() before optimizer.step()' warning)."""
     import warnings
 
-    reference = chunk_group(CHUNK_SIZES)
+    reference = flat_group(CHUNK_SIZES, 256, seed=1)
     reference_optimizer = make_optimizer(reference.masters)
     reference_scheduler = torch.optim.lr_scheduler.StepLR(reference_optimizer, step_size=2, gamma=0.5)
-    group = chunk_group(CHUNK_SIZES)
+    group = flat_group(CHUNK_SIZES, 256, seed=1)
     config = ZeroConfig(stage=2, offload_optimizer={"device": "cpu"}, sub_group_size=250)
     offload = OptimizerOffload([group], config, rank=0)
     # "auto": what a CPU-only run does (whole tiles, inline); "thread": chunks with the copies on the copy thread

@@ -27,7 +27,7 @@ from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
 from zero_core.offload.delayed_update import DelayedUpdate
 from zero_core.offload.host_masters import HostMasterShards, write_back_pieces
-from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path
+from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path, split_into_tiles
 from zero_core.offload.overlapped_step import OverlappedStep
 from zero_core.offload.params import offload_param_shards
 from zero_core.offload.placement import copy_between, host_empty, pinning, wait_for_copies
@@ -380,9 +380,7 @@ class OptimizerOffload:
                 if swap is not None:
                     reading.wait()
                     if index + 1 < len(tiles):  # read the next tile while this one steps
-                        reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[index + 1]))
-                        if not swap.pool.overlap:
-                            reading.wait()
+                        reading = swap.read_next(self._swap_items(m for m, *_ in tiles[index + 1]))
                 if not threaded:
                     grads = self._fetch_grads(tile, None)[0]  # just before the step (NVMe: only this tile's)
                 else:
@@ -402,11 +400,7 @@ class OptimizerOffload:
                         arriving.result()  # queued before this write-back: it does not wait for it
                     continue
                 write_back_pieces(tile)  # the write-back after the step skips swapped-out pieces
-                if writing is not None:
-                    writing.wait()
-                writing = swap.swap_out(self._swap_items(m for m, *_ in tile))
-                if not swap.pool.overlap:
-                    writing.wait()
+                writing = swap.write_after(writing, self._swap_items(m for m, *_ in tile))
         finally:
             if pipe is not None:
                 pipe.wait()
@@ -499,6 +493,10 @@ class OptimizerOffload:
         """The inner optimizers whose state is swapped with the masters (set again by replace_optimizers)."""
         self._optimizers = list(optimizers)
 
+    def numel_in_file(self, master: torch.Tensor) -> int:
+        """``master``'s elements, whether it is in memory or swapped out (then its tensor is empty)."""
+        return (self.shape_in_memory(master) or master.shape).numel()
+
     def shape_in_memory(self, master: torch.Tensor, key=None) -> Optional[torch.Size]:
         """The shape ``master`` (``key`` None) or its optimizer state ``key`` has in memory while it is swapped
         out to NVMe; None while it is in memory (or nothing is swapped)."""
@@ -521,15 +519,7 @@ class OptimizerOffload:
         if swap is None or self._resident_depth:
             yield list(masters)
             return
-        tiles, tile, size = [], [], 0
-        for master in masters:
-            numel = (self.shape_in_memory(master) or master.shape).numel()
-            if tile and size + numel > self.sub_group_size:
-                tiles.append(tile)
-                tile, size = [], 0
-            tile.append(master)
-            size += numel
-        tiles += [tile] if tile else []
+        tiles = split_into_tiles(masters, self.numel_in_file, self.sub_group_size)
         where = {id(m): (part, index) for part in self.parts for index, m in enumerate(part.masters)}
 
         def read(tile: list) -> tuple[list, Transfer]:

@@ -163,7 +163,6 @@ class DelayedUpdate:
     def _write_into_model(entries: list[TileEntry]) -> None:
         """Copy the landed masters into the model's parameter shards: one copy per run of contiguous pieces (on an
         accelerator cast there, placement.py), or piece by piece for shards offloaded to NVMe."""
-
         swapped = [entry for entry in entries if entry.part.swap is not None]
         shards = []
         with torch.no_grad():

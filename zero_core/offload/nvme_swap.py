@@ -18,7 +18,7 @@ import os
 import shutil
 import uuid
 import weakref
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
@@ -40,6 +40,20 @@ NVME_TILE_NUMEL = 1 << 20
 MAPPED_BYTES = 1 << 20
 _ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", None)  # POSIX; elsewhere torch's allocator serves every buffer
 _MAP_FLAGS = getattr(mmap, "MAP_PRIVATE", 0) | (_ANONYMOUS or 0) | getattr(mmap, "MAP_POPULATE", 0)
+
+
+
+def split_into_tiles(items: list, numel_of: Callable[[object], int], limit: int) -> list[list]:
+    """``items`` in order, in tiles of at most ``limit`` elements (an item larger than that is a tile alone)."""
+    tiles, tile, size = [], [], 0
+    for item in items:
+        numel = numel_of(item)
+        if tile and size + numel > limit:
+            tiles.append(tile)
+            tile, size = [], 0
+        tile.append(item)
+        size += numel
+    return tiles + [tile] if tile else tiles
 
 
 def host_buffer(nbytes: int) -> torch.Tensor:
@@ -174,6 +188,25 @@ class NvmeSwapper:
             self._free_bytes -= nbytes
             return free.pop()
         return host_buffer(nbytes)
+
+    def read_next(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> Transfer:
+        """:meth:`swap_in` of the next tile, left running while this one steps (waited at once when
+        ``aio.overlap_events`` is false)."""
+        transfer = self.swap_in(items)
+        if not self.pool.overlap:
+            transfer.wait()
+        return transfer
+
+    def write_after(self, previous: Optional[Transfer], items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]
+                    ) -> Transfer:
+        """:meth:`swap_out` of a stepped tile once the ``previous`` tile's write is done (one write in flight),
+        left running while the next tile steps (waited at once when ``aio.overlap_events`` is false)."""
+        if previous is not None:
+            previous.wait()
+        transfer = self.swap_out(items)
+        if not self.pool.overlap:
+            transfer.wait()
+        return transfer
 
     def swap_in(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> Transfer:
         """Grow each tensor's storage back and read its region into it."""

@@ -4,10 +4,10 @@ Once the step's agreements are made (overflow, which parameters got a gradient, 
 every gradient), the step call hands the host step to a thread and returns. The thread steps the parts (stage 3
 units, or stages 1-2 flat groups) one at a time in the order the next forward needs them
 (``runtime.update_order``), each part's Adam/AdamW chunks with torch's fused CPU kernel exactly as the chunked
-step does (chunked_step.py: cuts aligned inside a piece, so bit for bit the whole-piece step; with ``nvme``, tile by
-tile, each read in and written out as the inline step does), then writes that
-part's updated masters into the model's parameter shards and marks the part ready. Whatever reads a part's shard
-first waits for it (:func:`zero_core.update_in_flight.wait_for_update`): stage 3's gather of a unit (the next
+step does (chunked_step.py: cuts aligned inside a piece, so bit for bit the whole-piece step; with ``nvme``, tile
+by tile, each read in and written out as the inline step does), then writes that part's updated masters into the
+model's parameter shards and marks the part ready. Whatever reads a part's shard first waits for it
+(:func:`zero_core.contracts.wait_for_update`): stage 3's gather of a unit (the next
 forward waits per unit, not for the whole step), and stages 1-2's all-gather of a group after the step (group g
 is gathered while the thread steps group g+1). On an accelerator the wait is a stream wait on the write-back's
 copies, not a host wait.
@@ -24,9 +24,10 @@ step call, since the engine zeroes the gradient shards when the call returns.
 
 Used where the step is torch's fused Adam/AdamW and every stepped piece already has state (from the second
 step on), with ``device: cpu`` or ``nvme`` (its gradients then wait in host memory for the thread) and
-parameter shards not swapped to NVMe; elsewhere the step runs as before, inline. Opt-in (``offload_optimizer.overlap_with_forward: true``), and then only where the shards are on an
-accelerator; on a CPU-only run the thread would compete with the forward for the same cores, so it is off there
-unless forced (tests). On one H200 it measured no faster than the inline step at 1.75B and slower at 6.58B.
+parameter shards not swapped to NVMe; elsewhere the step runs as before, inline. Opt-in
+(``offload_optimizer.overlap_with_forward: true``), and then only where the shards are on an accelerator; on a
+CPU-only run the thread would compete with the forward for the same cores, so it is off there unless forced
+(tests). On one H200 it measured no faster than the inline step at 1.75B and slower at 6.58B.
 docs/offload.md, "The step overlapped with the next forward".
 """
 
@@ -43,12 +44,14 @@ from zero_core.optim.master_shards import TileEntry, master_tiles, tile_runs, un
 from zero_core.offload import chunked_step
 from zero_core.offload.chunked_step import _Kernel, _cuts, _segments, steps_fused_adam
 from zero_core.offload.host_masters import write_back_pieces
+from zero_core.offload.nvme_swap import split_into_tiles
 from zero_core.offload.placement import _copy_stream, copy_between
 
 _WHOLE = 1 << 62  # master_tiles: one tile of everything (the parts are split below)
 _FAILED = ("offload_optimizer: the overlapped host step failed on its thread (the parameters it did not reach "
-           "keep their values from before the step); set zero_optimization.offload_optimizer.overlap_with_forward: false "
-           "to run the step inline, and report the error below")
+           "keep their values from before the step); set "
+           "zero_optimization.offload_optimizer.overlap_with_forward: false to run the step inline, and report the "
+           "error below")
 
 
 def _use_threads(count: int) -> None:
@@ -151,12 +154,11 @@ class OverlappedStep:
         shards: list[torch.Tensor] = []
         try:
             for part, positions, handle in work:
-                part_entries = [entries[i] for i in positions]
-                step = (states, grads, groups, kernels, inv_scale, clip)
                 if self.owner.swapper is not None:  # nvme: tile by tile, each read in, stepped, written back, out
-                    self._step_swapped(positions, entries, *step)
+                    self._step_swapped(positions, entries, states, grads, groups, kernels, inv_scale, clip)
                     handle.finish(None)
                     continue
+                part_entries = [entries[i] for i in positions]
                 if positions:
                     self._step_part(part_entries, [states[i] for i in positions], [grads[i] for i in positions],
                                     groups, kernels, inv_scale, clip)
@@ -174,15 +176,8 @@ class OverlappedStep:
         """One part's pieces with ``device: nvme``, in tiles of at most ``sub_group_size`` elements as the inline
         step takes them: the next tile is read while this one steps, and this one's write overlaps the next."""
         owner, swap = self.owner, self.owner.swapper
-        tiles, tile, size = [], [], 0
-        for position in positions:
-            numel = entries[position].piece.numel()
-            if tile and size + numel > owner.sub_group_size:
-                tiles.append(tile)
-                tile, size = [], 0
-            tile.append(position)
-            size += numel
-        tiles += [tile] if tile else []
+        # swapped out between steps, a piece's tensor is empty: its size is the file's
+        tiles = split_into_tiles(positions, lambda i: owner.numel_in_file(entries[i].piece), owner.sub_group_size)
         masters = lambda tile: [entries[i].piece for i in tile]  # noqa: E731
         reading = swap.swap_in(owner._swap_items(masters(tiles[0]))) if tiles else None
         writing = None
@@ -191,17 +186,11 @@ class OverlappedStep:
                 reading.wait()
                 reading = None
                 if index + 1 < len(tiles):
-                    reading = swap.swap_in(owner._swap_items(masters(tiles[index + 1])))
-                    if not swap.pool.overlap:
-                        reading.wait()
+                    reading = swap.read_next(owner._swap_items(masters(tiles[index + 1])))
                 self._step_part([entries[i] for i in tile], [states[i] for i in tile], [grads[i] for i in tile],
                                 groups, kernels, inv_scale, clip)
                 write_back_pieces([entries[i] for i in tile])
-                if writing is not None:
-                    writing.wait()
-                writing = swap.swap_out(owner._swap_items(masters(tile)))
-                if not swap.pool.overlap:
-                    writing.wait()
+                writing = swap.write_after(writing, owner._swap_items(masters(tile)))
         finally:
             if reading is not None:
                 reading.wait()
