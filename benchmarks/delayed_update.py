@@ -11,10 +11,10 @@ stage 2, world size 1), so the optimizer step is a real host step of that size. 
 ``delayed_update_after`` (the host step of step t on a thread while step t+1's forward and backward run), take
 turns (a shared machine's load then falls on both); with ``--stage 3`` each of ``--tensors`` blocks is a unit,
 the sleep is split over their forwards and backwards, and a third engine overlaps the exact step with the next
-forward (``overlap_with_forward``, forced on: it acts only beside an accelerator). Each reports the median time per iteration, its
-forward+backward, its step call and the host step inside it, against the sum and the max of (everything else,
-host step) of the exact engine. ``--fb-ms`` sets the sleep; by default it equals the exact host step, measured
-first.
+forward (``overlap_with_forward``, forced on: it acts only beside an accelerator). Each reports the median time
+per iteration, its forward+backward, its step call and the host step inside it, against the sum and the max of
+(everything else, host step) of the exact engine. ``--fb-ms`` sets the sleep; by default it equals the exact
+host step, measured first.
 
 ``loss``: a small GPT (benchmarks/gpt.py) trained at world size 1 with the exact step and with the delayed
 update after each ``--after`` warm-up, on the same batches; the loss per window of steps, the steps each run
@@ -163,7 +163,8 @@ def bench_overlap_dtype(args) -> str:
     exact = results["exact step"]
     host, rest = exact["host"], exact["iteration"] - exact["host"]
     kept = args.turns * (args.turn - 2)
-    lines = [f"CPU stand-in: {args.numel / 1e6:g}M parameters ({args.dtype}) in {args.tensors} tensors, stage {args.stage}, "
+    lines = [f"CPU stand-in: {args.numel / 1e6:g}M parameters ({args.dtype}) in {args.tensors} tensors, "
+             f"stage {args.stage}, "
              f"world size 1 (gloo), offload_optimizer cpu, torch threads {torch.get_num_threads()}; the "
              f"accelerator's forward+backward = a sleep of {ms(fb_s)} ms (the exact host step, measured first), "
              f"plus the host's own gradient work. The exact and the delayed engine take {args.turns} turns of "

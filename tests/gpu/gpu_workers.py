@@ -242,7 +242,8 @@ def main(out: str) -> None:
         results[label] = engine_run(device, stage, offload=offload)
     for stage, pin in ((2, True), (3, True), (3, False)):
         for overlap in (True, False):
-            results[f"overlap_zero{stage}_{'pinned' if pin else 'pageable'}_{overlap}"] = overlap_run(device, stage, overlap, pin)
+            label = f"overlap_zero{stage}_{'pinned' if pin else 'pageable'}_{overlap}"
+            results[label] = overlap_run(device, stage, overlap, pin)
     results["host_syncs"] = {f"zero{stage}": host_syncs(device, stage) for stage in (1, 2, 3)}
     results["host_syncs"]["plain"] = host_syncs(device, None)
     results["host_syncs"]["control"] = host_syncs(device, 3, control=True)

@@ -319,8 +319,8 @@ class PartitionedParamsRuntime(UnitSetup, GradientReduction):
                                              self.generation.budget)
             # An overlapped offloaded step may still be writing a unit ahead: its own gather waits for it, so
             # that this module's work is not held up behind the units after it. Alone, a rank prefetches what
-            # has landed; with others, whatever still has an update pending (the same units on every rank, so
-            # that the ranks' gathers stay the same collectives).
+            # has landed; with others, only units with no update pending (the same units on every rank, so
+            # that the ranks' gathers stay the same collectives). The cursor moves past the units left out.
             alone = self.comm.topology.world_size == 1
             batch += [unit for unit in ahead if (update_landed(unit) if alone else unit.update_in_flight is None)]
         if self.param_swap is not None:  # offload_param nvme: read these shards, then the trace's next, ahead
