@@ -92,7 +92,8 @@ def deepspeed_engine(model: torch.nn.Module, config: GPTConfig) -> tuple:
     return engine, build_s
 
 
-def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: bool = False) -> dict:
+def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: bool = False,
+           overlap_threads: int = 0, chunk: int = 0) -> dict:
     import torch.distributed as dist
 
     cuda = torch.cuda.is_available()
@@ -154,6 +155,13 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), **ADAMW), {
             **ZERO3_CONFIG, "zero_optimization": {"stage": 3, **offload}})
         del model
+        overlapped = engine._offload.overlapped
+        if overlap_threads:  # the overlapped step's thread count (default: torch's count less one)
+            from zero_core.offload import overlapped_step
+
+            overlapped_step._use_threads = lambda _count, _set=overlapped_step._use_threads: _set(overlap_threads)
+        if chunk:  # elements per chunk of the host step (default: 1M per pair of torch's threads)
+            engine._offload.chunk_numel = chunk
 
         def forward_backward(tokens, targets):
             loss = engine.module(tokens, targets)
@@ -162,7 +170,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
 
         step = engine.step
     setup_s = time.perf_counter() - t0 - (build_s or 0.0)
-    times, phases, losses = [], [], []
+    times, phases, losses, threads_s, waits_s = [], [], [], [], []
     for s in range(warmup + steps):
         tokens, targets = (t.to(device) for t in batch(config, 0, s))
         sync()
@@ -170,6 +178,9 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         losses.append(forward_backward(tokens, targets))
         sync()
         middle = time.perf_counter()
+        if impl == "zero3_overlap" and s > warmup:  # the step before's thread (landed: backward waited for it)
+            threads_s.append(overlapped.thread_seconds)
+            waits_s.append(overlapped.waited_seconds)
         step()
         sync()
         if s >= warmup:
@@ -190,6 +201,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
     return {"profile": profile, "impl": impl, "params": psi, "setup_s": setup_s, "build_s": build_s,
             "step_s": statistics.median(times), "losses": [round(float(l), 4) for l in losses],
             "forward_backward_s": statistics.median(phases), "threads": torch.get_num_threads(),
+            "overlap_thread_s": statistics.median(threads_s) if threads_s else None,
+            "overlap_wait_s": statistics.median(waits_s) if waits_s else None,
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -206,6 +219,8 @@ def main(argv=None) -> None:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--timeout", type=int, default=600, help="seconds per implementation's process")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per implementation")
+    p.add_argument("--overlap-threads", type=int, default=0, help="zero3_overlap's thread count (default: torch's - 1)")
+    p.add_argument("--chunk", type=float, default=0, help="elements per chunk of our host step (default: 1M per 2 threads)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -213,7 +228,8 @@ def main(argv=None) -> None:
                        seq_len=args.seq_len, batch_size=args.batch_size)
     if args.worker:
         try:
-            result = worker(args.worker, config, args.steps, args.warmup, args.profile)
+            result = worker(args.worker, config, args.steps, args.warmup, args.profile, args.overlap_threads,
+                            int(args.chunk))
         except Unavailable as why:
             print(SKIP + str(why), flush=True)
             return
@@ -229,7 +245,8 @@ def main(argv=None) -> None:
     for impl in args.impls:  # each row as soon as it is measured: a run cut short keeps the rows it has
         cmd = [sys.executable, "-m", "benchmarks.gpu_offload", "--worker", impl, "--layers", str(args.layers),
                "--width", str(args.width), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
-               "--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--profile"] if args.profile else [])
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap-threads", str(args.overlap_threads),
+               "--chunk", str(args.chunk)] + (["--profile"] if args.profile else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
@@ -253,6 +270,10 @@ def main(argv=None) -> None:
               f"{r['threads']} |", flush=True)
     for r in rows:  # the same model, data and hyperparameters: the losses should agree to bf16's precision
         print(f"{r['impl']} losses: {r['losses']}")
+    for r in rows:
+        if r.get("overlap_thread_s") is not None:
+            print(f"{r['impl']}: the overlapped step's thread took {r['overlap_thread_s']:.2f} s (median); the "
+                  f"next forward waited {r['overlap_wait_s']:.2f} s for it on the host")
     for r in rows:
         if r.get("profile"):
             print(f"\n{r['impl']}: one step under torch.profiler\n{r['profile']}")

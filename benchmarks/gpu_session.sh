@@ -28,6 +28,15 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 SECTION=${1:-wave3}
+if [ "$SECTION" = diag ]; then
+# Issue 38: why the overlapped host step ran slower on its thread (about 220 s on an H200): the fused kernel on a
+# second thread against the training thread's, idle, in a CUDA synchronise, or launching kernels; then 1.75B and
+# 6.58B inline against overlapped, with the thread's own time and the forward's waits
+{ step step_on_thread; timeout 60 python3 -m benchmarks.step_on_thread; echo "rc=$?"; } 2>&1 | tee "$OUT/step_on_thread.txt"
+{ step overlap_1_75B; timeout 90 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 2 --impls zero3_inline zero3_overlap --timeout 44; echo "rc=$?"; } 2>&1 | tee "$OUT/overlap_1_75B.txt"
+{ step overlap_6_58B; timeout 150 python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 --impls zero3_inline zero3_overlap --timeout 74; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/overlap_6_58B.txt"
+exit 0
+fi
 if [ "$SECTION" = overlap ]; then
 # Issue 38's exact overlap on a GPU: the GPU tier (its overlap tests against the inline step), then 6.58B with
 # the step overlapped (zero3) and inline (zero3_inline) in one call (about 330 s on an H200 in all)

@@ -34,6 +34,7 @@ docs/offload.md, "The step overlapped with the next forward".
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Optional
 
@@ -77,7 +78,10 @@ class UpdateInFlight:
         return self._done.is_set()
 
     def wait(self) -> None:
-        self._done.wait()
+        if not self._done.is_set():
+            start = time.perf_counter()
+            self._done.wait()
+            self._step.waited_seconds += time.perf_counter() - start
         self._step.raise_error()
         if self._copied is not None:
             device, event = self._copied
@@ -90,6 +94,10 @@ class OverlappedStep:
     def __init__(self, owner) -> None:
         self.owner = owner
         self.overlapped_steps = 0  # a counter: steps handed to the thread
+        # For benchmarks (benchmarks/gpu_offload.py): the last thread's wall time from its start to its last part's
+        # write-back issued, and the training thread's host waits for parts, summed since the last step call
+        self.thread_seconds = 0.0
+        self.waited_seconds = 0.0
         self._pool: Optional[ThreadPoolExecutor] = None
         self._flight: Optional[Future] = None
         self._parts: list = []  # parts with an update in flight
@@ -144,6 +152,7 @@ class OverlappedStep:
                                             initializer=_use_threads, initargs=(max(1, threads - 1),))
             self._pool.submit(lambda: None).result()  # the thread has set its own count: now put back torch's
             torch.set_num_threads(threads)  # process-wide default, which setting a count also changes
+        self.waited_seconds = 0.0
         self._flight = self._pool.submit(self._run, work, entries, states, grads, groups, kernels, inv_scale, clip)
         self.overlapped_steps += 1
         return True
@@ -152,6 +161,7 @@ class OverlappedStep:
     def _run(self, work, entries: list[TileEntry], states: list, grads: list[torch.Tensor], groups: dict,
              kernels: dict, inv_scale: float, clip: Optional[torch.Tensor]) -> None:
         shards: list[torch.Tensor] = []
+        start = time.perf_counter()
         try:
             for part, positions, handle in work:
                 if self.owner.swapper is not None:  # nvme: tile by tile, each read in, stepped, written back, out
@@ -163,6 +173,7 @@ class OverlappedStep:
                     self._step_part(part_entries, [states[i] for i in positions], [grads[i] for i in positions],
                                     groups, kernels, inv_scale, clip)
                 handle.finish(self._write_back(part_entries, shards))
+            self.thread_seconds = time.perf_counter() - start
             for device in {shard.device for shard in shards if shard.is_cuda}:  # before the next step changes
                 _copy_stream(device).synchronize()  # the masters they read (not the compute stream: the forward)
         except BaseException as error:  # every waiter raises it (raise_error)
