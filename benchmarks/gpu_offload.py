@@ -14,6 +14,9 @@ default; ``overlap_with_forward: false`` said explicitly), so their forward+back
 step minus that is the host step: issue 38's exact-overlap target is ``zero3_overlap``'s step <= 1.10x the larger
 of the two.
 
+``zero3_overlap_bwd`` also starts each unit's host step during backward, once its gradients are on the host
+(``overlap_with_backward: true``).
+
 ``zero3_delayed`` is ``zero3`` with ``delayed_update_after: 1`` (docs/offload.md, "Delayed parameter update"): its
 step time against ``zero3``'s forward+backward is issue 38's target for the delayed update (use ``--warmup`` 3 or
 more, so that every timed step has an update in flight).
@@ -52,7 +55,8 @@ import torch
 
 from .gpt import GPTConfig, batch, build_gpt, num_params
 
-IMPLS = ("zero3", "zero3_inline", "zero3_overlap", "zero3_param", "zero3_delayed", "fsdp2", "deepspeed")
+IMPLS = ("zero3", "zero3_inline", "zero3_overlap", "zero3_overlap_bwd", "zero3_param", "zero3_delayed", "fsdp2",
+         "deepspeed")
 # What zero3 passes to zero_core.setup, and DeepSpeed gets as it is (plus its batch keys)
 ZERO3_CONFIG = {"bf16": {"enabled": True},
                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
@@ -119,6 +123,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         offload["offload_param"] = {"device": "cpu", "pin_memory": True}
     if impl in ("zero3_inline", "zero3_overlap"):  # issue 38: the host step inline, or overlapped with the forward
         offload["offload_optimizer"]["overlap_with_forward"] = impl == "zero3_overlap"
+    if impl == "zero3_overlap_bwd":  # issue 38: and each unit's host step started during backward
+        offload["offload_optimizer"]["overlap_with_backward"] = True
     if impl == "zero3_delayed":  # issue 38: the host step of step t during step t+1's forward and backward
         offload["offload_optimizer"]["delayed_update_after"] = 1
     if impl == "fsdp2":
@@ -178,7 +184,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         losses.append(forward_backward(tokens, targets))
         sync()
         middle = time.perf_counter()
-        if impl == "zero3_overlap" and s > warmup:  # the step before's thread (landed: backward waited for it)
+        if impl.startswith("zero3_overlap") and s > warmup:  # the step before's thread (landed: backward waited for it)
             threads_s.append(overlapped.thread_seconds)
             waits_s.append(overlapped.waited_seconds)
         step()

@@ -28,6 +28,31 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 SECTION=${1:-wave3}
+if [ "$SECTION" = final ]; then
+# Issue 38, the last call (about 560 s on an H200; each part bounded, DeepSpeed last): the GPU tier's offload
+# overlap tests; 6.58B inline, overlapped with the forward, started during backward, FSDP2's CPUOffloadPolicy and
+# DeepSpeed's ZeRO-Offload (its cpu_adam built first) in the same call; then, with time left, the delayed update
+# where forward+backward is at least the host step (1.75B at batch 32x1024)
+BUDGET=${FINAL_BUDGET:-560}
+left() { echo $(( BUDGET - $(date +%s) + T0 )); }
+{ step tests; timeout 150 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 140 -k "overlap or started_during or offloaded"; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -6
+{ step offload7B; timeout 260 python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 3 \
+    --impls zero3_inline zero3_overlap zero3_overlap_bwd fsdp2 --timeout 80 --json "$OUT/offload_7B.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/offload_7B.txt"
+NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
+export DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DS_SKIP_CUDA_CHECK=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+if [ $(left) -gt 200 ]; then
+{ step ds; timeout 60 python3 -m compileall -q -j 0 /tmp/site >/dev/null
+  timeout $(( $(left) - 10 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 --impls deepspeed \
+    --timeout $(( $(left) - 20 )) --json "$OUT/ds_7B.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/ds_7B.txt"
+fi
+if [ $(left) -gt 70 ]; then
+{ step delayed_1_75B_b32; timeout $(left) python3 -m benchmarks.gpu_offload --layers 8 --batch-size 32 --steps 3 --warmup 3 \
+    --impls zero3_inline zero3_delayed --timeout $(( $(left) / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/delayed_1_75B_b32.txt"
+fi
+step end
+exit 0
+fi
 if [ "$SECTION" = diag ]; then
 # Issue 38: why the overlapped host step ran slower on its thread (about 220 s on an H200): the fused kernel on a
 # second thread against the training thread's, idle, in a CUDA synchronise, or launching kernels; then 1.75B and

@@ -153,11 +153,11 @@ def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0
             "host_pinned": [t.is_pinned() for t in _host_tensors(engine)]}
 
 
-def overlap_run(device, stage: int, overlap: bool, pin: bool = True) -> dict:
-    """The offloaded step overlapped with the next forward (its default on a GPU) or inline
-    (``overlap_with_forward: false``), nothing read between the steps: losses and final weights, and how many steps the
-    thread took."""
-    block = {"device": "cpu", "pin_memory": pin, "overlap_with_forward": overlap}
+def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: bool = False) -> dict:
+    """The offloaded step overlapped with the next forward (opt-in) or inline (``overlap_with_forward: false``),
+    with ``backward`` each unit's step started during backward (``overlap_with_backward``), nothing read between
+    the steps: losses and final weights, how many steps the thread took and how many units backward started."""
+    block = {"device": "cpu", "pin_memory": pin, "overlap_with_forward": overlap, "overlap_with_backward": backward}
     model, engine = _engine(device, stage, offload={"offload_optimizer": block})
     losses = []
     for tokens in batches(device):
@@ -167,7 +167,8 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True) -> dict:
         losses.append(loss.item())
     weights = engine.full_state_dict(rank0_only=False)
     return {"losses": losses, "weights": {n: weights[n] for n, _ in model.named_parameters()},
-            "overlapped": engine._offload.overlapped.overlapped_steps}
+            "overlapped": engine._offload.overlapped.overlapped_steps,
+            "early": engine._offload.overlapped.parts_stepped_in_backward}
 
 
 def host_syncs(device, stage: int | None, control: bool = False) -> list[str]:
@@ -244,6 +245,9 @@ def main(out: str) -> None:
         for overlap in (True, False):
             label = f"overlap_zero{stage}_{'pinned' if pin else 'pageable'}_{overlap}"
             results[label] = overlap_run(device, stage, overlap, pin)
+        if stage == 3:  # the step started during backward: the thread waits for each unit's copy to the host
+            results[f"overlap_backward_zero3_{'pinned' if pin else 'pageable'}"] = overlap_run(device, 3, True, pin,
+                                                                                              backward=True)
     results["host_syncs"] = {f"zero{stage}": host_syncs(device, stage) for stage in (1, 2, 3)}
     results["host_syncs"]["plain"] = host_syncs(device, None)
     results["host_syncs"]["control"] = host_syncs(device, 3, control=True)

@@ -94,6 +94,17 @@ def test_overlapped_offloaded_step_equals_the_inline_step_on_the_gpu(gpu_runs, r
         assert torch.equal(overlapped["weights"][name], value), name
 
 
+@pytest.mark.parametrize("pin", ["pinned", "pageable"])
+def test_steps_started_during_backward_equal_the_inline_step_on_the_gpu(gpu_runs, pin):
+    """offload_optimizer.overlap_with_backward (opt-in, stage 3): each unit's host step starts once its gradients'
+    copy to the host (a CUDA event on the copy stream) has landed, during backward; bit for bit the inline step."""
+    early, inline = gpu_runs[f"overlap_backward_zero3_{pin}"], gpu_runs[f"overlap_zero3_{pin}_False"]
+    assert early["early"] > 0 and early["overlapped"] == len(early["losses"]) - 1, early["early"]
+    assert early["losses"] == inline["losses"], (early["losses"], inline["losses"])
+    for name, value in inline["weights"].items():
+        assert torch.equal(early["weights"][name], value), name
+
+
 @pytest.mark.parametrize("label, stage", [("zero2_offload", 2), ("zero3_offload", 3), ("zero3_offload_param", 3),
                                           ("zero3_offload_pageable", 3)])  # gpu_workers.OFFLOADS
 def test_offloaded_step_trains_like_the_step_on_the_gpu(gpu_runs, label, stage):

@@ -91,9 +91,20 @@ class OffloadOptimizerConfig(Block):
             "waited for there (the maths unchanged; acts where the shards are on an accelerator). Measured no "
             "faster at 1.75B and slower at 6.58B on one H200. docs/offload.md, \"The step overlapped with the "
             "next forward\".")
+    overlap_with_backward: bool = setting(
+        False,
+        doc="lightning-zero's own, opt-in, device cpu at stage 3: as overlap_with_forward, and each unit's host "
+            "step starts as soon as backward has reduced its gradients, while backward goes on (the maths "
+            "unchanged where it applies: no gradient clipping, no fp16 loss scaling, step() after every "
+            "backward that reduces). docs/offload.md, \"The step started during backward\".")
 
     def _check_combinations(self) -> None:
         _check_nvme(self)
+        if self.overlap_with_backward and self.device != "cpu":
+            raise ZeroConfigError(
+                f"{self._PATH}.overlap_with_backward needs {self._PATH}.device 'cpu', got {self.device!r} (with "
+                "nvme the step swaps tiles in order after backward); set device 'cpu' or remove "
+                "overlap_with_backward (overlap_with_forward works with nvme)")
         if self.delayed_update_after is not None and self.device != "cpu":
             raise ZeroConfigError(
                 f"{self._PATH}.delayed_update_after needs {self._PATH}.device 'cpu', got {self.device!r} (the "

@@ -271,7 +271,23 @@ class ZeroConfig(Block):
             raise ZeroConfigError(
                 f"{key_path('weights_ema_decay')} does not combine with {key_path('offload_optimizer')}"
                 ".delayed_update_after; remove one of them")
+        if self.offload_optimizer is not None and self.offload_optimizer.overlap_with_backward:
+            self._check_overlap_with_backward()
         self._check_zeropp()
+
+    def _check_overlap_with_backward(self) -> None:
+        """A unit's step starts before backward ends: nothing may need every gradient first."""
+        field = f"{key_path('offload_optimizer')}.overlap_with_backward"
+        if self.fp16.enabled:
+            raise ZeroConfigError(f"{field} does not combine with fp16.enabled (the loss scale's overflow check needs "
+                                  "every gradient before any step); use bf16, or set overlap_with_backward: false")
+        if self.gradient_clipping > 0:
+            raise ZeroConfigError(f"{field} does not combine with gradient_clipping {self.gradient_clipping} (the "
+                                  "global norm needs every gradient before any step); set gradient_clipping: 0 or "
+                                  "overlap_with_backward: false")
+        if self.stage != 3:
+            raise ZeroConfigError(f"{field} needs stage 3 (each unit is reduced whole in backward), got stage "
+                                  f"{self.stage}; set stage 3, or use overlap_with_forward alone")
 
     def _check_zeropp(self) -> None:
         """ZeRO++ works on stage 3's parameter gathers; MiCS replaces the shard group that hpZ and qgZ assume."""

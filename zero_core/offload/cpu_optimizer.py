@@ -140,8 +140,9 @@ class OptimizerOffload:
         self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
         # The step overlapped with the next forward (overlapped_step.py): None, where the shards are on an
         # accelerator; True / False: always / never (offload_optimizer.overlap_with_forward, off by default)
-        self.overlap: Optional[bool] = None if block.overlap_with_forward else False
-        self.overlapped = OverlappedStep(self)
+        self.overlap: Optional[bool] = None if block.overlap_with_forward or block.overlap_with_backward else False
+        # offload_optimizer.overlap_with_backward (device cpu): a part's step starts once backward reduced it
+        self.overlapped = OverlappedStep(self, with_backward=block.overlap_with_backward and self.swapper is None)
         self.update_order = update_order or list  # the runtime's: parts in the order the next forward reads them
         self.adopt(parts)
 
@@ -254,7 +255,7 @@ class OptimizerOffload:
             grads.append(taken[(id(entry.part), fragment.bucket)][fragment.shard_range.as_slice()])
         return grads, taken
 
-    def owned_grads(self, entries: list) -> list[torch.Tensor]:
+    def owned_grads(self, entries: list, consume: bool = True) -> list[torch.Tensor]:
         """The overlapped step's gradients: each entry's fp32 host gradient in a buffer of the offload's own (the
         step reads them after the step call returned and the engine zeroed the gradient shards). What backward
         copied already is used as it is; the rest (fp32 host shards too) is copied now, one copy per run of
@@ -268,7 +269,8 @@ class OptimizerOffload:
             if self.swapper is not None or key not in self._fresh:
                 copies.append((buffers[key][start:end], whole[start:end]))
         _copy_all(copies, arrive=True)
-        self._fresh.clear()  # consumed by this step
+        if consume:
+            self._fresh.clear()  # consumed by this step (not by a part backward starts early: the rest follow)
         grads = []
         for entry in entries:
             fragment = entry.part.master_shards.pieces[entry.index]
@@ -282,7 +284,7 @@ class OptimizerOffload:
     def grad_reduced(self, part, bucket: Optional[int]) -> None:
         """The reducer finished ``bucket`` of ``part`` (None: all of them): start its copy to the host now, so it
         overlaps the rest of backward. Later reductions (accumulation) copy again; the last one is what steps."""
-        self.overlapped.settle()  # the step in flight reads these buffers
+        self.overlapped.settle_previous()  # the last step's update reads these buffers
         shards = part.grad_shards()
         for index in range(len(shards)) if bucket is None else (bucket,):
             grad = shards[index]
@@ -291,10 +293,19 @@ class OptimizerOffload:
             copy_between(self._host_bucket(part, index, grad.numel()), grad)
             self._fresh.add((id(part), index))
             self.copied_during_backward += 1
+        if bucket is None:  # stage 3: the unit is whole (overlap_with_backward may start its step now)
+            self.overlapped.start_early(part)
 
     def forget_grads(self) -> None:
         """The gradient shards were zeroed (a step, zero_grad, a skipped fp16 step): no host copy is current."""
         self._fresh.clear()
+        started = self.overlapped.started_in_backward()
+        if started:
+            self.overlapped.settle()
+            raise RuntimeError(
+                f"offload_optimizer.overlap_with_backward started the step of {started} parts during backward, "
+                "and the gradients were zeroed without step(): those parts are updated. It needs step() after "
+                "every backward that reduces; set overlap_with_backward: false for a loop that skips steps")
 
     def _host_grads(self, tile: list[tuple], copies: list) -> list[torch.Tensor]:
         """Each tile entry's fp32 host gradient. What was not copied during backward is added to ``copies``
@@ -336,7 +347,7 @@ class OptimizerOffload:
         Starts once the copies made during backward have arrived; returns once every write-back reached the
         model's parameter shards, so the next forward reads them and the next step may change the masters they
         were copied from."""
-        self.overlapped.settle()  # the step before (another optimizer's) has landed
+        self.overlapped.settle_previous()  # the step before (another optimizer's) has landed
         on_accelerator = [shard for part in parts for shard in part.grad_shards()[:1]]
         wait_for_copies(on_accelerator)  # the gradients copied out during backward (copy stream) have arrived
         try:
@@ -350,6 +361,7 @@ class OptimizerOffload:
                 mask = {id(part): flags for part, flags in zip(parts, used)}
                 ordered = self.update_order(parts)
                 clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
+                self.overlapped.remember(optimizer, parts, inv_scale, clip)
                 if self.overlapped.start(optimizer, ordered, [mask[id(p)] for p in ordered], inv_scale, clip):
                     return  # on a thread; each part's next reader waits for its update (overlapped_step.py)
             self._step(optimizer, parts, used, inv_scale, clip_coef)

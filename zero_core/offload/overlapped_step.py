@@ -35,8 +35,9 @@ from __future__ import annotations
 
 import threading
 import time
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -88,20 +89,117 @@ class UpdateInFlight:
             torch.cuda.current_stream(device).wait_event(event)
 
 
+class _Work(NamedTuple):
+    """One part's update for the thread: its stepped pieces (``entries``), their state and host gradients."""
+
+    part: object
+    entries: list[TileEntry]
+    states: list
+    grads: list[torch.Tensor]
+    handle: UpdateInFlight
+    arrived: Optional["torch.cuda.Event"]  # the gradients' copy to the host (made during backward), or None
+    inv_scale: float
+    clip: Optional[torch.Tensor]
+
+
+class _StepQueue:
+    """One step's parts for the thread. With ``overlap_with_backward`` they come in while backward reduces them,
+    then the rest at the step call; until that call the thread takes them as they come (the last layers first),
+    after it in the order the next forward reads them (so what backward left is stepped from the first layer on,
+    and the forward waits for each in turn)."""
+
+    def __init__(self, kernels: dict, groups: dict) -> None:
+        self.kernels = kernels  # the step's hyperparameters, as of its first part
+        self.groups = groups
+        self.early: list = []  # parts added during backward
+        self._cond = threading.Condition()
+        self._ready: list[_Work] = []
+        self._order: Optional[dict[int, int]] = None  # set by the step call: position in the next forward
+        self._failed = False
+
+    @property
+    def closed(self) -> bool:
+        return self._order is not None
+
+    def put(self, work: _Work) -> None:
+        with self._cond:
+            if self._failed:
+                work.handle.finish(None)
+                return
+            self._ready.append(work)
+            self._cond.notify()
+
+    def close(self, works: list[_Work], order: dict[int, int]) -> None:
+        """The step call: the remaining parts; the thread ends once every part is stepped."""
+        with self._cond:
+            self._order = order
+            for work in works:
+                self._ready.append(work)
+            if self._failed:
+                self._finish_all()
+            self._cond.notify()
+
+    def take(self) -> Optional[_Work]:
+        """The next part to step (None: the step is done), waiting for backward's next one if need be."""
+        with self._cond:
+            while not self._ready and self._order is None:
+                self._cond.wait()
+            if not self._ready:
+                return None
+            if self._order is None:
+                return self._ready.pop(0)
+            order = self._order
+            index = min(range(len(self._ready)), key=lambda i: order.get(id(self._ready[i].part), len(order)))
+            return self._ready.pop(index)
+
+    def fail(self) -> None:
+        """The thread failed: every waiter is released now, and any part added later at once."""
+        with self._cond:
+            self._failed = True
+            self._finish_all()
+
+    def _finish_all(self) -> None:
+        for work in self._ready:
+            work.handle.finish(None)
+        self._ready.clear()
+
+
+def _entries_of(parts: list, used: list[list[bool]]) -> list[TileEntry]:
+    return [entry for tile in master_tiles(parts, used, _WHOLE) for entry in tile]
+
+
+def _kernels(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """(each group's kernel arguments as of now, the group of each parameter)."""
+    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
+    return {id(group): _Kernel(group) for group in optimizer.param_groups}, groups
+
+
+def _same_hyperparameters(a: dict, b: dict) -> bool:
+    def plain(kernel: _Kernel) -> dict:
+        return {k: (float(v) if torch.is_tensor(v) else v) for k, v in kernel.kwargs.items()}
+    return a.keys() == b.keys() and all(plain(a[k]) == plain(b[k]) for k in a)
+
+
 class OverlappedStep:
     """The overlapped host steps of one ``OptimizerOffload`` (``owner``), on one thread."""
 
-    def __init__(self, owner) -> None:
+    def __init__(self, owner, with_backward: bool = False) -> None:
         self.owner = owner
+        # offload_optimizer.overlap_with_backward: a part's step may start once backward has reduced it
+        self.with_backward = with_backward
         self.overlapped_steps = 0  # a counter: steps handed to the thread
-        # For benchmarks (benchmarks/gpu_offload.py): the last thread's wall time from its start to its last part's
-        # write-back issued, and the training thread's host waits for parts, summed since the last step call
+        self.parts_stepped_in_backward = 0  # a counter: parts whose step started before the step call
+        # For benchmarks (benchmarks/gpu_offload.py): the last step's time on the thread stepping and writing back
+        # (not waiting for backward), and the training thread's host waits for parts since the last step call
         self.thread_seconds = 0.0
         self.waited_seconds = 0.0
         self._pool: Optional[ThreadPoolExecutor] = None
         self._flight: Optional[Future] = None
+        self._queue: Optional[_StepQueue] = None
         self._parts: list = []  # parts with an update in flight
         self._error: Optional[BaseException] = None
+        self._last: Optional[tuple] = None  # (optimizer, ids of its parts) of the last step that could overlap
+        self._warned_hyperparameters = False
 
     # -- the step call (training thread) -------------------------------------------------------------------
     def applies(self, optimizer: torch.optim.Optimizer, parts: list, forced: Optional[bool]) -> bool:
@@ -114,35 +212,133 @@ class OverlappedStep:
             return False
         return steps_fused_adam(optimizer)
 
+    def remember(self, optimizer: torch.optim.Optimizer, parts: list, inv_scale: float,
+                 clip: Optional[torch.Tensor]) -> None:
+        """A step that could overlap: the next backward may start these parts' steps early, unless this step
+        clipped or unscaled (that needs every gradient first: then the early start is off for the run), or
+        another optimizer steps too (each would need its own order)."""
+        if not self.with_backward:
+            return
+        if clip is not None or inv_scale != 1.0:
+            self.with_backward = False
+            warnings.warn("offload_optimizer.overlap_with_backward is off for the rest of this run: the step "
+                          "clipped gradients or unscaled them (fp16), which needs every gradient before any part "
+                          "steps; stop clipping, or set overlap_with_backward: false", stacklevel=4)
+            return
+        if self._last is not None and self._last[0] is not optimizer:
+            self.with_backward = False  # several optimizers: each step is started at its own call
+            return
+        self._last = (optimizer, {id(part) for part in parts})
+
+    def start_early(self, part) -> None:
+        """Backward reduced ``part`` (its gradients are on their way to the host): hand its step to the thread
+        now, when the step it belongs to is known to be exact this early. Every parameter of it got a gradient
+        here (so it is stepped whatever the others say), it has Adam state, and it is no persistent unit (those
+        are gathered at once after the step)."""
+        if not self.with_backward or self._last is None:
+            return
+        optimizer, ids = self._last
+        if id(part) not in ids or part.swap is not None or getattr(part, "persistent", False) \
+                or not getattr(part, "reduced_whole", False):
+            return
+        queue = self._queue if self._queue is not None and not self._queue.closed else None
+        if queue is not None and any(p is part for p in queue.early):
+            self.with_backward = False  # the engine stays usable (the reductions still in flight come here too)
+            self.settle()
+            raise RuntimeError(
+                f"offload_optimizer.overlap_with_backward: a second backward reduced a part whose step had "
+                f"already started ({', '.join(part.names[:3])}); it needs step() after every backward that "
+                "reduces (accumulate with no_sync, as the front-ends do), or set overlap_with_backward: false")
+        entries = _entries_of([part], [[True] * len(part.params)])
+        states = [optimizer.state.get(entry.piece) for entry in entries]
+        if not entries or any(not state or "exp_avg" not in state for state in states):
+            return
+        if queue is None:
+            self.settle()
+            queue = self._open(*_kernels(optimizer))
+        grads = self.owner.owned_grads(entries, consume=False)
+        arrived = None
+        shard = part.grad_shards()[0]
+        if shard.is_cuda:
+            arrived = torch.cuda.Event()
+            arrived.record(_copy_stream(shard.device))
+        torch._foreach_add_([state["step"] for state in states], 1)
+        handle = UpdateInFlight(self)
+        part.update_in_flight = handle
+        part.master_shards.written_back = True
+        queue.early.append(part)
+        self._parts.append(part)
+        self.parts_stepped_in_backward += 1
+        queue.put(_Work(part, entries, states, grads, handle, arrived, 1.0, None))
+
     def start(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
               clip: Optional[torch.Tensor]) -> bool:
         """Hand the step to the thread (``parts`` in the order the next forward needs them) and return True; or
-        False, having done nothing, when a stepped piece has no state yet (its first step runs inline)."""
-        self.settle()
-        entries = [entry for tile in master_tiles(parts, used, _WHOLE) for entry in tile]
-        states = []
-        for entry in entries:
-            state = optimizer.state.get(entry.piece)
-            if not state or "exp_avg" not in state:
+        False, having done nothing, when a stepped piece has no state yet (its first step runs inline). Parts
+        backward already handed over (``start_early``) are not stepped again."""
+        queue = self._queue if self._queue is not None and not self._queue.closed else None
+        if queue is None:
+            self.settle()
+        early = {id(part) for part in queue.early} if queue is not None else set()
+        rest = [(part, flags) for part, flags in zip(parts, used) if id(part) not in early]
+        entries = _entries_of([part for part, _ in rest], [flags for _, flags in rest])
+        states = [optimizer.state.get(entry.piece) for entry in entries]
+        problem = None
+        if any(not state or "exp_avg" not in state for state in states):
+            problem = "new"
+        elif queue is not None and (clip is not None or inv_scale != 1.0):
+            problem = "clip"
+        if problem is not None:
+            if queue is None:
                 return False
-            states.append(state)
+            queue.close([], {})
+            self.settle()
+            if problem == "new":
+                raise RuntimeError(
+                    "offload_optimizer.overlap_with_backward: parameters without optimizer state yet (unfrozen or "
+                    "first used since the last step) joined a step that backward had already started; set "
+                    "overlap_with_backward: false while the trainable set changes")
+            raise RuntimeError(
+                "offload_optimizer.overlap_with_backward started parts' steps during backward, but this step "
+                "clips (or unscales) the gradients, which needs every gradient first: the parts stepped early were "
+                "not clipped. Stop clipping (gradient_clipping: 0, no clip_grad_norm_) or set "
+                "overlap_with_backward: false")
+        kernels, groups = _kernels(optimizer)
+        if queue is not None:
+            if not _same_hyperparameters(kernels, queue.kernels) and not self._warned_hyperparameters:
+                self._warned_hyperparameters = True
+                warnings.warn("offload_optimizer.overlap_with_backward: the optimizer's hyperparameters changed "
+                              "between backward and step(); this step uses those of backward's time for every "
+                              "part (the new ones apply from the next step)", stacklevel=4)
+            kernels, groups = queue.kernels, queue.groups
         grads = self.owner.owned_grads(entries)  # host fp32, the offload's own buffers
-        groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        kernels = {id(group): _Kernel(group) for group in optimizer.param_groups}  # hyperparameters as of now
-        torch._foreach_add_([state["step"] for state in states], 1)  # once per piece, as Adam's step does
+        if states:  # (backward may have started every part)
+            torch._foreach_add_([state["step"] for state in states], 1)  # once per piece, as Adam's step does
         with only_params(optimizer, []):  # its hooks and patched counters (LR schedulers), once, here
             optimizer.step()
         by_part: dict[int, list[int]] = {}
         for position, entry in enumerate(entries):
             by_part.setdefault(id(entry.part), []).append(position)
-        work = []
-        for part in parts:
+        works = []
+        for part, _ in rest:
             handle = UpdateInFlight(self)
             part.update_in_flight = handle
             part.master_shards.written_back = True  # the thread writes every stepped piece back itself
-            work.append((part, by_part.get(id(part), []), handle))
-        self._parts = list(parts)
+            positions = by_part.get(id(part), [])
+            works.append(_Work(part, [entries[i] for i in positions], [states[i] for i in positions],
+                               [grads[i] for i in positions], handle, None, inv_scale, clip))
+        if queue is None:
+            queue = self._open(kernels, groups)
+        self._parts += [part for part, _ in rest]
+        queue.close(works, {id(part): index for index, part in enumerate(parts)})
+        self.overlapped_steps += 1
+        return True
+
+    def _open(self, kernels: dict, groups: dict) -> _StepQueue:
+        """A new step's queue, and the thread that works through it."""
         self._error = None
+        self.waited_seconds = 0.0
+        self._parts = []
         if self._pool is None:
             # One core fewer than the training thread's: torch's CPU kernels split their work evenly over their
             # threads, so one of them sharing a core with the training thread (a CUDA synchronise spins on its
@@ -152,41 +348,47 @@ class OverlappedStep:
                                             initializer=_use_threads, initargs=(max(1, threads - 1),))
             self._pool.submit(lambda: None).result()  # the thread has set its own count: now put back torch's
             torch.set_num_threads(threads)  # process-wide default, which setting a count also changes
-        self.waited_seconds = 0.0
-        self._flight = self._pool.submit(self._run, work, entries, states, grads, groups, kernels, inv_scale, clip)
-        self.overlapped_steps += 1
-        return True
+        self._queue = _StepQueue(kernels, groups)
+        self._flight = self._pool.submit(self._run, self._queue)
+        return self._queue
 
     # -- the thread ------------------------------------------------------------------------------------------
-    def _run(self, work, entries: list[TileEntry], states: list, grads: list[torch.Tensor], groups: dict,
-             kernels: dict, inv_scale: float, clip: Optional[torch.Tensor]) -> None:
+    def _run(self, queue: _StepQueue) -> None:
         shards: list[torch.Tensor] = []
-        start = time.perf_counter()
+        busy = 0.0
+        work = None
         try:
-            for part, positions, handle in work:
+            while (work := queue.take()) is not None:
+                start = time.perf_counter()
+                if work.arrived is not None:
+                    work.arrived.synchronize()  # its gradients' copy to the host, issued during backward
                 if self.owner.swapper is not None:  # nvme: tile by tile, each read in, stepped, written back, out
-                    self._step_swapped(positions, entries, states, grads, groups, kernels, inv_scale, clip)
-                    handle.finish(None)
-                    continue
-                part_entries = [entries[i] for i in positions]
-                if positions:
-                    self._step_part(part_entries, [states[i] for i in positions], [grads[i] for i in positions],
-                                    groups, kernels, inv_scale, clip)
-                handle.finish(self._write_back(part_entries, shards))
-            self.thread_seconds = time.perf_counter() - start
+                    self._step_swapped(work, queue)
+                    work.handle.finish(None)
+                else:
+                    if work.entries:
+                        self._step_part(work.entries, work.states, work.grads, queue.groups, queue.kernels,
+                                        work.inv_scale, work.clip)
+                    work.handle.finish(self._write_back(work.entries, shards))
+                busy += time.perf_counter() - start
+                work = None
+            self.thread_seconds = busy
             for device in {shard.device for shard in shards if shard.is_cuda}:  # before the next step changes
                 _copy_stream(device).synchronize()  # the masters they read (not the compute stream: the forward)
         except BaseException as error:  # every waiter raises it (raise_error)
             self._error = error
-            for _, _, handle in work:
-                handle.finish(None)
+            if work is not None:
+                work.handle.finish(None)
+            queue.fail()
             raise
 
-    def _step_swapped(self, positions: list[int], entries: list[TileEntry], states: list, grads: list,
-                      groups: dict, kernels: dict, inv_scale: float, clip: Optional[torch.Tensor]) -> None:
+    def _step_swapped(self, work: _Work, queue: _StepQueue) -> None:
         """One part's pieces with ``device: nvme``, in tiles of at most ``sub_group_size`` elements as the inline
         step takes them: the next tile is read while this one steps, and this one's write overlaps the next."""
         owner, swap = self.owner, self.owner.swapper
+        entries, states, grads = work.entries, work.states, work.grads
+        groups, kernels, inv_scale, clip = queue.groups, queue.kernels, work.inv_scale, work.clip
+        positions = list(range(len(entries)))
         # swapped out between steps, a piece's tensor is empty: its size is the file's
         tiles = split_into_tiles(positions, lambda i: owner.numel_in_file(entries[i].piece), owner.sub_group_size)
         masters = lambda tile: [entries[i].piece for i in tile]  # noqa: E731
@@ -248,10 +450,15 @@ class OverlappedStep:
             raise RuntimeError(_FAILED) from self._error
 
     def settle(self) -> None:
-        """Wait for the step in flight: the masters, their state and the model's shards are those after it."""
+        """Wait for the step in flight: the masters, their state and the model's shards are those after it. A
+        step that backward started and no step call finished yet is finished with what it has (``refuse``
+        tells a caller that cannot go on from there)."""
         flight, self._flight = self._flight, None
         if flight is None:
             return
+        queue, self._queue = self._queue, None
+        if queue is not None and not queue.closed:
+            queue.close([], {})
         for part in self._parts:
             part.update_in_flight = None
         self._parts = []
@@ -262,6 +469,15 @@ class OverlappedStep:
         error, self._error = self._error, None
         if error is not None:
             raise RuntimeError(_FAILED) from error
+
+    def settle_previous(self) -> None:
+        """Wait for the last step's update, not for one backward is starting now (``start_early``)."""
+        if self._queue is None or self._queue.closed:
+            self.settle()
+
+    def started_in_backward(self) -> int:
+        """Parts of a step that backward started and no step call has finished yet."""
+        return len(self._queue.early) if self._queue is not None and not self._queue.closed else 0
 
     def stop(self) -> None:
         try:

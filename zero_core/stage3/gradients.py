@@ -148,6 +148,7 @@ class GradientReduction:
             buffer = self.pool.acquire(self.pool.largest, unit.dtype, zeroed=False)
             state.bucket = ReduceBucket(buffer, self.comm.topology.world_size, self._planned_width(unit))
         missing = state.bucket.add(unit)
+        unit.reduced_whole = not missing  # every parameter had a gradient here (offload's early step reads it)
         # While the collectives are checked (the first trace is recorded, when ranks' orders may still differ),
         # each unit goes alone, so that a mismatch is caught and named by its module. A bucket that holds all
         # it was planned for goes at once, without waiting for the unit that does not fit.

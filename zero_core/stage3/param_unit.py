@@ -39,6 +39,7 @@ class ParamUnit:
     ``zero_core.contracts.Part``."""
 
     update_in_flight = None  # an overlapped offloaded step's handle until this unit's shard holds its update
+    reduced_whole = False  # its last reduction had a gradient for every parameter on this rank (gradients.py)
 
     def __init__(
         self,
