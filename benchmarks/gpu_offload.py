@@ -97,8 +97,13 @@ def deepspeed_engine(model: torch.nn.Module, config: GPTConfig) -> tuple:
 
 
 def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: bool = False,
-           overlap_threads: int = 0, chunk: int = 0) -> dict:
+           overlap_threads: int = 0, chunk: int = 0, one_copy_stream: bool = False) -> dict:
     import torch.distributed as dist
+
+    if one_copy_stream:  # copies to and from the GPU on one stream, as before they had one each
+        from zero_core.offload import placement
+
+        placement.SEPARATE_DIRECTIONS = False
 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -226,7 +231,9 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=int, default=600, help="seconds per implementation's process")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per implementation")
     p.add_argument("--overlap-threads", type=int, default=0, help="zero3_overlap's thread count (default: torch's - 1)")
-    p.add_argument("--chunk", type=float, default=0, help="elements per chunk of our host step (default: 1M per 2 threads)")
+    p.add_argument("--chunk", type=float, default=0,
+                   help="elements per chunk of our host step (default: the engine's)")
+    p.add_argument("--one-copy-stream", action="store_true", help="our copies to and from the GPU on one stream")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
@@ -235,7 +242,7 @@ def main(argv=None) -> None:
     if args.worker:
         try:
             result = worker(args.worker, config, args.steps, args.warmup, args.profile, args.overlap_threads,
-                            int(args.chunk))
+                            int(args.chunk), args.one_copy_stream)
         except Unavailable as why:
             print(SKIP + str(why), flush=True)
             return
@@ -252,7 +259,8 @@ def main(argv=None) -> None:
         cmd = [sys.executable, "-m", "benchmarks.gpu_offload", "--worker", impl, "--layers", str(args.layers),
                "--width", str(args.width), "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--overlap-threads", str(args.overlap_threads),
-               "--chunk", str(args.chunk)] + (["--profile"] if args.profile else [])
+               "--chunk", str(args.chunk)] + (["--profile"] if args.profile else []) + \
+            (["--one-copy-stream"] if args.one_copy_stream else [])
         start = time.perf_counter()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)

@@ -261,7 +261,7 @@ class OverlappedStep:
         shard = part.grad_shards()[0]
         if shard.is_cuda:
             arrived = torch.cuda.Event()
-            arrived.record(_copy_stream(shard.device))
+            arrived.record(_copy_stream(shard.device, to_device=False))
         torch._foreach_add_([state["step"] for state in states], 1)
         handle = UpdateInFlight(self)
         part.update_in_flight = handle
@@ -373,8 +373,8 @@ class OverlappedStep:
                 busy += time.perf_counter() - start
                 work = None
             self.thread_seconds = busy
-            for device in {shard.device for shard in shards if shard.is_cuda}:  # before the next step changes
-                _copy_stream(device).synchronize()  # the masters they read (not the compute stream: the forward)
+            for device in {shard.device for shard in shards if shard.is_cuda}:  # before the next step changes the
+                _copy_stream(device, to_device=True).synchronize()  # masters they read (not the compute stream)
         except BaseException as error:  # every waiter raises it (raise_error)
             self._error = error
             if work is not None:
@@ -441,7 +441,7 @@ class OverlappedStep:
         if device is None:
             return None
         event = torch.cuda.Event()
-        event.record(_copy_stream(device))
+        event.record(_copy_stream(device, to_device=True))
         return device, event
 
     # -- waiting ---------------------------------------------------------------------------------------------

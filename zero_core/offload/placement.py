@@ -41,24 +41,30 @@ def host_copy(tensor: torch.Tensor, dtype: torch.dtype, pin: bool) -> torch.Tens
 # Elements per slice of a copy that changes dtype on the GPU: the cast's temporary is at most 64 MiB of fp32, not a
 # whole bucket's worth of accelerator memory (which offloading is there to save).
 _SLICE = 1 << 24
-_streams: dict = {}  # device -> the stream host <-> accelerator copies run on
+_streams: dict = {}  # (device, to the device) -> the stream those host <-> accelerator copies run on
 _streams_lock = threading.Lock()
+# Copies to the accelerator and copies from it on a stream each: a GPU has a copy engine per direction, so the
+# write-back of stepped units (to it) runs beside the gradients of the units backward reduces next (from it)
+# instead of queueing with them. False: one stream for both (benchmarks.gpu_offload --one-copy-stream).
+SEPARATE_DIRECTIONS = True
 
 
-def _copy_stream(device: torch.device) -> "torch.cuda.Stream":
-    """The stream of the copies: beside the compute stream, so that gradients leave during backward without
-    holding up its kernels, and copies issued from the write-back thread run in the order it issues them."""
+def _copy_stream(device: torch.device, to_device: bool = True) -> "torch.cuda.Stream":
+    """The stream of the copies in one direction: beside the compute stream, so that gradients leave during
+    backward without holding up its kernels, and copies issued from the write-back thread run in the order it
+    issues them."""
+    key = (device, to_device or not SEPARATE_DIRECTIONS)
     with _streams_lock:  # the training thread and the write-back thread
-        stream = _streams.get(device)
+        stream = _streams.get(key)
         if stream is None:
-            stream = _streams[device] = torch.cuda.Stream(device)
+            stream = _streams[key] = torch.cuda.Stream(device)
         return stream
 
 
 def copy_between(dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy between host memory and an accelerator (1-D tensors), either way, casting on the accelerator (slice by
     slice, so its temporary stays small), never on the CPU: device -> host casts, then copies; host -> device
-    copies into a temporary, then casts. On a copy stream after what the compute stream has queued, and
+    copies into a temporary, then casts. On the direction's copy stream after what the compute stream has queued, and
     asynchronous where the host side is pinned: call :func:`wait_for_copies` before the host reads what came in
     or writes what went out. Host to host is a plain copy."""
     if src.is_cuda == dst.is_cuda:
@@ -66,7 +72,7 @@ def copy_between(dst: torch.Tensor, src: torch.Tensor) -> None:
         return
     device = src.device if src.is_cuda else dst.device
     asynchronous = (dst if src.is_cuda else src).is_pinned()
-    stream = _copy_stream(device)
+    stream = _copy_stream(device, to_device=not src.is_cuda)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
         if src.dtype == dst.dtype:
@@ -83,6 +89,7 @@ def wait_for_copies(tensors: list[torch.Tensor]) -> None:
     write what went out, and the accelerator's compute stream sees what went in."""
     if torch.cuda.is_available() and any(t.is_cuda for t in tensors):
         for device in {t.device for t in tensors if t.is_cuda}:
-            if device in _streams:
-                _streams[device].synchronize()
+            for key, stream in list(_streams.items()):
+                if key[0] == device:
+                    stream.synchronize()
             torch.cuda.current_stream(device).synchronize()
