@@ -28,6 +28,13 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 SECTION=${1:-wave3}
+if [ "$SECTION" = check ]; then
+# Issue 38, before the last call (about 160 s on an H200): the GPU tier (the step started during backward against
+# the inline step, bit for bit), then 1.75B inline, overlapped with the forward, and started during backward
+{ step tests; nvidia-smi -L; timeout 150 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 140; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
+{ step overlap_1_75B; timeout 110 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 --impls zero3_inline zero3_overlap zero3_overlap_bwd --timeout 36; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/overlap_1_75B.txt"
+exit 0
+fi
 if [ "$SECTION" = final ]; then
 # Issue 38, the last call (about 560 s on an H200; each part bounded, DeepSpeed last): the GPU tier's offload
 # overlap tests; 6.58B inline, overlapped with the forward, started during backward, FSDP2's CPUOffloadPolicy and
