@@ -8,11 +8,11 @@ each in its own process, one after the other.
     python -m benchmarks.gpu_offload --layers 8 --impls zero3    # a quick look
     python -m benchmarks.gpu_offload --impls zero3 zero3_delayed --steps 3 --warmup 3   # the delayed update
 
-``zero3_overlap`` overlaps the host step with the next forward (``overlap_with_forward: true``; its
-forward+backward column then includes waits for the step); ``zero3`` and ``zero3_inline`` run it inline (the
-default; ``overlap_with_forward: false`` said explicitly), so their forward+backward is the GPU's alone and the
-step minus that is the host step: issue 38's exact-overlap target is ``zero3_overlap``'s step <= 1.10x the larger
-of the two.
+``zero3`` is the default config (since issue 38 the host step overlaps the next forward,
+``overlap_with_forward`` null), ``zero3_overlap`` says ``overlap_with_forward: true`` and ``zero3_inline``
+``false``: the inline step's forward+backward is the GPU's alone and its step minus that is the host step, while
+an overlapped step's forward+backward column includes waits for the step. Issue 38's exact-overlap target is the
+overlapped step <= 1.10x the larger of the two.
 
 ``zero3_overlap_bwd`` also starts each unit's host step during backward, once its gradients are on the host
 (``overlap_with_backward: true``).

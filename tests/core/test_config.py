@@ -120,7 +120,7 @@ def test_defaults_equal_deepspeed():
 
 
 # Fields of lightning-zero's own in the offload_optimizer block (DeepSpeed has none of these), with defaults.
-OWN_OFFLOAD_OPTIMIZER_DEFAULTS = {"delayed_update_after": None, "overlap_with_forward": False,
+OWN_OFFLOAD_OPTIMIZER_DEFAULTS = {"delayed_update_after": None, "overlap_with_forward": None,
                                   "overlap_with_backward": False}
 
 

@@ -84,13 +84,13 @@ class OffloadOptimizerConfig(Block):
             "(the ZeRO-Offload paper's one-step delayed parameter update); null keeps every step exact. "
             "docs/offload.md, \"Delayed parameter update\".")
 
-    overlap_with_forward: bool = setting(
-        False,
-        doc="lightning-zero's own, opt-in: the host step runs on a thread while the next "
-            "forward starts, each part's update written into the model in the order the forward reads it and "
-            "waited for there (the maths unchanged; acts where the shards are on an accelerator). Measured no "
-            "faster at 1.75B and slower at 6.58B on one H200. docs/offload.md, \"The step overlapped with the "
-            "next forward\".")
+    overlap_with_forward: Optional[bool] = setting(
+        None,
+        doc="lightning-zero's own: the host step runs on a thread while the next forward starts, each part's "
+            "update written into the model in the order the forward reads it and waited for there (the maths "
+            "unchanged; acts where the shards are on an accelerator). null (the default): on with device cpu, "
+            "off with nvme (whose gradients would then wait in host memory for the step); true / false: on / off. "
+            "docs/offload.md, \"The step overlapped with the next forward\".")
     overlap_with_backward: bool = setting(
         False,
         doc="lightning-zero's own, opt-in, device cpu at stage 3: as overlap_with_forward, and each unit's host "

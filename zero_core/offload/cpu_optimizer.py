@@ -139,8 +139,11 @@ class OptimizerOffload:
         after = block.delayed_update_after
         self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
         # The step overlapped with the next forward (overlapped_step.py): None, where the shards are on an
-        # accelerator; True / False: always / never (offload_optimizer.overlap_with_forward, off by default)
-        self.overlap: Optional[bool] = None if block.overlap_with_forward or block.overlap_with_backward else False
+        # accelerator; True / False: always / never (offload_optimizer.overlap_with_forward)
+        forward = block.overlap_with_forward
+        if forward is None:  # the default: not with nvme, whose gradients would wait in host memory for the step
+            forward = block.device == "cpu"
+        self.overlap: Optional[bool] = None if forward or block.overlap_with_backward else False
         # offload_optimizer.overlap_with_backward (device cpu): a part's step starts once backward reduced it
         self.overlapped = OverlappedStep(self, with_backward=block.overlap_with_backward and self.swapper is None)
         self.update_order = update_order or list  # the runtime's: parts in the order the next forward reads them
