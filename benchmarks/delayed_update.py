@@ -10,8 +10,9 @@ reduced into buckets); its parameters (``--numel`` fp32 elements) are offloaded 
 stage 2, world size 1), so the optimizer step is a real host step of that size. Two engines, the exact step and
 ``delayed_update_after`` (the host step of step t on a thread while step t+1's forward and backward run), take
 turns (a shared machine's load then falls on both); with ``--stage 3`` each of ``--tensors`` blocks is a unit,
-the sleep is split over their forwards and backwards, and a third engine overlaps the exact step with the next
-forward (``overlap_with_forward``, forced on: it acts only beside an accelerator). Each reports the median time
+the sleep is split over their forwards and backwards, a third engine overlaps the exact step with the next
+forward (``overlap_with_forward``, forced on: it acts only beside an accelerator) and a fourth also starts each
+unit's step during backward (``overlap_with_backward``). Each reports the median time
 per iteration, its forward+backward, its step call and the host step inside it, against the sum and the max of
 (everything else, host step) of the exact engine. ``--fb-ms`` sets the sleep; by default it equals the exact
 host step, measured first.
@@ -82,8 +83,9 @@ def _engine(model: nn.Module, lr: float, config: dict):
     return zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=lr), config)
 
 
-def _config(delayed: bool, after: int = 2, dtype: torch.dtype = torch.float32, stage: int = 2) -> dict:
-    block = {"device": "cpu"}
+def _config(delayed: bool, after: int = 2, dtype: torch.dtype = torch.float32, stage: int = 2,
+            backward: bool = False) -> dict:
+    block = {"device": "cpu", "overlap_with_backward": backward}
     if delayed:
         block["delayed_update_after"] = after
     return {"stage": stage, "offload_optimizer": block, "reduce_bucket_size": 50_000_000,
@@ -95,11 +97,11 @@ class StandIn:
     host step inside that call (the offloaded masters' step: in a delayed run, what the training thread spends
     on it)."""
 
-    def __init__(self, args, fb_s: float, delayed: bool, overlapped: bool = False) -> None:
+    def __init__(self, args, fb_s: float, delayed: bool, overlapped: bool = False, backward: bool = False) -> None:
         self.dtype = args.dtype
         self.engine = _engine(SleepingModel(args.numel, args.tensors, fb_s), 1e-3,
-                              _config(delayed, dtype=args.dtype, stage=args.stage))
-        # overlap_with_forward is opt-in and acts only beside an accelerator: forced here, off elsewhere
+                              _config(delayed, dtype=args.dtype, stage=args.stage, backward=backward))
+        # the overlapped step acts only beside an accelerator: forced here (or off)
         self.engine._offload.overlap = overlapped
         self.times: dict[str, list[float]] = {"iteration": [], "fb": [], "step": [], "host": []}
         self.index = 0
@@ -145,7 +147,7 @@ def bench_overlap(args) -> str:
 
 def bench_overlap_dtype(args) -> str:
     ms = lambda s: f"{1000 * s:.1f}"  # noqa: E731
-    probe = StandIn(args, 0.0, False)
+    probe = StandIn(args, 0.0, False)  # the inline step (the overlap acts only beside an accelerator)
     probe.run(args.turn, 1)
     fb_s = probe.medians()["host"] if args.fb_ms is None else args.fb_ms / 1000
     probe.engine.close()
@@ -153,6 +155,8 @@ def bench_overlap_dtype(args) -> str:
     runs = {"exact step": StandIn(args, fb_s, False)}
     if args.stage == 3:  # the exact step overlapped with the next forward, unit by unit (overlapped_step.py)
         runs["overlapped exact step"] = StandIn(args, fb_s, False, overlapped=True)
+        # ... and each unit's step started during backward (overlap_with_backward)
+        runs["exact step started during backward"] = StandIn(args, fb_s, False, overlapped=True, backward=True)
     runs["delayed update"] = StandIn(args, fb_s, True)
     for turn in range(args.turns):  # the two take turns, so that both see the same load on a shared machine
         for run in (runs.values() if turn % 2 == 0 else reversed(list(runs.values()))):
