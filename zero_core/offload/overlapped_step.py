@@ -22,13 +22,19 @@ read there, so an LR scheduler stepped right after ``step()`` applies from the n
 Gradients not already in host buffers of the offload's own (copied during backward) are copied into them at the
 step call, since the engine zeroes the gradient shards when the call returns.
 
+With ``offload_optimizer.overlap_with_backward`` (stage 3, ``device: cpu``) a unit's step starts earlier still:
+once backward has reduced it and its gradients' copy to the host has landed (``start_early``), while backward
+goes on; the step call then hands over what backward left, which the thread takes in the next forward's order
+(step_queue.py). Only where that is exact: every parameter of the unit got a gradient here, nothing needs every
+gradient first (no clipping, no fp16: refused at setup, or the early start turns off at the first step that
+clips), and a step follows every backward that reduces (a second one, or zero_grad without a step, raises).
+
 Used where the step is torch's fused Adam/AdamW and every stepped piece already has state (from the second
 step on), with ``device: cpu`` or ``nvme`` (its gradients then wait in host memory for the thread) and
-parameter shards not swapped to NVMe; elsewhere the step runs as before, inline. Opt-in
-(``offload_optimizer.overlap_with_forward: true``), and then only where the shards are on an accelerator; on a
-CPU-only run the thread would compete with the forward for the same cores, so it is off there unless forced
-(tests). On one H200 it measured no faster than the inline step at 1.75B and slower at 6.58B.
-docs/offload.md, "The step overlapped with the next forward".
+parameter shards not swapped to NVMe; elsewhere the step runs as before, inline. On by default with ``device:
+cpu`` (``offload_optimizer.overlap_with_forward``: null), and then only where the shards are on an accelerator;
+on a CPU-only run the thread would compete with the forward for the same cores, so it is off there unless forced
+(tests). docs/offload.md, "The step overlapped with the next forward" and "The step started during backward".
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from zero_core.offload.chunked_step import _Kernel, _cuts, _segments, steps_fuse
 from zero_core.offload.host_masters import write_back_pieces
 from zero_core.offload.nvme_swap import split_into_tiles
 from zero_core.offload.placement import _copy_stream, copy_between
+from zero_core.offload.step_queue import StepQueue, Work
 
 _WHOLE = 1 << 62  # master_tiles: one tile of everything (the parts are split below)
 _FAILED = ("offload_optimizer: the overlapped host step failed on its thread (the parameters it did not reach "
@@ -89,81 +96,6 @@ class UpdateInFlight:
             torch.cuda.current_stream(device).wait_event(event)
 
 
-class _Work(NamedTuple):
-    """One part's update for the thread: its stepped pieces (``entries``), their state and host gradients."""
-
-    part: object
-    entries: list[TileEntry]
-    states: list
-    grads: list[torch.Tensor]
-    handle: UpdateInFlight
-    arrived: Optional["torch.cuda.Event"]  # the gradients' copy to the host (made during backward), or None
-    inv_scale: float
-    clip: Optional[torch.Tensor]
-
-
-class _StepQueue:
-    """One step's parts for the thread. With ``overlap_with_backward`` they come in while backward reduces them,
-    then the rest at the step call; until that call the thread takes them as they come (the last layers first),
-    after it in the order the next forward reads them (so what backward left is stepped from the first layer on,
-    and the forward waits for each in turn)."""
-
-    def __init__(self, kernels: dict, groups: dict) -> None:
-        self.kernels = kernels  # the step's hyperparameters, as of its first part
-        self.groups = groups
-        self.early: list = []  # parts added during backward
-        self._cond = threading.Condition()
-        self._ready: list[_Work] = []
-        self._order: Optional[dict[int, int]] = None  # set by the step call: position in the next forward
-        self._failed = False
-
-    @property
-    def closed(self) -> bool:
-        return self._order is not None
-
-    def put(self, work: _Work) -> None:
-        with self._cond:
-            if self._failed:
-                work.handle.finish(None)
-                return
-            self._ready.append(work)
-            self._cond.notify()
-
-    def close(self, works: list[_Work], order: dict[int, int]) -> None:
-        """The step call: the remaining parts; the thread ends once every part is stepped."""
-        with self._cond:
-            self._order = order
-            for work in works:
-                self._ready.append(work)
-            if self._failed:
-                self._finish_all()
-            self._cond.notify()
-
-    def take(self) -> Optional[_Work]:
-        """The next part to step (None: the step is done), waiting for backward's next one if need be."""
-        with self._cond:
-            while not self._ready and self._order is None:
-                self._cond.wait()
-            if not self._ready:
-                return None
-            if self._order is None:
-                return self._ready.pop(0)
-            order = self._order
-            index = min(range(len(self._ready)), key=lambda i: order.get(id(self._ready[i].part), len(order)))
-            return self._ready.pop(index)
-
-    def fail(self) -> None:
-        """The thread failed: every waiter is released now, and any part added later at once."""
-        with self._cond:
-            self._failed = True
-            self._finish_all()
-
-    def _finish_all(self) -> None:
-        for work in self._ready:
-            work.handle.finish(None)
-        self._ready.clear()
-
-
 def _entries_of(parts: list, used: list[list[bool]]) -> list[TileEntry]:
     return [entry for tile in master_tiles(parts, used, _WHOLE) for entry in tile]
 
@@ -195,7 +127,7 @@ class OverlappedStep:
         self.waited_seconds = 0.0
         self._pool: Optional[ThreadPoolExecutor] = None
         self._flight: Optional[Future] = None
-        self._queue: Optional[_StepQueue] = None
+        self._queue: Optional[StepQueue] = None
         self._parts: list = []  # parts with an update in flight
         self._error: Optional[BaseException] = None
         self._last: Optional[tuple] = None  # (optimizer, ids of its parts) of the last step that could overlap
@@ -269,7 +201,7 @@ class OverlappedStep:
         queue.early.append(part)
         self._parts.append(part)
         self.parts_stepped_in_backward += 1
-        queue.put(_Work(part, entries, states, grads, handle, arrived, 1.0, None))
+        queue.put(Work(part, entries, states, grads, handle, arrived, 1.0, None))
 
     def start(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
               clip: Optional[torch.Tensor]) -> bool:
@@ -325,7 +257,7 @@ class OverlappedStep:
             part.update_in_flight = handle
             part.master_shards.written_back = True  # the thread writes every stepped piece back itself
             positions = by_part.get(id(part), [])
-            works.append(_Work(part, [entries[i] for i in positions], [states[i] for i in positions],
+            works.append(Work(part, [entries[i] for i in positions], [states[i] for i in positions],
                                [grads[i] for i in positions], handle, None, inv_scale, clip))
         if queue is None:
             queue = self._open(kernels, groups)
@@ -334,7 +266,7 @@ class OverlappedStep:
         self.overlapped_steps += 1
         return True
 
-    def _open(self, kernels: dict, groups: dict) -> _StepQueue:
+    def _open(self, kernels: dict, groups: dict) -> StepQueue:
         """A new step's queue, and the thread that works through it."""
         self._error = None
         self.waited_seconds = 0.0
@@ -348,12 +280,12 @@ class OverlappedStep:
                                             initializer=_use_threads, initargs=(max(1, threads - 1),))
             self._pool.submit(lambda: None).result()  # the thread has set its own count: now put back torch's
             torch.set_num_threads(threads)  # process-wide default, which setting a count also changes
-        self._queue = _StepQueue(kernels, groups)
+        self._queue = StepQueue(kernels, groups)
         self._flight = self._pool.submit(self._run, self._queue)
         return self._queue
 
     # -- the thread ------------------------------------------------------------------------------------------
-    def _run(self, queue: _StepQueue) -> None:
+    def _run(self, queue: StepQueue) -> None:
         shards: list[torch.Tensor] = []
         busy = 0.0
         work = None
@@ -382,7 +314,7 @@ class OverlappedStep:
             queue.fail()
             raise
 
-    def _step_swapped(self, work: _Work, queue: _StepQueue) -> None:
+    def _step_swapped(self, work: Work, queue: StepQueue) -> None:
         """One part's pieces with ``device: nvme``, in tiles of at most ``sub_group_size`` elements as the inline
         step takes them: the next tile is read while this one steps, and this one's write overlaps the next."""
         owner, swap = self.owner, self.owner.swapper
