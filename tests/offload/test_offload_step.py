@@ -137,6 +137,9 @@ def compare(label: str, group, reference, optimizer, reference_optimizer) -> Non
     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
     lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.9), maximize=True),
-], ids=["adamw", "adam-l2-amsgrad", "adam-maximize"])
+    # pieces of two groups alternate, so a chunk holds both: one kernel call per group, each with its own decay
+    lambda p: torch.optim.AdamW([{"params": p[::2]}, {"params": p[1::2], "weight_decay": 0.0}], lr=1e-2,
+                                weight_decay=0.1),
+], ids=["adamw", "adam-l2-amsgrad", "adam-maximize", "adamw-two-groups"])
 def test_chunked_step_cuts_pieces_and_equals_the_step_without_offload(make_optimizer, mode, monkeypatch):
     chunked_vs_reference(make_optimizer, mode, monkeypatch)

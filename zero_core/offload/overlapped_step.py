@@ -43,7 +43,7 @@ import torch
 from zero_core.optim.kernels import only_params
 from zero_core.optim.master_shards import TileEntry, master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload import chunked_step
-from zero_core.offload.chunked_step import _Kernel, _cuts, _segments, steps_fused_adam
+from zero_core.offload.chunked_step import ChunkPlan, piece_kernels, steps_fused_adam
 from zero_core.offload.host_masters import write_back_pieces
 from zero_core.offload.nvme_swap import split_into_tiles
 from zero_core.offload.placement import _copy_stream, copy_between
@@ -127,8 +127,7 @@ class OverlappedStep:
                 return False
             states.append(state)
         grads = self.owner.owned_grads(entries)  # host fp32, the offload's own buffers
-        groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-        kernels = {id(group): _Kernel(group) for group in optimizer.param_groups}  # hyperparameters as of now
+        kernels = piece_kernels(optimizer)  # hyperparameters as of now
         torch._foreach_add_([state["step"] for state in states], 1)  # once per piece, as Adam's step does
         with only_params(optimizer, []):  # its hooks and patched counters (LR schedulers), once, here
             optimizer.step()
@@ -153,25 +152,25 @@ class OverlappedStep:
             self._pool.submit(lambda: None).result()  # the thread has set its own count: now put back torch's
             torch.set_num_threads(threads)  # process-wide default, which setting a count also changes
         self.waited_seconds = 0.0
-        self._flight = self._pool.submit(self._run, work, entries, states, grads, groups, kernels, inv_scale, clip)
+        self._flight = self._pool.submit(self._run, work, entries, states, grads, kernels, inv_scale, clip)
         self.overlapped_steps += 1
         return True
 
     # -- the thread ------------------------------------------------------------------------------------------
-    def _run(self, work, entries: list[TileEntry], states: list, grads: list[torch.Tensor], groups: dict,
-             kernels: dict, inv_scale: float, clip: Optional[torch.Tensor]) -> None:
+    def _run(self, work, entries: list[TileEntry], states: list, grads: list[torch.Tensor], kernels: dict,
+             inv_scale: float, clip: Optional[torch.Tensor]) -> None:
         shards: list[torch.Tensor] = []
         start = time.perf_counter()
         try:
             for part, positions, handle in work:
                 if self.owner.swapper is not None:  # nvme: tile by tile, each read in, stepped, written back, out
-                    self._step_swapped(positions, entries, states, grads, groups, kernels, inv_scale, clip)
+                    self._step_swapped(positions, entries, states, grads, kernels, inv_scale, clip)
                     handle.finish(None)
                     continue
                 part_entries = [entries[i] for i in positions]
                 if positions:
                     self._step_part(part_entries, [states[i] for i in positions], [grads[i] for i in positions],
-                                    groups, kernels, inv_scale, clip)
+                                    kernels, inv_scale, clip)
                 handle.finish(self._write_back(part_entries, shards))
             self.thread_seconds = time.perf_counter() - start
             for device in {shard.device for shard in shards if shard.is_cuda}:  # before the next step changes
@@ -183,7 +182,7 @@ class OverlappedStep:
             raise
 
     def _step_swapped(self, positions: list[int], entries: list[TileEntry], states: list, grads: list,
-                      groups: dict, kernels: dict, inv_scale: float, clip: Optional[torch.Tensor]) -> None:
+                      kernels: dict, inv_scale: float, clip: Optional[torch.Tensor]) -> None:
         """One part's pieces with ``device: nvme``, in tiles of at most ``sub_group_size`` elements as the inline
         step takes them: the next tile is read while this one steps, and this one's write overlaps the next."""
         owner, swap = self.owner, self.owner.swapper
@@ -199,7 +198,7 @@ class OverlappedStep:
                 if index + 1 < len(tiles):
                     reading = swap.read_next(owner._swap_items(masters(tiles[index + 1])))
                 self._step_part([entries[i] for i in tile], [states[i] for i in tile], [grads[i] for i in tile],
-                                groups, kernels, inv_scale, clip)
+                                kernels, inv_scale, clip)
                 write_back_pieces([entries[i] for i in tile])
                 writing = swap.write_after(writing, owner._swap_items(masters(tile)))
         finally:
@@ -208,19 +207,19 @@ class OverlappedStep:
             if writing is not None:
                 writing.wait()
 
-    def _step_part(self, entries: list[TileEntry], states: list, grads: list[torch.Tensor], groups: dict,
-                   kernels: dict, inv_scale: float, clip: Optional[torch.Tensor]) -> None:
-        pieces = [entry.piece for entry in entries]
-        sizes = [piece.numel() for piece in pieces]
-        starts = [0] * len(sizes)
-        for index in range(1, len(sizes)):
-            starts[index] = starts[index - 1] + sizes[index - 1]
-        cuts = _cuts(starts, sizes, self.owner.chunk_numel)
-        for lo, hi in zip(cuts, cuts[1:]):
-            with torch.no_grad():
-                unscale_and_clip([g for g, *_ in _segments(grads, starts, sizes, lo, hi)], inv_scale, clip)
-            chunked_step._step_chunk(kernels, groups, pieces, states, grads, starts, sizes, lo, hi)
-            self.owner.chunks_stepped += 1
+    def _step_part(self, entries: list[TileEntry], states: list, grads: list[torch.Tensor], kernels: dict,
+                   inv_scale: float, clip: Optional[torch.Tensor]) -> None:
+        """One part's pieces in chunks of at most ``chunk_numel`` (no copies around them here: the part is written
+        back whole, after its last chunk), each unscaled and clipped just before its kernel."""
+        plan = ChunkPlan([entry.piece for entry in entries], states, grads, kernels)
+        scaled = inv_scale != 1.0 or clip is not None
+        chunks = plan.cuts(self.owner.chunk_numel)
+        with torch.no_grad():
+            for lo, hi in chunks:
+                if scaled:
+                    unscale_and_clip(plan.grads(lo, hi), inv_scale, clip)
+                chunked_step._step_chunk(plan, lo, hi)
+        self.owner.chunks_stepped += len(chunks)
 
     @staticmethod
     def _write_back(entries: list[TileEntry], shards: list) -> Optional[tuple]:
