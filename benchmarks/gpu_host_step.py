@@ -18,8 +18,8 @@ tensor sizes") needs no GPU: one AdamW step (lr 1e-4, betas 0.9/0.999, eps 1e-8,
 fp32 tensor of each ``--numel``, best of ``--repeats`` after one warm-up step that also creates the state (the
 three take turns), by
 - ``ours``: the engine's offloaded host step, ``chunked_adam_step`` (zero_core/offload/chunked_step.py) in the
-  chunks ``OptimizerOffload`` uses on device 'cpu' where copies surround the step (``chunk_numel`` of the size
-  and ``chunk_cap`` of the thread count), without the gradient copies and the write-back themselves;
+  chunks ``OptimizerOffload`` uses on device 'cpu' where copies surround the step (``chunk_numel`` of the size),
+  without the gradient copies and the write-back themselves;
 - ``bare chunks`` (a diagnosis, not a contender): torch's fused AdamW called once per chunk of ``ours`` on slices
   of the same tensors, nothing else; ``ours`` minus this is the Python around the kernel calls, this minus
   ``torch fused`` what the kernel pays per call;
@@ -87,11 +87,10 @@ def _tensors(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def compare_at(numels: list[int], repeats: int) -> dict:
     """One step of each implementation at each size, at this process's thread count (the child's part)."""
-    from zero_core.offload.chunked_step import _cuts, chunk_cap, chunk_numel, chunked_adam_step
+    from zero_core.offload.chunked_step import CHUNK_MAX, _cuts, chunk_numel, chunked_adam_step
 
     hyper = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     threads = torch.get_num_threads()
-    cap = chunk_cap(threads)  # as OptimizerOffload.chunk_numel (zero_core/offload/cpu_optimizer.py)
     deepspeed_adam, build = _deepspeed_adam()
     rows = []
     for numel in numels:
@@ -101,7 +100,7 @@ def compare_at(numels: list[int], repeats: int) -> dict:
         weight.grad = grad
         optimizer.step()  # creates the state; chunked_adam_step steps only pieces that have it
         state = optimizer.state[weight]
-        chunk = chunk_numel(numel, cap)  # as OptimizerOffload._step_chunked, where copies surround the step
+        chunk = chunk_numel(numel, CHUNK_MAX)  # as OptimizerOffload._step_chunked, where copies surround the step
         cuts = _cuts([0], [numel], chunk)
         tensors = [weight.detach(), grad, state["exp_avg"], state["exp_avg_sq"]]
 
@@ -119,7 +118,7 @@ def compare_at(numels: list[int], repeats: int) -> dict:
         row = {"numel": numel, "chunks": len(cuts) - 1, **_best(runs, repeats)}
         del runs, optimizer, state, weight, param, grad, tensors, bare
         rows.append(row)
-    return {"threads": threads, "chunk": cap, "deepspeed": build, "rows": rows}
+    return {"threads": threads, "deepspeed": build, "rows": rows}
 
 
 def compare(numels: list[int], thread_counts: list[int], repeats: int, timeout: int) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import inspect
+import math
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, NamedTuple, Optional
 
@@ -31,10 +32,12 @@ import torch.optim.optimizer as torch_optimizer
 from zero_core.optim.kernels import only_params
 from zero_core.offload.placement import copy_between, wait_for_copies
 
-# Elements per chunk: at most CHUNK_PER_THREAD per thread of torch's CPU kernels, at least CHUNK (see chunk_numel)
+# Elements per chunk where copies surround the step (chunk_numel): at least CHUNK, at most CHUNK_MAX (the write-back
+# of one chunk, all that is left after the last kernel, then takes at most ~12 ms at 45 GB/s), and in between
+# balanced by FIXED_COST_ELEMENTS: the elements whose copy takes as long as a chunk's fixed cost.
 CHUNK = 1 << 20
-CHUNK_PER_THREAD = 4 << 20
-MIN_CHUNKS = 4  # where the copies are at least that many chunks' worth, a step has at least this many chunks
+CHUNK_MAX = 1 << 27
+FIXED_COST_ELEMENTS = 1 << 21
 _ALIGN = 64  # elements; a multiple of every vector width torch's CPU kernels use
 _ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
 
@@ -62,25 +65,20 @@ def steps_fused_adam(optimizer: torch.optim.Optimizer) -> bool:
                for group in optimizer.param_groups)
 
 
-def chunk_cap(threads: int) -> int:
-    """The largest chunk for torch's CPU kernels on ``threads`` threads: ``CHUNK_PER_THREAD`` per thread.
+def chunk_numel(total: int, cap: int = CHUNK_MAX) -> int:
+    """Elements per chunk for a step of ``total`` elements with copies around it (at most ``cap``).
 
-    Each chunk costs a fixed amount beyond its kernel time (the Python that slices and calls, the kernel's start
-    and its fork and join of the threads; on an H200 host about 0.3 ms whatever the thread count: 1M-element chunks
-    made the 16-thread step of 1.75B elements 1.32 s, against 0.68 s with 8M). A chunk of 4M elements per thread
-    keeps that under ~5% of the chunk's kernel time at any thread count (one thread steps 4M elements in about
-    6 ms there, sixteen 64M in about 14 ms). Chunks far above the last-level cache lose nothing here: each
-    tensor is streamed through once per chunk either way."""
-    return CHUNK_PER_THREAD * max(1, threads)
-
-
-def chunk_numel(total: int, cap: int) -> int:
-    """Elements per chunk for a step of ``total`` elements with copies around it: at most ``cap``
-    (:func:`chunk_cap`), and at most a ``MIN_CHUNKS``-th of the step (but not under ``CHUNK``). The copies of the
-    first chunk's gradients and of the last chunk's write-back overlap no step: with at least four chunks they
-    stay within a quarter of the copies (a 20M-element step on 16 threads takes ~4.5 ms, its write-back of 80 MB
-    about 2-3 ms), while a 1.75B step in 64M-element chunks leaves ~5-10 ms of a 0.4 s step uncovered."""
-    return min(cap, max(CHUNK, -(-total // MIN_CHUNKS)))
+    k chunks cost k times a fixed amount beyond the kernel's own time (the Python that slices and calls, the
+    kernel's start, its threads' fork and join: on an H200 host ~0.25-0.3 ms per chunk at 1 and at 16 threads
+    alike, so 1M-element chunks made the 16-thread step of 1.75B elements 1.32 s against 0.68 s with 8M ones),
+    and leave the write-back of the last chunk (total / k elements) to run after the last kernel. The sum is least
+    at k = sqrt(total / FIXED_COST_ELEMENTS) (2M: a 0.2 ms fixed cost is the time to copy 2M fp32 elements at
+    ~45 GB/s): 3 chunks for 20M elements, 10 for 200M, 29 for 1.75B, 56 for 6.58B, whatever the thread count.
+    The k chunks are equal (64-element multiples, so one piece's cuts make no extra tiny chunk). A chunk no longer
+    fits the last-level cache, as the first 1M-element chunks meant to: that bought less than their calls cost."""
+    count = max(1, round(math.sqrt(total / FIXED_COST_ELEMENTS)))
+    numel = -(-total // count)
+    return min(cap, max(CHUNK, -(-numel // _ALIGN) * _ALIGN))
 
 
 def _cuts(starts: list[int], sizes: list[int], numel: int) -> list[int]:
