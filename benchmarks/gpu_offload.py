@@ -160,7 +160,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             from zero_core.offload import overlapped_step
 
             overlapped_step._use_threads = lambda _count, _set=overlapped_step._use_threads: _set(overlap_threads)
-        if chunk:  # elements per chunk of the host step (default: 1M per pair of torch's threads)
+        if chunk:  # elements per chunk of the host step, at most (default: chunked_step.chunk_numel's choice)
             engine._offload.chunk_numel = chunk
 
         def forward_backward(tokens, targets):
@@ -220,7 +220,8 @@ def main(argv=None) -> None:
     p.add_argument("--timeout", type=int, default=600, help="seconds per implementation's process")
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per implementation")
     p.add_argument("--overlap-threads", type=int, default=0, help="zero3_overlap's thread count (default: torch's - 1)")
-    p.add_argument("--chunk", type=float, default=0, help="elements per chunk of our host step (default: 1M per 2 threads)")
+    p.add_argument("--chunk", type=float, default=0,
+                   help="elements per chunk of our host step, at most (default: the engine's)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
