@@ -74,7 +74,7 @@ print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports
 # rest says "deepspeed not importable" in one line and measures ours and torch's, FSDP2's
 if [ "$(cat /tmp/ds_build.rc)" != 0 ]; then echo "DeepSpeed's cpu_adam did not build: measuring without it"
   mv /tmp/site/deepspeed /tmp/site/deepspeed.unbuilt; fi
-# Expected: ~30 s (a process per thread count: imports, 3.2 GB of tensors, 6 steps of each of the three)
+# Expected: ~30 s (a process per thread count: imports, 3.2 GB of tensors, 6 steps of each of the four)
 { step ds_host_step; timeout 60 python3 -m benchmarks.gpu_host_step --deepspeed $DS_HOST_ARGS \
     --repeats 5 --timeout 29; echo "rc=$?"; } 2>&1 | tee "$OUT/ds_host_step.txt"
 # Expected: ~280 s: ours (overlapped, then inline) ~55 s each and FSDP2 ~65 s (setup 18 s and 28 s, 5 steps of

@@ -97,8 +97,12 @@ def _cuts(starts: list[int], sizes: list[int], numel: int) -> list[int]:
 
 
 def _slices(spans: list[Span], lo: int, hi: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(dst, src) views of the spans' parts inside [lo, hi); ``spans`` in order of offset, not overlapping."""
     out = []
-    for offset, dst, src in spans:
+    index = max(0, bisect.bisect_right(spans, lo, key=lambda span: span.offset) - 1)
+    for offset, dst, src in spans[index:]:
+        if offset >= hi:
+            break
         start, end = max(lo, offset), min(hi, offset + dst.numel())
         if start < end:
             out.append((dst[start - offset : end - offset], src[start - offset : end - offset]))
