@@ -33,11 +33,11 @@ from zero_core.optim.kernels import only_params
 from zero_core.offload.placement import copy_between, wait_for_copies
 
 # Elements per chunk where copies surround the step (chunk_numel): at least CHUNK, at most CHUNK_MAX (the write-back
-# of one chunk, all that is left after the last kernel, then takes at most ~12 ms at 45 GB/s), and in between
+# of one chunk, all that is left after the last kernel, then takes at most ~24 ms at 45 GB/s), and in between
 # balanced by FIXED_COST_ELEMENTS: the elements whose copy takes as long as a chunk's fixed cost.
 CHUNK = 1 << 20
-CHUNK_MAX = 1 << 27
-FIXED_COST_ELEMENTS = 1 << 21
+CHUNK_MAX = 1 << 28
+FIXED_COST_ELEMENTS = 1 << 22
 _ALIGN = 64  # elements; a multiple of every vector width torch's CPU kernels use
 _ADAM_STEP = inspect.unwrap(torch.optim.Adam.step)
 
@@ -69,11 +69,12 @@ def chunk_numel(total: int, cap: int = CHUNK_MAX) -> int:
     """Elements per chunk for a step of ``total`` elements with copies around it (at most ``cap``).
 
     k chunks cost k times a fixed amount beyond the kernel's own time (the Python that slices and calls, the
-    kernel's start, its threads' fork and join: on an H200 host ~0.25-0.3 ms per chunk at 1 and at 16 threads
-    alike, so 1M-element chunks made the 16-thread step of 1.75B elements 1.32 s against 0.68 s with 8M ones),
+    kernel's start, its threads' fork and join: on an H200 host 0.25-0.55 ms per chunk at 1 and at 16 threads
+    alike, measured before the Python per chunk was cut down; 1M-element chunks made the 16-thread step of 1.75B
+    elements 1.32 s against 0.68 s with 8M ones),
     and leave the write-back of the last chunk (total / k elements) to run after the last kernel. The sum is least
-    at k = sqrt(total / FIXED_COST_ELEMENTS) (2M: a 0.2 ms fixed cost is the time to copy 2M fp32 elements at
-    ~45 GB/s): 3 chunks for 20M elements, 10 for 200M, 29 for 1.75B, 56 for 6.58B, whatever the thread count.
+    at k = sqrt(total / FIXED_COST_ELEMENTS) (4M: a 0.35 ms fixed cost is the time to copy 4M fp32 elements at
+    ~45 GB/s): 2 chunks for 20M elements, 7 for 200M, 20 for 1.75B, 40 for 6.58B, whatever the thread count.
     The k chunks are equal (64-element multiples, so one piece's cuts make no extra tiny chunk). A chunk no longer
     fits the last-level cache, as the first 1M-element chunks meant to: that bought less than their calls cost."""
     count = max(1, round(math.sqrt(total / FIXED_COST_ELEMENTS)))
