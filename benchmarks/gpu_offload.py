@@ -171,6 +171,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         step = engine.step
     setup_s = time.perf_counter() - t0 - (build_s or 0.0)
     times, phases, losses, threads_s, waits_s = [], [], [], [], []
+    ours = engine._offload if impl.startswith("zero3") else None  # our host step's chunks are counted
+    chunks_before = None
     for s in range(warmup + steps):
         tokens, targets = (t.to(device) for t in batch(config, 0, s))
         sync()
@@ -186,6 +188,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         if s >= warmup:
             times.append(time.perf_counter() - start)
             phases.append(middle - start)
+        if s == warmup - 1 and ours is not None:
+            chunks_before = ours.chunks_stepped
     profile = None
     if profile_step:  # one more step under the profiler: where the host's step time goes
         from torch.profiler import ProfilerActivity, profile as profiler
@@ -203,6 +207,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             "forward_backward_s": statistics.median(phases), "threads": torch.get_num_threads(),
             "overlap_thread_s": statistics.median(threads_s) if threads_s else None,
             "overlap_wait_s": statistics.median(waits_s) if waits_s else None,
+            "chunks_per_step": (ours.chunks_stepped - chunks_before) / steps if chunks_before is not None else None,
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -271,6 +276,9 @@ def main(argv=None) -> None:
               f"{r['threads']} |", flush=True)
     for r in rows:  # the same model, data and hyperparameters: the losses should agree to bf16's precision
         print(f"{r['impl']} losses: {r['losses']}")
+    for r in rows:
+        if r.get("chunks_per_step") is not None:
+            print(f"{r['impl']}: {r['chunks_per_step']:g} chunks per host step")
     for r in rows:
         if r.get("overlap_thread_s") is not None:
             print(f"{r['impl']}: the overlapped step's thread took {r['overlap_thread_s']:.2f} s (median); the "
