@@ -223,14 +223,15 @@ def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tenso
     arriving = None
     try:
         arriving = run(bring, *chunks[0]) if chunks and bringing else None
-        for k, (lo, hi) in enumerate(chunks):
-            if arriving is not None:
-                arriving.result()
-            arriving = run(bring, *chunks[k + 1]) if bringing and k + 1 < len(chunks) else None
-            _step_chunk(plan, lo, hi)
-            future = run(send, lo, hi) if writes else None
-            if future is not None:
-                pending.append(future)
+        with torch.no_grad():  # once for every chunk (grad mode is per thread: bring and send set their own)
+            for k, (lo, hi) in enumerate(chunks):
+                if arriving is not None:
+                    arriving.result()
+                arriving = run(bring, *chunks[k + 1]) if bringing and k + 1 < len(chunks) else None
+                _step_chunk(plan, lo, hi)
+                future = run(send, lo, hi) if writes else None
+                if future is not None:
+                    pending.append(future)
     finally:  # nothing left running on the thread, even after an error
         for future in pending + ([arriving] if arriving is not None else []):
             future.result()
@@ -240,8 +241,8 @@ def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tenso
 
 
 def _step_chunk(plan: ChunkPlan, lo: int, hi: int) -> None:
-    """The fused kernel over chunk [lo, hi): one call per parameter group among its pieces (no autograd needed:
-    the views are detached, and the state and the gradients never require grad)."""
+    """The fused kernel over chunk [lo, hi): one call per parameter group among its pieces (the caller holds
+    ``torch.no_grad()``, once for all its chunks)."""
     rows = plan.rows(lo, hi)
     if plan.one_kernel:
         plan.kernels[0].run([row for _, row in rows], [plan.steps[i] for i, _ in rows])
