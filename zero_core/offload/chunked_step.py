@@ -160,22 +160,27 @@ class ChunkPlan:
         cuts = _cuts(self.starts, self.sizes, numel)
         return list(zip(cuts, cuts[1:]))
 
-    def rows(self, lo: int, hi: int) -> list[tuple[int, list[torch.Tensor]]]:
-        """(piece index, its views over the part of the piece inside [lo, hi)) for each piece there."""
-        starts, sizes, views = self.starts, self.sizes, self.views
+    def _parts(self, lo: int, hi: int) -> list[tuple[int, int, int]]:
+        """(piece index, piece-local start, end) of each piece's part inside [lo, hi)."""
+        starts, sizes = self.starts, self.sizes
         out = []
         index = bisect.bisect_right(starts, lo) - 1
         while index < len(starts) and starts[index] < hi:
-            start, size = starts[index], sizes[index]
-            a, b = max(lo - start, 0), min(hi - start, size)
+            start = starts[index]
+            a, b = max(lo - start, 0), min(hi - start, sizes[index])
             if a < b:
-                out.append((index, views[index] if b - a == size else [t[a:b] for t in views[index]]))
+                out.append((index, a, b))
             index += 1
         return out
 
+    def rows(self, lo: int, hi: int) -> list[tuple[int, list[torch.Tensor]]]:
+        """(piece index, its views over the part of the piece inside [lo, hi)) for each piece there."""
+        views, sizes = self.views, self.sizes
+        return [(i, views[i] if b - a == sizes[i] else [t[a:b] for t in views[i]]) for i, a, b in self._parts(lo, hi)]
+
     def grads(self, lo: int, hi: int) -> list[torch.Tensor]:
         """The gradient views over [lo, hi)."""
-        return [row[1] for _, row in self.rows(lo, hi)]
+        return [self.views[i][1][a:b] for i, a, b in self._parts(lo, hi)]
 
 
 def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tensor], grads: list[torch.Tensor],
