@@ -69,12 +69,12 @@ def chunk_numel(total: int, cap: int = CHUNK_MAX) -> int:
     """Elements per chunk for a step of ``total`` elements with copies around it (at most ``cap``).
 
     k chunks cost k times a fixed amount beyond the kernel's own time (the Python that slices and calls, the
-    kernel's start, its threads' fork and join: on an H200 host 0.25-0.55 ms per chunk at 1 and at 16 threads
-    alike, measured before the Python per chunk was cut down; 1M-element chunks made the 16-thread step of 1.75B
-    elements 1.32 s against 0.68 s with 8M ones),
-    and leave the write-back of the last chunk (total / k elements) to run after the last kernel. The sum is least
-    at k = sqrt(total / FIXED_COST_ELEMENTS) (4M: a 0.35 ms fixed cost is the time to copy 4M fp32 elements at
-    ~45 GB/s): 2 chunks for 20M elements, 7 for 200M, 20 for 1.75B, 40 for 6.58B, whatever the thread count.
+    kernel's start, the fork and join of its threads, where a join waits for any thread the scheduler took away:
+    on an H200 host 0.25-0.55 ms per chunk at 1 and at 16 threads alike, measured before the Python per chunk was
+    cut down; 1M-element chunks made the 16-thread step of 1.75B elements 1.32 s against 0.68 s with 8M ones), and
+    they leave the write-back of the last chunk (total / k elements) to run after the last kernel. The sum is
+    least at k = sqrt(total / FIXED_COST_ELEMENTS) (4M: a 0.35 ms fixed cost is the time to copy 4M fp32 elements
+    at ~45 GB/s): 2 chunks for 20M elements, 7 for 200M, 20 for 1.75B, 40 for 6.58B, whatever the thread count.
     The k chunks are equal (64-element multiples, so one piece's cuts make no extra tiny chunk). A chunk no longer
     fits the last-level cache, as the first 1M-element chunks meant to: that bought less than their calls cost."""
     count = max(1, round(math.sqrt(total / FIXED_COST_ELEMENTS)))
