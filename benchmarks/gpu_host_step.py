@@ -18,14 +18,17 @@ tensor sizes") needs no GPU: one AdamW step (lr 1e-4, betas 0.9/0.999, eps 1e-8,
 fp32 tensor of each ``--numel``, best of ``--repeats`` after one warm-up step that also creates the state (the
 three take turns), by
 - ``ours``: the engine's offloaded host step, ``chunked_adam_step`` (zero_core/offload/chunked_step.py) in the
-  chunks of ``OptimizerOffload`` on device 'cpu' (``CHUNK`` per pair of threads), without the gradient copies
-  and the write-back around it;
+  chunks ``OptimizerOffload`` uses on device 'cpu' where copies surround the step (``chunk_numel`` of the size),
+  without the gradient copies and the write-back themselves;
+- ``bare chunks`` (a diagnosis, not a contender): torch's fused AdamW called once per chunk of ``ours`` on slices
+  of the same tensors, nothing else; ``ours`` minus this is the Python around the kernel calls, this minus
+  ``torch fused`` what the kernel pays per call;
 - ``torch fused``: torch's fused AdamW in one call over the whole tensor (FSDP2's ``CPUOffloadPolicy`` step);
 - ``deepspeed``: DeepSpeed's ``DeepSpeedCPUAdam(adamw_mode=True)`` (its AVX kernel, JIT-built by DeepSpeed's
   ``CPUAdamBuilder`` on first use; the build is timed and printed apart), or one line saying why it is missing.
 Each ``--threads`` value runs in a child process started with ``OMP_NUM_THREADS`` set (torch's OpenMP runtime
 and the one DeepSpeed's extension links may be two, and both read it at start), and ``torch.set_num_threads``.
-The ratio column is ours / DeepSpeed's: the target is <= 1.2.
+The ratio column is ours / DeepSpeed's: the target is <= 1.2. ``chunks`` is how many chunks ``ours`` steps.
 """
 
 from __future__ import annotations
@@ -84,11 +87,10 @@ def _tensors(numel: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def compare_at(numels: list[int], repeats: int) -> dict:
     """One step of each implementation at each size, at this process's thread count (the child's part)."""
-    from zero_core.offload.chunked_step import CHUNK, chunked_adam_step
+    from zero_core.offload.chunked_step import CHUNK_MAX, _cuts, chunk_numel, chunked_adam_step
 
     hyper = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
     threads = torch.get_num_threads()
-    chunk = CHUNK * max(1, threads // 2)  # as OptimizerOffload.chunk_numel (zero_core/offload/cpu_optimizer.py)
     deepspeed_adam, build = _deepspeed_adam()
     rows = []
     for numel in numels:
@@ -98,18 +100,25 @@ def compare_at(numels: list[int], repeats: int) -> dict:
         weight.grad = grad
         optimizer.step()  # creates the state; chunked_adam_step steps only pieces that have it
         state = optimizer.state[weight]
-        runs = {"ours": lambda: chunked_adam_step(optimizer, [weight], [grad], [], [], lambda grads: None, None,
-                                                  chunk),
-                "torch fused": lambda: _adamw([weight.detach()], [grad], [state["exp_avg"]], [state["exp_avg_sq"]],
-                                              [state["step"]])}
+        chunk = chunk_numel(numel, CHUNK_MAX)  # as OptimizerOffload._step_chunked, where copies surround the step
+        cuts = _cuts([0], [numel], chunk)
+        tensors = [weight.detach(), grad, state["exp_avg"], state["exp_avg_sq"]]
+
+        def bare() -> None:
+            for lo, hi in zip(cuts, cuts[1:]):
+                _adamw(*([t[lo:hi]] for t in tensors), [state["step"]])
+
+        runs = {"ours": lambda: chunked_adam_step(optimizer, [weight], [grad], [], [], None, None, chunk),
+                "torch fused": lambda: _adamw(*([t] for t in tensors), [state["step"]]),
+                "bare chunks": bare}
         if deepspeed_adam is not None:  # the same values stepped, its own state
             theirs = torch.nn.Parameter(param)
             theirs.grad = grad
             runs["deepspeed"] = deepspeed_adam([theirs], adamw_mode=True, **hyper).step
-        row = {"numel": numel, **_best(runs, repeats)}
-        del runs, optimizer, state, weight, param, grad
+        row = {"numel": numel, "chunks": len(cuts) - 1, **_best(runs, repeats)}
+        del runs, optimizer, state, weight, param, grad, tensors, bare
         rows.append(row)
-    return {"threads": threads, "chunk": chunk, "deepspeed": build, "rows": rows}
+    return {"threads": threads, "deepspeed": build, "rows": rows}
 
 
 def compare(numels: list[int], thread_counts: list[int], repeats: int, timeout: int) -> None:
@@ -134,14 +143,16 @@ def compare(numels: list[int], thread_counts: list[int], repeats: int, timeout: 
         build = result["deepspeed"]
         print(f"{result['threads']} threads: " + (f"DeepSpeed's cpu_adam loaded in {build:.1f} s"
                                                    if isinstance(build, float) else build))
-    print("| threads | elements | ours ms | torch fused ms | DeepSpeedCPUAdam ms | ours / DeepSpeed |")
-    print("| --- | --- | --- | --- | --- | --- |")
+    print("| threads | elements | chunks | ours ms | torch fused ms | bare chunks ms | DeepSpeedCPUAdam ms "
+          "| ours / DeepSpeed | ours / torch fused |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for result in results:
         for row in result["rows"]:
             theirs = row.get("deepspeed")
-            cells = [f"{row[name] * 1e3:.1f}" for name in ("ours", "torch fused")]
+            cells = [f"{row[name] * 1e3:.1f}" for name in ("ours", "torch fused", "bare chunks")]
             cells += [f"{theirs * 1e3:.1f}", f"{row['ours'] / theirs:.2f}"] if theirs else ["-", "-"]
-            print(f"| {result['threads']} | {row['numel'] / 1e6:g}M | " + " | ".join(cells) + " |")
+            cells.append(f"{row['ours'] / row['torch fused']:.2f}")
+            print(f"| {result['threads']} | {row['numel'] / 1e6:g}M | {row['chunks']} | " + " | ".join(cells) + " |")
 
 
 def main(argv=None) -> None:

@@ -171,7 +171,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             from zero_core.offload import overlapped_step
 
             overlapped_step._use_threads = lambda _count, _set=overlapped_step._use_threads: _set(overlap_threads)
-        if chunk:  # elements per chunk of the host step (default: 1M per pair of torch's threads)
+        if chunk:  # elements per chunk of the host step, at most (default: chunked_step.chunk_numel's choice)
             engine._offload.chunk_numel = chunk
 
         def forward_backward(tokens, targets):
@@ -182,6 +182,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         step = engine.step
     setup_s = time.perf_counter() - t0 - (build_s or 0.0)
     times, phases, losses, threads_s, waits_s = [], [], [], [], []
+    ours = engine._offload if impl.startswith("zero3") else None  # our host step's chunks are counted
+    chunks_before = None
     for s in range(warmup + steps):
         tokens, targets = (t.to(device) for t in batch(config, 0, s))
         sync()
@@ -197,6 +199,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         if s >= warmup:
             times.append(time.perf_counter() - start)
             phases.append(middle - start)
+        if s == warmup - 1 and ours is not None:
+            chunks_before = ours.chunks_stepped
     profile = None
     if profile_step:  # one more step under the profiler: where the host's step time goes
         from torch.profiler import ProfilerActivity, profile as profiler
@@ -214,6 +218,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             "forward_backward_s": statistics.median(phases), "threads": torch.get_num_threads(),
             "overlap_thread_s": statistics.median(threads_s) if threads_s else None,
             "overlap_wait_s": statistics.median(waits_s) if waits_s else None,
+            "chunks_per_step": (ours.chunks_stepped - chunks_before) / steps if chunks_before is not None else None,
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
@@ -232,7 +237,7 @@ def main(argv=None) -> None:
     p.add_argument("--profile", action="store_true", help="print a torch.profiler table of one step per implementation")
     p.add_argument("--overlap-threads", type=int, default=0, help="zero3_overlap's thread count (default: torch's - 1)")
     p.add_argument("--chunk", type=float, default=0,
-                   help="elements per chunk of our host step (default: the engine's)")
+                   help="elements per chunk of our host step, at most (default: the engine's)")
     p.add_argument("--one-copy-stream", action="store_true", help="our copies to and from the GPU on one stream")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--json", default=None)
@@ -284,6 +289,9 @@ def main(argv=None) -> None:
               f"{r['threads']} |", flush=True)
     for r in rows:  # the same model, data and hyperparameters: the losses should agree to bf16's precision
         print(f"{r['impl']} losses: {r['losses']}")
+    for r in rows:
+        if r.get("chunks_per_step") is not None:
+            print(f"{r['impl']}: {r['chunks_per_step']:g} chunks per host step")
     for r in rows:
         if r.get("overlap_thread_s") is not None:
             print(f"{r['impl']}: the overlapped step's thread took {r['overlap_thread_s']:.2f} s (median); the "

@@ -8,6 +8,9 @@
 #   ds      issue 38: DeepSpeed 0.19.8 beside ours: its cpu_adam JIT-built once (timed), the host step against its
 #           compiled CPU Adam at 16 threads and 1, and 6.58B ZeRO-Offload against ours and FSDP2's
 #           CPUOffloadPolicy in the same call (about 300 s on an H200; each part bounded by timeout: 480 s at most)
+#   hoststep issue 38's host step after its chunks were resized: ds's build and host step against DeepSpeed's CPU
+#           Adam, then the 1.75B inline offloaded step with the engine's chunks and with 8M-element ones (the
+#           size before), in that order (about 220 s on an H200; 300 s at most)
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
@@ -119,7 +122,7 @@ L=${OVERLAP_LAYERS:-32}
 { step offload_overlap_$L; timeout 260 python3 -m benchmarks.gpu_offload --layers $L --steps 3 --warmup 2 --impls zero3_overlap zero3_inline --timeout 125; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/offload_overlap_$L.txt"
 exit 0
 fi
-if [ "$SECTION" = ds ]; then
+if [ "$SECTION" = ds ] || [ "$SECTION" = hoststep ]; then
 NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
 export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
 # cpu_adam is built by DeepSpeed's CPU op builder (g++, ninja, -march=native) even with the cuda accelerator;
@@ -146,9 +149,18 @@ print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports
 # rest says "deepspeed not importable" in one line and measures ours and torch's, FSDP2's
 if [ "$(cat /tmp/ds_build.rc)" != 0 ]; then echo "DeepSpeed's cpu_adam did not build: measuring without it"
   mv /tmp/site/deepspeed /tmp/site/deepspeed.unbuilt; fi
-# Expected: ~30 s (a process per thread count: imports, 3.2 GB of tensors, 6 steps of each of the three)
+# Expected: ~30 s (a process per thread count: imports, 3.2 GB of tensors, 6 steps of each of the four)
 { step ds_host_step; timeout 60 python3 -m benchmarks.gpu_host_step --deepspeed $DS_HOST_ARGS \
     --repeats 5 --timeout 29; echo "rc=$?"; } 2>&1 | tee "$OUT/ds_host_step.txt"
+if [ "$SECTION" = hoststep ]; then
+# Expected: ~50 s each (setup ~18 s, 5 steps of ~0.7 s, exit): the engine's inline host step at 1.75B with its
+# chunks (chunk_numel: 20 of ~88M elements) against the 8M-element chunks it used before (209 chunks)
+{ step hoststep_1_75B; timeout 100 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 2 \
+    --impls zero3_inline --timeout 90; echo "rc=$?"; } 2>&1 | tee "$OUT/hoststep_1_75B.txt"
+{ step hoststep_1_75B_8M; timeout 100 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 2 \
+    --impls zero3_inline --chunk 8388608 --timeout 90; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/hoststep_1_75B_8M.txt"
+exit 0
+fi
 # Expected: ~280 s: ours (overlapped, then inline) ~55 s each and FSDP2 ~65 s (setup 18 s and 28 s, 5 steps of
 # ~2.3 s, exit), DeepSpeed ~100 s (its ZeRO-3 setup with 26 GB of pinned fp32 masters and gradients, 52 GB of Adam
 # state made at the first step). DeepSpeed before FSDP2 (measured before at 2.43 s a step): if time runs out,

@@ -444,7 +444,8 @@ def main(argv=None) -> None:
                         help="step: the copies around the step on a thread, overlapping the next tile's step (the "
                              "engine does this when the shards are on an accelerator)")
     parser.add_argument("--chunk", type=int, default=0,
-                        help="step: elements per chunk of the Adam step (0: the engine's, chunked_step.CHUNK)")
+                        help="step: elements per chunk of the Adam step, at most (0: the engine's choice, "
+                             "chunked_step.chunk_numel)")
     parser.add_argument("--chunks", choices=("auto", "on", "off"), default="auto",
                         help="step: the Adam step in chunks smaller than a piece: the engine's choice (with the copy "
                              "thread only), always, or never (whole tiles, the step before chunks)")

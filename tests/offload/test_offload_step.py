@@ -5,7 +5,9 @@ write-back after the step finds nothing left to do. With Adam or AdamW the steps
 smaller than a piece where the shards are on an accelerator (forced here; chunked_step.py), with the copies on
 the thread or issued inline: cut at 64-element boundaries, covering every stepped element once, and still bit for
 bit the step without offload, moments included, with an LR scheduler that sees the step; on a CPU-only run the
-tiles step whole, with the same result. One process: a flat group needs no process group."""
+tiles step whole, with the same result. The chunked step without copies or scaling (what benchmarks.gpu_host_step
+times) is checked against optimizer.step() directly, and so is the chunk size. One process: a flat group needs no
+process group."""
 
 from __future__ import annotations
 
@@ -137,6 +139,50 @@ def compare(label: str, group, reference, optimizer, reference_optimizer) -> Non
     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
     lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, amsgrad=True),
     lambda p: torch.optim.Adam(p, lr=1e-2, betas=(0.8, 0.9), maximize=True),
-], ids=["adamw", "adam-l2-amsgrad", "adam-maximize"])
+    # pieces of two groups alternate, so a chunk holds both: one kernel call per group, each with its own decay
+    lambda p: torch.optim.AdamW([{"params": p[::2]}, {"params": p[1::2], "weight_decay": 0.0}], lr=1e-2,
+                                weight_decay=0.1),
+], ids=["adamw", "adam-l2-amsgrad", "adam-maximize", "adamw-two-groups"])
 def test_chunked_step_cuts_pieces_and_equals_the_step_without_offload(make_optimizer, mode, monkeypatch):
     chunked_vs_reference(make_optimizer, mode, monkeypatch)
+
+
+def test_chunked_adam_step_with_nothing_to_copy_or_scale_equals_the_whole_step():
+    """The chunked step's bare path (no copies, no unscaling or clipping: nothing runs around a chunk's kernel),
+    in 96-element chunks over two groups with amsgrad on one, bit for bit ``optimizer.step()``; and the chunk
+    size for a step with copies: k = sqrt(elements / FIXED_COST_ELEMENTS) equal 64-element multiples, within
+    [CHUNK, cap]."""
+    import math
+
+    sizes = [300, 130, 7, 200]
+    generator = torch.Generator().manual_seed(3)
+    values = [torch.randn(size, generator=generator) for size in sizes]
+    runs = []
+    for _ in range(2):
+        params = [torch.nn.Parameter(value.clone()) for value in values]
+        optimizer = torch.optim.Adam([{"params": params[::2], "amsgrad": True}, {"params": params[1::2]}],
+                                     lr=1e-2, weight_decay=0.1, fused=True)
+        runs.append((params, optimizer))
+    chunk_counts = []
+    for step in range(4):
+        grads = [torch.randn(size, generator=generator) for size in sizes]
+        for index, (params, optimizer) in enumerate(runs):
+            for param, grad in zip(params, grads):
+                param.grad = grad.clone()
+            if index == 0 or step == 0:  # the first step makes the state
+                optimizer.step()
+            else:
+                chunk_counts.append(chunked_step.chunked_adam_step(
+                    optimizer, params, [p.grad for p in params], [], [], None, None, 96))
+    (mine, ours), (theirs, reference) = runs[1], runs[0]
+    assert chunk_counts == [len(chunked_step._cuts([0, 300, 430, 437], sizes, 96)) - 1] * 3, chunk_counts
+    for a, b in zip(mine, theirs):
+        assert torch.equal(a.detach(), b.detach()), "parameters differ from optimizer.step()"
+        for key, value in ours.state[a].items():
+            assert torch.equal(value, reference.state[b][key]), f"state {key} differs from optimizer.step()"
+    assert chunked_step.chunk_numel(700, 96) == 96
+    for total in (5 * 10**5, 2 * 10**7, 2 * 10**8, 175 * 10**7):
+        numel = chunked_step.chunk_numel(total)
+        count = max(1, round(math.sqrt(total / chunked_step.FIXED_COST_ELEMENTS)))
+        assert numel % 64 == 0 and chunked_step.CHUNK <= numel <= chunked_step.CHUNK_MAX, (total, numel)
+        assert math.ceil(total / numel) == (count if total > chunked_step.CHUNK else 1), (total, numel, count)

@@ -24,7 +24,7 @@ from torch import nn
 from zero_core.optim.kernels import FUSED_CPU, fused_sgd_would_fail, only_params
 from zero_core.optim.master_shards import master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload.aio import AioPool, Transfer
-from zero_core.offload.chunked_step import CHUNK, Span, chunked_adam_step, steps_fused_adam
+from zero_core.offload.chunked_step import CHUNK_MAX, Span, chunk_numel, chunked_adam_step, steps_fused_adam
 from zero_core.offload.delayed_update import DelayedUpdate
 from zero_core.offload.host_masters import HostMasterShards, write_back_pieces
 from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path, split_into_tiles
@@ -101,10 +101,9 @@ class OptimizerOffload:
         self.sub_group_size = config.sub_group_size
         if block.device == "nvme":  # a few tiles in memory at the step, not the whole state (nvme_swap.py)
             self.sub_group_size = min(self.sub_group_size, NVME_TILE_NUMEL)
-        # Elements per chunk of the Adam/AdamW step on device 'cpu' (chunked_step.py): CHUNK per pair of torch's
-        # threads, so a machine of many cores steps big chunks (each chunk is one fused call split over every
-        # thread; 1M-element chunks on 16 threads made an H200 host step 3x slower than one whole fused step).
-        self.chunk_numel = CHUNK * max(1, torch.get_num_threads() // 2)
+        # Elements per chunk of the Adam/AdamW step on device 'cpu', at most (chunked_step.py): a step with copies
+        # is cut by chunk_numel(), below this; the overlapped step (no copies per chunk) steps chunks of this size
+        self.chunk_numel = CHUNK_MAX
         self.chunks_stepped = 0  # chunks stepped by the chunked Adam path so far (a counter)
         # The chunked Adam path: None, where the shards are on an accelerator; True / False: always / never
         self.chunked: Optional[bool] = None
@@ -451,11 +450,12 @@ class OptimizerOffload:
                     writes.append(Span(offset, shard, master.detach()))
             offset += end - start
         # Nothing to copy (fp32 host shards, their own masters): one chunk, no thread; chunks only add calls.
+        # Else chunks that balance their fixed cost against the last one's write-back (chunk_numel()).
         moving = bool(copies or writes)
         pool = self._writer() if moving and self._copy_thread([entry.part for entry in entries]) else None
-        chunks = chunked_adam_step(optimizer, [entry.piece for entry in entries], grads, copies, writes,
-                                   lambda chunk: unscale_and_clip(chunk, inv_scale, clip), pool,
-                                   self.chunk_numel if moving else offset)
+        scale = None if inv_scale == 1.0 and clip is None else lambda chunk: unscale_and_clip(chunk, inv_scale, clip)
+        chunks = chunked_adam_step(optimizer, [entry.piece for entry in entries], grads, copies, writes, scale, pool,
+                                   chunk_numel(offset, self.chunk_numel) if moving else offset)
         if not chunks:
             return False
         self.chunks_stepped += chunks

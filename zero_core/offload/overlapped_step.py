@@ -50,7 +50,7 @@ import torch
 from zero_core.optim.kernels import only_params
 from zero_core.optim.master_shards import TileEntry, master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload import chunked_step
-from zero_core.offload.chunked_step import _Kernel, _cuts, _segments, steps_fused_adam
+from zero_core.offload.chunked_step import ChunkPlan, piece_kernels, steps_fused_adam
 from zero_core.offload.host_masters import write_back_pieces
 from zero_core.offload.nvme_swap import split_into_tiles
 from zero_core.offload.placement import _copy_stream, copy_between
@@ -100,16 +100,17 @@ def _entries_of(parts: list, used: list[list[bool]]) -> list[TileEntry]:
     return [entry for tile in master_tiles(parts, used, _WHOLE) for entry in tile]
 
 
-def _kernels(optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """(each group's kernel arguments as of now, the group of each parameter)."""
-    groups = {id(p): group for group in optimizer.param_groups for p in group["params"]}
-    return {id(group): _Kernel(group) for group in optimizer.param_groups}, groups
+def _group_kernels(kernels: dict) -> list:
+    """The distinct kernels of ``piece_kernels``' result (one per group, in group order)."""
+    return list({id(kernel): kernel for kernel in kernels.values()}.values())
 
 
 def _same_hyperparameters(a: dict, b: dict) -> bool:
-    def plain(kernel: _Kernel) -> dict:
+    """Whether two ``piece_kernels`` results of one optimizer hold the same hyperparameters."""
+    def plain(kernel) -> dict:
         return {k: (float(v) if torch.is_tensor(v) else v) for k, v in kernel.kwargs.items()}
-    return a.keys() == b.keys() and all(plain(a[k]) == plain(b[k]) for k in a)
+    ours, theirs = _group_kernels(a), _group_kernels(b)
+    return len(ours) == len(theirs) and all(plain(x) == plain(y) for x, y in zip(ours, theirs))
 
 
 class OverlappedStep:
@@ -187,7 +188,7 @@ class OverlappedStep:
             return
         if queue is None:
             self.settle()
-            queue = self._open(*_kernels(optimizer))
+            queue = self._open(piece_kernels(optimizer))
         grads = self.owner.owned_grads(entries, consume=False)
         arrived = None
         shard = part.grad_shards()[0]
@@ -235,14 +236,14 @@ class OverlappedStep:
                 "clips (or unscales) the gradients, which needs every gradient first: the parts stepped early were "
                 "not clipped. Stop clipping (gradient_clipping: 0, no clip_grad_norm_) or set "
                 "overlap_with_backward: false")
-        kernels, groups = _kernels(optimizer)
+        kernels = piece_kernels(optimizer)  # hyperparameters as of now
         if queue is not None:
             if not _same_hyperparameters(kernels, queue.kernels) and not self._warned_hyperparameters:
                 self._warned_hyperparameters = True
                 warnings.warn("offload_optimizer.overlap_with_backward: the optimizer's hyperparameters changed "
                               "between backward and step(); this step uses those of backward's time for every "
                               "part (the new ones apply from the next step)", stacklevel=4)
-            kernels, groups = queue.kernels, queue.groups
+            kernels = queue.kernels
         grads = self.owner.owned_grads(entries)  # host fp32, the offload's own buffers
         if states:  # (backward may have started every part)
             torch._foreach_add_([state["step"] for state in states], 1)  # once per piece, as Adam's step does
@@ -260,13 +261,13 @@ class OverlappedStep:
             works.append(Work(part, [entries[i] for i in positions], [states[i] for i in positions],
                                [grads[i] for i in positions], handle, None, inv_scale, clip))
         if queue is None:
-            queue = self._open(kernels, groups)
+            queue = self._open(kernels)
         self._parts += [part for part, _ in rest]
         queue.close(works, {id(part): index for index, part in enumerate(parts)})
         self.overlapped_steps += 1
         return True
 
-    def _open(self, kernels: dict, groups: dict) -> StepQueue:
+    def _open(self, kernels: dict) -> StepQueue:
         """A new step's queue, and the thread that works through it."""
         self._error = None
         self.waited_seconds = 0.0
@@ -280,7 +281,7 @@ class OverlappedStep:
                                             initializer=_use_threads, initargs=(max(1, threads - 1),))
             self._pool.submit(lambda: None).result()  # the thread has set its own count: now put back torch's
             torch.set_num_threads(threads)  # process-wide default, which setting a count also changes
-        self._queue = StepQueue(kernels, groups)
+        self._queue = StepQueue(kernels)
         self._flight = self._pool.submit(self._run, self._queue)
         return self._queue
 
@@ -299,8 +300,8 @@ class OverlappedStep:
                     work.handle.finish(None)
                 else:
                     if work.entries:
-                        self._step_part(work.entries, work.states, work.grads, queue.groups, queue.kernels,
-                                        work.inv_scale, work.clip)
+                        self._step_part(work.entries, work.states, work.grads, queue.kernels, work.inv_scale,
+                                        work.clip)
                     work.handle.finish(self._write_back(work.entries, shards))
                 busy += time.perf_counter() - start
                 work = None
@@ -319,7 +320,7 @@ class OverlappedStep:
         step takes them: the next tile is read while this one steps, and this one's write overlaps the next."""
         owner, swap = self.owner, self.owner.swapper
         entries, states, grads = work.entries, work.states, work.grads
-        groups, kernels, inv_scale, clip = queue.groups, queue.kernels, work.inv_scale, work.clip
+        kernels, inv_scale, clip = queue.kernels, work.inv_scale, work.clip
         positions = list(range(len(entries)))
         # swapped out between steps, a piece's tensor is empty: its size is the file's
         tiles = split_into_tiles(positions, lambda i: owner.numel_in_file(entries[i].piece), owner.sub_group_size)
@@ -333,7 +334,7 @@ class OverlappedStep:
                 if index + 1 < len(tiles):
                     reading = swap.read_next(owner._swap_items(masters(tiles[index + 1])))
                 self._step_part([entries[i] for i in tile], [states[i] for i in tile], [grads[i] for i in tile],
-                                groups, kernels, inv_scale, clip)
+                                kernels, inv_scale, clip)
                 write_back_pieces([entries[i] for i in tile])
                 writing = swap.write_after(writing, owner._swap_items(masters(tile)))
         finally:
@@ -342,19 +343,19 @@ class OverlappedStep:
             if writing is not None:
                 writing.wait()
 
-    def _step_part(self, entries: list[TileEntry], states: list, grads: list[torch.Tensor], groups: dict,
-                   kernels: dict, inv_scale: float, clip: Optional[torch.Tensor]) -> None:
-        pieces = [entry.piece for entry in entries]
-        sizes = [piece.numel() for piece in pieces]
-        starts = [0] * len(sizes)
-        for index in range(1, len(sizes)):
-            starts[index] = starts[index - 1] + sizes[index - 1]
-        cuts = _cuts(starts, sizes, self.owner.chunk_numel)
-        for lo, hi in zip(cuts, cuts[1:]):
-            with torch.no_grad():
-                unscale_and_clip([g for g, *_ in _segments(grads, starts, sizes, lo, hi)], inv_scale, clip)
-            chunked_step._step_chunk(kernels, groups, pieces, states, grads, starts, sizes, lo, hi)
-            self.owner.chunks_stepped += 1
+    def _step_part(self, entries: list[TileEntry], states: list, grads: list[torch.Tensor], kernels: dict,
+                   inv_scale: float, clip: Optional[torch.Tensor]) -> None:
+        """One part's pieces in chunks of at most ``chunk_numel`` (no copies around them here: the part is written
+        back whole, after its last chunk), each unscaled and clipped just before its kernel."""
+        plan = ChunkPlan([entry.piece for entry in entries], states, grads, kernels)
+        scaled = inv_scale != 1.0 or clip is not None
+        chunks = plan.cuts(self.owner.chunk_numel)
+        with torch.no_grad():
+            for lo, hi in chunks:
+                if scaled:
+                    unscale_and_clip(plan.grads(lo, hi), inv_scale, clip)
+                chunked_step._step_chunk(plan, lo, hi)
+        self.owner.chunks_stepped += len(chunks)
 
     @staticmethod
     def _write_back(entries: list[TileEntry], shards: list) -> Optional[tuple]:

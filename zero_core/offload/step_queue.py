@@ -35,9 +35,8 @@ class StepQueue:
     after it in the order the next forward reads them (so what backward left is stepped from the first layer on,
     and the forward waits for each in turn)."""
 
-    def __init__(self, kernels: dict, groups: dict) -> None:
-        self.kernels = kernels  # the step's hyperparameters, as of its first part
-        self.groups = groups
+    def __init__(self, kernels: dict) -> None:
+        self.kernels = kernels  # chunked_step.piece_kernels: the step's hyperparameters, as of its first part
         self.early: list = []  # parts added during backward
         self._cond = threading.Condition()
         self._ready: list[Work] = []
