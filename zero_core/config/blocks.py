@@ -96,7 +96,8 @@ class OffloadOptimizerConfig(Block):
         doc="lightning-zero's own, opt-in, device cpu at stage 3: as overlap_with_forward, and each unit's host "
             "step starts as soon as backward has reduced its gradients, while backward goes on (the maths "
             "unchanged where it applies: no gradient clipping, no fp16 loss scaling, step() after every "
-            "backward that reduces). docs/offload.md, \"The step started during backward\".")
+            "backward that reduces). 6.58B on one H200: 1.83 s a step against 2.15 s inline. docs/offload.md, "
+            "\"The step started during backward\".")
 
     def _check_combinations(self) -> None:
         _check_nvme(self)
