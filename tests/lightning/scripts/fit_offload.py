@@ -2,7 +2,9 @@
 
     python tests/lightning/scripts/fit_offload.py OUT_DIR NVME_DIR   (Lightning's launcher starts rank 1)
 
-"zero2_offload" and "zero3_offload" are the registered names; ZeroStrategy(offload_optimizer="nvme",
+"zero2_offload" and "zero3_offload" are the registered names; "zero3_overlap_backward" is stage 3 with
+``overlap_with_backward`` (forced on: CPU processes), fit without clipping beside DDP without clipping
+("ddp_unclipped"); ZeroStrategy(offload_optimizer="nvme",
 offload_parameters="nvme", nvme_path=...) is ZeRO-Infinity on a directory that exists. "zero3_offload_nvme"
 points at Lightning's DeepSpeed default, /local_nvme, which does not exist here: its fit must fail in setup,
 before the first step, naming the field. Warnings that mention offload are recorded (there should be none), and
@@ -28,9 +30,15 @@ from lightning_zero import ZeroStrategy
 
 OUT, NVME = Path(sys.argv[1]), sys.argv[2]
 FIT = dict(accumulate_grad_batches=2, gradient_clip_val=0.05, max_epochs=1)
+UNCLIPPED = dict(accumulate_grad_batches=2, max_epochs=2)  # overlap_with_backward refuses clipping
 
 
 def strategy_for(name: str):
+    if name == "zero3_overlap_backward":  # each unit's host step started during backward
+        return ZeroStrategy(stage=3, config={**STAGE3, "offload_optimizer": {"device": "cpu",
+                                                                             "overlap_with_backward": True}})
+    if name == "ddp_unclipped":
+        return "ddp"
     if name == "zero3_infinity":
         # max_in_cpu 0: every parameter shard in the file (the default keeps 1e9 elements in host memory)
         config = {**STAGE3, "offload_param": {"max_in_cpu": 0, "buffer_count": 2}}
@@ -48,6 +56,17 @@ class ListSwapFiles(Callback):
     def on_train_batch_end(self, trainer, *args):
         if self.seen is None:
             self.seen = sorted(os.listdir(NVME))
+
+
+class ForceOverlap(Callback):
+    """The overlapped step acts only beside an accelerator: forced on here (CPU processes), and counted."""
+
+    def __init__(self):
+        self.offload = None
+
+    def on_fit_start(self, trainer, *args):
+        self.offload = trainer.strategy._engine._offload
+        self.offload.overlap = True
 
 
 class FailingGPT(LitGPT):
@@ -68,7 +87,10 @@ def own_swap_files() -> list[list[str]]:
 def fit(name: str) -> dict:
     model = LitGPT()
     listing = ListSwapFiles()
-    run = trainer(strategy_for(name), OUT, callbacks=[listing], **FIT)
+    forced = ForceOverlap()
+    unclipped = name in ("ddp_unclipped", "zero3_overlap_backward")
+    callbacks = [listing] + ([forced] if name == "zero3_overlap_backward" else [])
+    run = trainer(strategy_for(name), OUT, callbacks=callbacks, **(UNCLIPPED if unclipped else FIT))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         run.fit(model, loader())
@@ -88,6 +110,9 @@ def fit(name: str) -> dict:
         trainer(strategy_for(name), OUT, **FIT).fit(fresh, loader(), ckpt_path=str(path))  # nothing left to train
         resumed = full_weights(fresh)
         result["resumed_diff"] = max((resumed[n] - weights[n]).abs().max().item() for n in weights)
+    if forced.offload is not None:
+        result["started_in_backward"] = forced.offload.overlapped.parts_stepped_in_backward
+        result["overlapped_steps"] = forced.offload.overlapped.overlapped_steps
     result["nvme_files_during"] = listing.seen
     result["nvme_files_after_fit"] = after_fit  # per rank: its own files once fit returned
     return result
@@ -95,7 +120,8 @@ def fit(name: str) -> dict:
 
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    results = {name: fit(name) for name in ("ddp", "zero2_offload", "zero3_offload", "zero3_infinity")}
+    results = {name: fit(name) for name in ("ddp", "zero2_offload", "zero3_offload", "zero3_infinity",
+                                            "ddp_unclipped", "zero3_overlap_backward")}
     results["zero3_offload_nvme"] = {"error": message_of(lambda: trainer("zero3_offload_nvme", OUT, **FIT).fit(
         LitGPT(), loader()))}
     failing = ListSwapFiles()
