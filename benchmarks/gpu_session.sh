@@ -31,6 +31,27 @@ mkdir -p "$OUT"
 T0=$(date +%s)
 step() { echo "=== $1 (t=$(( $(date +%s) - T0 ))s)"; }
 SECTION=${1:-wave3}
+# DeepSpeed (issue 38's comparisons, never a dependency): its environment, and its cpu_adam op built once
+ds_env() {
+  NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
+  export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
+  # cpu_adam is built by DeepSpeed's CPU op builder (g++, ninja, -march=native) even with the cuda accelerator;
+  # DS_SKIP_CUDA_CHECK only matters to its CUDA ops (nvcc 13.0 against torch's cu130 match anyway).
+  export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DS_SKIP_CUDA_CHECK=1 \
+    TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+}
+ds_build() {
+  # Bytecode now (the install skips it), so DeepSpeed's setup does not include compiling its modules
+  timeout 60 python3 -m compileall -q -j 0 /tmp/site >/dev/null; echo "compileall rc=$? (t=$(( $(date +%s) - T0 ))s)"
+  timeout 150 python3 -c "
+import time; start = time.perf_counter()
+import torch, deepspeed
+from deepspeed.ops.op_builder import CPUAdamBuilder
+print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}', deepspeed.__file__)
+built = time.perf_counter()
+CPUAdamBuilder().load(verbose=False)
+print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports {built - start:.1f} s)')"
+}
 if [ "$SECTION" = check ]; then
 # Issue 38, before the last call (about 160 s on an H200): the GPU tier (the step started during backward against
 # the inline step, bit for bit), then 1.75B inline, overlapped with the forward, and started during backward
@@ -47,16 +68,9 @@ BUDGET=${FINAL_BUDGET:-410}
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 { step offload7B; timeout 300 python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 3 \
     --impls zero3_inline zero3 zero3_overlap_bwd fsdp2 --timeout 85 --json "$OUT/offload_7B.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/offload_7B.txt"
-NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
-export DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DS_SKIP_CUDA_CHECK=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
+ds_env
 # DeepSpeed's cpu_adam builds on the host's cores while the GPU tier runs (the tier checks results, not times)
-( timeout 40 python3 -m compileall -q -j 0 /tmp/site >/dev/null
-  timeout 110 python3 -c "
-import time; start = time.perf_counter()
-from deepspeed.ops.op_builder import CPUAdamBuilder
-CPUAdamBuilder().load(verbose=False)
-print(f'DeepSpeed cpu_adam built in {time.perf_counter() - start:.1f} s')"; echo "build rc=$?" ) > "$OUT/ds_build.txt" 2>&1 &
+( ds_build; echo "build rc=$?" ) > "$OUT/ds_build.txt" 2>&1 &
 BUILD=$!
 { step tests; timeout 120 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 110; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -8
 wait $BUILD; tail -2 "$OUT/ds_build.txt"
@@ -65,38 +79,6 @@ if [ $(left) -gt 45 ]; then
     --threads 16 1 --repeats 5 --timeout $(( ($(left) - 10) / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/ds_host_step.txt"
 fi
 if [ $(left) -gt 60 ]; then
-{ step delayed_1_75B_b32; timeout $(left) python3 -m benchmarks.gpu_offload --layers 8 --batch-size 32 --steps 3 --warmup 3 \
-    --impls zero3_inline zero3_delayed --timeout $(( $(left) / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/delayed_1_75B_b32.txt"
-fi
-step end
-exit 0
-fi
-if [ "$SECTION" = check ]; then
-# Issue 38, before the last call (about 160 s on an H200): the GPU tier (the step started during backward against
-# the inline step, bit for bit), then 1.75B inline, overlapped with the forward, and started during backward
-{ step tests; nvidia-smi -L; timeout 150 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 140; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -25
-{ step overlap_1_75B; timeout 110 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 --impls zero3_inline zero3_overlap zero3_overlap_bwd --timeout 36; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/overlap_1_75B.txt"
-exit 0
-fi
-if [ "$SECTION" = final ]; then
-# Issue 38, the last call (about 560 s on an H200; each part bounded, DeepSpeed last): the GPU tier's offload
-# overlap tests; 6.58B inline, overlapped with the forward, started during backward, FSDP2's CPUOffloadPolicy and
-# DeepSpeed's ZeRO-Offload (its cpu_adam built first) in the same call; then, with time left, the delayed update
-# where forward+backward is at least the host step (1.75B at batch 32x1024)
-BUDGET=${FINAL_BUDGET:-560}
-left() { echo $(( BUDGET - $(date +%s) + T0 )); }
-{ step tests; timeout 150 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 140 -k "overlap or started_during or offloaded"; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -6
-{ step offload7B; timeout 260 python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 3 \
-    --impls zero3_inline zero3_overlap zero3_overlap_bwd fsdp2 --timeout 80 --json "$OUT/offload_7B.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/offload_7B.txt"
-NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
-export DS_ACCELERATOR=cuda TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DS_SKIP_CUDA_CHECK=1 TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
-if [ $(left) -gt 200 ]; then
-{ step ds; timeout 60 python3 -m compileall -q -j 0 /tmp/site >/dev/null
-  timeout $(( $(left) - 10 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 --impls deepspeed \
-    --timeout $(( $(left) - 20 )) --json "$OUT/ds_7B.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/ds_7B.txt"
-fi
-if [ $(left) -gt 70 ]; then
 { step delayed_1_75B_b32; timeout $(left) python3 -m benchmarks.gpu_offload --layers 8 --batch-size 32 --steps 3 --warmup 3 \
     --impls zero3_inline zero3_delayed --timeout $(( $(left) / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/delayed_1_75B_b32.txt"
 fi
@@ -123,28 +105,13 @@ L=${OVERLAP_LAYERS:-32}
 exit 0
 fi
 if [ "$SECTION" = ds ] || [ "$SECTION" = hoststep ]; then
-NVCC=$(command -v nvcc || echo /usr/local/cuda/bin/nvcc)
-export CUDA_HOME=${CUDA_HOME:-$(dirname "$(dirname "$(readlink -f "$NVCC")")")}
-# cpu_adam is built by DeepSpeed's CPU op builder (g++, ninja, -march=native) even with the cuda accelerator;
-# DS_SKIP_CUDA_CHECK only matters to its CUDA ops (nvcc 13.0 against torch's cu130 match anyway).
-export DS_ACCELERATOR=${DS_ACCELERATOR:-cuda} TORCH_CUDA_ARCH_LIST=9.0 MAX_JOBS=16 DS_SKIP_CUDA_CHECK=1
+ds_env
 # Sizes (a dry run on a CPU machine passes smaller ones, and DS_ACCELERATOR=cpu)
 DS_HOST_ARGS=${DS_HOST_ARGS:---numel 2e7 2e8 --threads 16 1}
 DS_MODEL_ARGS=${DS_MODEL_ARGS:---layers 32}
-export TORCH_EXTENSIONS_DIR=/tmp/torch_extensions
 # Expected: ~40 s (two C++ files on 16 cores, DeepSpeed's import and CPU probe; 55 s on a quiet 2-core machine)
 { step ds_build; echo "CUDA_HOME=$CUDA_HOME"; g++ --version | head -1; "$NVCC" --version | tail -1
-  # Bytecode now (the install skips it), so DeepSpeed's setup does not include compiling its modules
-  timeout 60 python3 -m compileall -q -j 0 /tmp/site >/dev/null; echo "compileall rc=$? (t=$(( $(date +%s) - T0 ))s)"
-  timeout 150 python3 -c "
-import time; start = time.perf_counter()
-import torch, deepspeed
-from deepspeed.ops.op_builder import CPUAdamBuilder
-print(f'torch {torch.__version__} (CUDA {torch.version.cuda}), deepspeed {deepspeed.__version__}', deepspeed.__file__)
-built = time.perf_counter()
-CPUAdamBuilder().load(verbose=False)
-print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports {built - start:.1f} s)')"
-  rc=$?; echo "rc=$rc"; echo $rc > /tmp/ds_build.rc; } 2>&1 | tee "$OUT/ds_build.txt" | tail -8
+  ds_build; rc=$?; echo "rc=$rc"; echo $rc > /tmp/ds_build.rc; } 2>&1 | tee "$OUT/ds_build.txt" | tail -8
 # A failed or killed build (its lock left behind would stall every later load): DeepSpeed out of the way, so the
 # rest says "deepspeed not importable" in one line and measures ours and torch's, FSDP2's
 if [ "$(cat /tmp/ds_build.rc)" != 0 ]; then echo "DeepSpeed's cpu_adam did not build: measuring without it"
