@@ -8,8 +8,9 @@ parameter and every master is bit for bit the inline run's; units' steps did sta
 first two steps: the first makes the state, the second names the parts), and the next forward waited for them.
 Then, on one rank, what the early start cannot make exact is refused: clipping in the config, a clip between
 backward and step (it turns the early start off for the run, with a warning, and the result is the inline
-clipped run's), zero_grad instead of step() after a backward that started units, and a second reducing backward
-before the step."""
+clipped run's), zero_grad instead of step() after a backward that started units, a second reducing backward
+before the step, and a read of the masters between backward and step() (the step() after it still steps each unit
+once: the inline run's weights)."""
 
 from __future__ import annotations
 
@@ -142,6 +143,22 @@ def refusals_worker(rank, world_size):
     except RuntimeError as error:
         out["second_backward"] = str(error)
     engine.close()
+    # a reader between backward and step() is refused; the step() after it completes the step, once
+    engine = engine_after_two_steps()
+    try:
+        engine.full_state_dict(rank0_only=False)
+    except RuntimeError as error:
+        out["read_between"] = str(error)
+    engine.step()
+    out["after_refused_read"] = full_params(engine.module)
+    engine.close()
+    model = build_model(MODEL)
+    inline = zero_core.setup(model, make_optimizer(model), {**config, "offload_optimizer": {"device": "cpu"}})
+    for step in range(3):
+        inline.backward(inline.module(*make_batch(MODEL, rank, step, 0)))
+        inline.step()
+    out["inline_three_steps"] = full_params(inline.module)
+    inline.close()
     return out
 
 
@@ -156,6 +173,9 @@ def test_what_the_early_start_cannot_make_exact_is_refused_or_turns_it_off():
     assert out["started"] > 0, out["started"]
     assert "zero_grad" in out and "without step()" in out["zero_grad"], out.get("zero_grad")
     assert "second_backward" in out and "already started" in out["second_backward"], out.get("second_backward")
+    assert "read_between" in out and "partly updated" in out["read_between"], out.get("read_between")
+    for name, value in out["inline_three_steps"].items():
+        assert torch.equal(value, out["after_refused_read"][name]), name
 
 
 if __name__ == "__main__":

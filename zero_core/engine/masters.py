@@ -91,7 +91,7 @@ class OffloadedMasters:
     def lands_delayed_update(self) -> bool:
         """Wait for a delayed update in flight (offload/delayed_update.py); whether the model's parameters lag
         the masters since (the caller then writes the masters into the model)."""
-        self.offload.settle()
+        self.offload.settle(reading=False)  # (engine.close: a step backward started is finished, not refused)
         return self.offload.take_unwritten()
 
     def close(self) -> None:

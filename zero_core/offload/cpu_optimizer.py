@@ -165,10 +165,20 @@ class OptimizerOffload:
         """A new master piece goes to the swap file at once (HostMasterShards makes the next one after this)."""
         self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
 
-    def settle(self) -> None:
+    def settle(self, reading: bool = True) -> None:
         """A delayed update in flight (``delayed_update_after``) lands: the masters and optimizer state are those
-        after the last step. The model's parameters may still lag them: see :meth:`take_unwritten`."""
+        after the last step. The model's parameters may still lag them: see :meth:`take_unwritten`. Between a
+        backward that started units' steps (``overlap_with_backward``) and the step call the masters are neither
+        before nor after the step: a caller ``reading`` them then gets an error (the step call still completes
+        the step); ``engine.close()`` only waits."""
+        started = self.overlapped.started_in_backward()
         self.overlapped.settle()
+        if started and reading:
+            raise RuntimeError(
+                f"offload_optimizer.overlap_with_backward started the step of {started} parts during backward, so "
+                "between backward and step() the optimizer's masters and state are partly updated: read them (a "
+                "checkpoint, a full state dict, the debugging API) before backward or after step(), or set "
+                "overlap_with_backward: false")
         if self.delayed is not None:
             self.delayed.settle()
 
@@ -303,7 +313,7 @@ class OptimizerOffload:
         self._fresh.clear()
         started = self.overlapped.started_in_backward()
         if started:
-            self.overlapped.settle()
+            self.overlapped.discard_early()
             raise RuntimeError(
                 f"offload_optimizer.overlap_with_backward started the step of {started} parts during backward, "
                 "and the gradients were zeroed without step(): those parts are updated. It needs step() after "

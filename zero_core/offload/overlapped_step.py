@@ -133,6 +133,7 @@ class OverlappedStep:
         self._error: Optional[BaseException] = None
         self._last: Optional[tuple] = None  # (optimizer, ids of its parts) of the last step that could overlap
         self._warned_hyperparameters = False
+        self._stepped_early: set[int] = set()  # parts of the coming step call's step that a settle finished
 
     # -- the step call (training thread) -------------------------------------------------------------------
     def applies(self, optimizer: torch.optim.Optimizer, parts: list, forced: Optional[bool]) -> bool:
@@ -212,7 +213,10 @@ class OverlappedStep:
         queue = self._queue if self._queue is not None and not self._queue.closed else None
         if queue is None:
             self.settle()
+        # parts backward handed over: in flight, or stepped already (something waited for them before this call)
         early = {id(part) for part in queue.early} if queue is not None else set()
+        early |= self._stepped_early
+        self._stepped_early = set()
         rest = [(part, flags) for part, flags in zip(parts, used) if id(part) not in early]
         entries = _entries_of([part for part, _ in rest], [flags for _, flags in rest])
         states = [optimizer.state.get(entry.piece) for entry in entries]
@@ -383,14 +387,15 @@ class OverlappedStep:
             raise RuntimeError(_FAILED) from self._error
 
     def settle(self) -> None:
-        """Wait for the step in flight: the masters, their state and the model's shards are those after it. A
-        step that backward started and no step call finished yet is finished with what it has (``refuse``
-        tells a caller that cannot go on from there)."""
+        """Wait for the step in flight: the masters, their state and the model's shards are those after it. Of a
+        step that backward started and no step call finished yet, the parts handed over are stepped; the step
+        call that follows steps only the rest (``_stepped_early``)."""
         flight, self._flight = self._flight, None
         if flight is None:
             return
         queue, self._queue = self._queue, None
         if queue is not None and not queue.closed:
+            self._stepped_early = {id(part) for part in queue.early}
             queue.close([], {})
         for part in self._parts:
             part.update_in_flight = None
@@ -410,7 +415,15 @@ class OverlappedStep:
 
     def started_in_backward(self) -> int:
         """Parts of a step that backward started and no step call has finished yet."""
-        return len(self._queue.early) if self._queue is not None and not self._queue.closed else 0
+        if self._queue is not None and not self._queue.closed:
+            return len(self._queue.early)
+        return len(self._stepped_early)
+
+    def discard_early(self) -> None:
+        """The gradients were zeroed without a step: the parts backward stepped stay stepped (zero_grad's error
+        says so), and no step call is owed for them."""
+        self.settle()
+        self._stepped_early = set()
 
     def stop(self) -> None:
         try:
