@@ -11,6 +11,11 @@
 #   hoststep issue 38's host step after its chunks were resized: ds's build and host step against DeepSpeed's CPU
 #           Adam, then the 1.75B inline offloaded step with the engine's chunks and with 8M-element ones (the
 #           size before), in that order (about 220 s on an H200; 300 s at most)
+#   diag    issue 38: the fused kernel on a second thread, then 1.75B and 6.58B inline against overlapped (220 s)
+#   check   issue 38: the GPU tier, then 1.75B inline / overlapped / started during backward (160 s)
+#   final   issue 38: 6.58B inline / default / started during backward / FSDP2, the tier, DeepSpeed's CPU Adam
+#           against our host step, the delayed update at 1.75B 32x1024 if time is left (410 s)
+#   largest issue 38: the largest GPT the host memory holds with offload_optimizer cpu, 10 steps (120 s)
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
@@ -22,7 +27,8 @@
 #   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 #   typing-extensions==4.16.0   (pydantic 2.14 needs >= 4.16; the image's is older or unknown)
 # DeepSpeed is never a dependency of the project.
-# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds]` with `.whl` in the call's carry.
+# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds|hoststep|diag|check|final|largest]` with `.whl` in the
+# call's carry.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1
 export PYTHONPATH=$PWD:/tmp/site
@@ -52,6 +58,16 @@ built = time.perf_counter()
 CPUAdamBuilder().load(verbose=False)
 print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports {built - start:.1f} s)')"
 }
+if [ "$SECTION" = largest ]; then
+# Issue 38: the largest GPT the machine holds with offload_optimizer: cpu, for 10 steps. Host memory is the limit:
+# about 16 bytes per parameter (12 of fp32 masters and Adam state, 4 of fp32 gradients); 6.58B (32 layers) peaked
+# at 99.5 GiB RSS, so 34 layers (6.99B) needs about 105 GiB and 36 (7.39B) about 112 GiB of the 128 GiB host.
+# LARGEST_LAYERS sets the depth (about 120 s on an H200 at 34 layers)
+L=${LARGEST_LAYERS:-34}
+{ step largest_$L; free -g | head -2; timeout 300 python3 -m benchmarks.gpu_offload --layers $L --steps 10 --warmup 1 \
+    --impls zero3 --timeout 290 --json "$OUT/largest_$L.json"; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/largest_$L.txt"
+exit 0
+fi
 if [ "$SECTION" = check ]; then
 # Issue 38, before the last call (about 160 s on an H200): the GPU tier (the step started during backward against
 # the inline step, bit for bit), then 1.75B inline, overlapped with the forward, and started during backward
@@ -128,12 +144,12 @@ if [ "$SECTION" = hoststep ]; then
     --impls zero3_inline --chunk 8388608 --timeout 90; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/hoststep_1_75B_8M.txt"
 exit 0
 fi
-# Expected: ~280 s: ours (overlapped, then inline) ~55 s each and FSDP2 ~65 s (setup 18 s and 28 s, 5 steps of
-# ~2.3 s, exit), DeepSpeed ~100 s (its ZeRO-3 setup with 26 GB of pinned fp32 masters and gradients, 52 GB of Adam
+# Expected: ~330 s: ours (the default, started during backward, inline) ~50 s each and FSDP2 ~65 s (setup 18 s
+# and 28 s, 5 steps of ~2.3 s, exit), DeepSpeed ~100 s (its ZeRO-3 setup with 26 GB of pinned fp32 masters and gradients, 52 GB of Adam
 # state made at the first step). DeepSpeed before FSDP2 (measured before at 2.43 s a step): if time runs out,
 # FSDP2's row is the one lost. Two warm-up steps: the first overlapped step's own call is short.
-{ step ds_offload7B; timeout 330 python3 -m benchmarks.gpu_offload $DS_MODEL_ARGS --steps 3 --warmup 2 \
-    --impls zero3_overlap zero3_inline deepspeed fsdp2 --timeout 150 --json "$OUT/ds_offload_7B.json"; echo "rc=$?"; } 2>&1 \
+{ step ds_offload7B; timeout 400 python3 -m benchmarks.gpu_offload $DS_MODEL_ARGS --steps 3 --warmup 2 \
+    --impls zero3 zero3_overlap_bwd zero3_inline deepspeed fsdp2 --timeout 150 --json "$OUT/ds_offload_7B.json"; echo "rc=$?"; } 2>&1 \
   | tee "$OUT/ds_offload_7B.txt"
 # The delayed update's target (issue 38) where the GPU's forward+backward is at least the host step: 1.75B at
 # batch 8x1024, inline against delayed, if the call has time left (about 70 s)
