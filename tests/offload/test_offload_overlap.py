@@ -149,3 +149,36 @@ def check(ranks: list) -> None:
             changed = [name for name, value in inline["params"].items()
                        if name in start and not torch.equal(value.float(), start[name].float())]
             assert changed, f"{label}: the reference run did not train"
+
+
+def delayed_worker(rank, world_size):
+    """The overlapped step during the delayed update's warm-up (both on a GPU by default), then the delayed update:
+    the run is the delayed update's without the overlap, bit for bit."""
+    out = {}
+    for stage in (2, 3):
+        runs = {}
+        for overlap in (False, True):
+            model = build_model(MODEL)
+            engine = zero_core.setup(model, make_optimizer(model), {
+                **SMALL, "stage": stage, "offload_optimizer": {"device": "cpu", "delayed_update_after": 2}})
+            engine._offload.overlap = overlap
+            losses = []
+            for step in range(STEPS + 2):
+                loss = engine.module(*make_batch(MODEL, rank, step, 0))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            engine.close()  # lands the update in flight
+            runs[overlap] = (losses, full_params(engine.module), engine._offload.overlapped.overlapped_steps)
+        out[stage] = runs
+    return out
+
+
+def test_the_overlap_hands_over_to_the_delayed_update_after_its_warm_up():
+    (out,) = run_distributed(delayed_worker, 1, timeout=200)
+    for stage, runs in out.items():
+        (plain_losses, plain, plain_count), (losses, params, count) = runs[False], runs[True]
+        assert plain_count == 0 and count == 1, (stage, plain_count, count)  # step 2 (step 1 makes the state)
+        assert losses == plain_losses, (stage, losses, plain_losses)
+        for name, value in plain.items():
+            assert torch.equal(value, params[name]), (stage, name)
