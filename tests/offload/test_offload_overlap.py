@@ -9,7 +9,8 @@ partitioning. Every loss, every final parameter and every master is bit for bit 
 took every step after the first (which makes the state inline), its first part was slowed down so that the next
 forward cannot have read a stale shard by luck, and each part's update was waited for where its shard is read
 (stage 3: the unit's gather in the next forward; stages 1-2: its all-gather after the step). A checkpoint taken
-right after a step holds that step's masters."""
+right after a step holds that step's masters. With ``delayed_update_after``, the overlapped warm-up step hands
+over to the delayed update, and the run is the delayed update's alone."""
 
 from __future__ import annotations
 
