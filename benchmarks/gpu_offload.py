@@ -123,6 +123,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         model = build_gpt(config)
     psi = num_params(model)
     build_s = None
+    overlapped = None  # ours: the overlapped step, whose thread's time is reported
     offload = {k: dict(v) for k, v in ZERO3_CONFIG["zero_optimization"].items() if k != "stage"}
     if impl == "zero3_param":  # parameters too, as FSDP2's CPUOffloadPolicy does
         offload["offload_param"] = {"device": "cpu", "pin_memory": True}
@@ -191,7 +192,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         losses.append(forward_backward(tokens, targets))
         sync()
         middle = time.perf_counter()
-        if impl.startswith("zero3_overlap") and s > warmup:  # the step before's thread (landed: backward waited for it)
+        if overlapped is not None and overlapped.overlapped_steps and s > warmup:  # the last step's thread (landed)
             threads_s.append(overlapped.thread_seconds)
             waits_s.append(overlapped.waited_seconds)
         step()
