@@ -27,10 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-
-def _adamw(params, grads, avgs, sqs, steps) -> None:
-    torch._fused_adamw_(params, grads, avgs, sqs, [], steps, amsgrad=False, lr=1e-4, beta1=0.9, beta2=0.999,
-                        weight_decay=0.01, eps=1e-8, maximize=False, grad_scale=None, found_inf=None)
+from benchmarks.gpu_host_step import _adamw  # one AdamW step of torch's fused CPU kernel
 
 
 def main(argv=None) -> None:

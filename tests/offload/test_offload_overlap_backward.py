@@ -152,6 +152,16 @@ def refusals_worker(rank, world_size):
     engine.step()
     out["after_refused_read"] = full_params(engine.module)
     engine.close()
+    engine = engine_after_two_steps()  # a refused read, then a second backward: its units were stepped already
+    try:
+        engine.full_state_dict(rank0_only=False)
+    except RuntimeError:
+        pass
+    try:
+        engine.backward(engine.module(*make_batch(MODEL, rank, 3, 0)))
+    except RuntimeError as error:
+        out["backward_after_read"] = str(error)
+    engine.close()
     model = build_model(MODEL)
     inline = zero_core.setup(model, make_optimizer(model), {**config, "offload_optimizer": {"device": "cpu"}})
     for step in range(3):
@@ -173,6 +183,7 @@ def test_what_the_early_start_cannot_make_exact_is_refused_or_turns_it_off():
     assert out["started"] > 0, out["started"]
     assert "zero_grad" in out and "without step()" in out["zero_grad"], out.get("zero_grad")
     assert "second_backward" in out and "already started" in out["second_backward"], out.get("second_backward")
+    assert "already started" in out.get("backward_after_read", ""), out.get("backward_after_read")
     assert "read_between" in out and "partly updated" in out["read_between"], out.get("read_between")
     for name, value in out["inline_three_steps"].items():
         assert torch.equal(value, out["after_refused_read"][name]), name

@@ -43,7 +43,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 
@@ -172,11 +172,10 @@ class OverlappedStep:
         if not self.with_backward or self._last is None:
             return
         optimizer, ids = self._last
-        if id(part) not in ids or part.swap is not None or getattr(part, "persistent", False) \
-                or not getattr(part, "reduced_whole", False):
-            return
-        queue = self._queue if self._queue is not None and not self._queue.closed else None
-        if queue is not None and any(p is part for p in queue.early):
+        if id(part) not in ids or part.swap is not None or part.persistent or not part.reduced_whole:
+            return  # (a stage-3 unit: only those are reduced whole, bucket None)
+        queue = self._open_queue()
+        if id(part) in self._stepped_early or (queue is not None and any(p is part for p in queue.early)):
             self.with_backward = False  # the engine stays usable (the reductions still in flight come here too)
             self.settle()
             raise RuntimeError(
@@ -210,7 +209,7 @@ class OverlappedStep:
         """Hand the step to the thread (``parts`` in the order the next forward needs them) and return True; or
         False, having done nothing, when a stepped piece has no state yet (its first step runs inline). Parts
         backward already handed over (``start_early``) are not stepped again."""
-        queue = self._queue if self._queue is not None and not self._queue.closed else None
+        queue = self._open_queue()
         if queue is None:
             self.settle()
         # parts backward handed over: in flight, or stepped already (something waited for them before this call)
@@ -408,16 +407,19 @@ class OverlappedStep:
         if error is not None:
             raise RuntimeError(_FAILED) from error
 
+    def _open_queue(self) -> Optional[StepQueue]:
+        """The queue of a step backward started and no step call closed yet, if any."""
+        return self._queue if self._queue is not None and not self._queue.closed else None
+
     def settle_previous(self) -> None:
         """Wait for the last step's update, not for one backward is starting now (``start_early``)."""
-        if self._queue is None or self._queue.closed:
+        if self._open_queue() is None:
             self.settle()
 
     def started_in_backward(self) -> int:
         """Parts of a step that backward started and no step call has finished yet."""
-        if self._queue is not None and not self._queue.closed:
-            return len(self._queue.early)
-        return len(self._stepped_early)
+        queue = self._open_queue()
+        return len(queue.early) if queue is not None else len(self._stepped_early)
 
     def discard_early(self) -> None:
         """The gradients were zeroed without a step: the parts backward stepped stay stepped (zero_grad's error

@@ -49,7 +49,7 @@ _streams_lock = threading.Lock()
 SEPARATE_DIRECTIONS = True
 
 
-def _copy_stream(device: torch.device, to_device: bool = True) -> "torch.cuda.Stream":
+def _copy_stream(device: torch.device, *, to_device: bool) -> "torch.cuda.Stream":
     """The stream of the copies in one direction: beside the compute stream, so that gradients leave during
     backward without holding up its kernels, and copies issued from the write-back thread run in the order it
     issues them."""

@@ -13,13 +13,14 @@ import torch
 from zero_core.optim.master_shards import TileEntry
 
 if TYPE_CHECKING:
+    from zero_core.contracts import Part
     from zero_core.offload.overlapped_step import UpdateInFlight
 
 
 class Work(NamedTuple):
     """One part's update for the thread: its stepped pieces (``entries``), their state and host gradients."""
 
-    part: object
+    part: "Part"  # a stage-3 unit or a stages 1-2 flat group
     entries: list[TileEntry]
     states: list
     grads: list[torch.Tensor]
