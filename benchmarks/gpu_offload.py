@@ -50,6 +50,7 @@ import statistics
 import subprocess
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -94,6 +95,27 @@ def deepspeed_engine(model: torch.nn.Module, config: GPTConfig) -> tuple:
                            f"{engine.zero_optimization_stage()}, cpu offload {engine.zero_cpu_offload()}, "
                            f"stepping {type(stepper).__name__}): check benchmarks/gpu_offload.py's ds_config")
     return engine, build_s
+
+
+def thread_summary(timeline: list, called_at: float) -> dict:
+    """One overlapped step's parts on the thread (OverlappedStep.timeline) in figures: its waits for gradients to
+    arrive, its stepping time and rate (G elements/s) before the step call (beside backward) and after it (beside
+    the next forward), and the thread's idle time between parts."""
+    before = [t for t in timeline if t.stepped <= called_at]
+    after = [t for t in timeline if t.stepped > called_at]
+
+    def rate(parts: list) -> Optional[float]:
+        seconds = sum(t.stepped - t.arrived for t in parts)
+        return sum(t.numel for t in parts) / seconds / 1e9 if seconds > 0 else None
+
+    busy = sum(t.written - t.taken for t in timeline)
+    return {"parts_before_call": len(before), "parts_after_call": len(after),
+            "arrival_wait_s": sum(t.arrived - t.taken for t in timeline),
+            "stepping_s": sum(t.stepped - t.arrived for t in timeline),
+            "write_issue_s": sum(t.written - t.stepped for t in timeline),
+            "idle_s": (timeline[-1].written - timeline[0].taken) - busy if timeline else 0.0,
+            "rate_before_call": rate(before), "rate_after_call": rate(after),
+            "first_part_before_call_s": called_at - timeline[0].taken if timeline else 0.0}
 
 
 def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: bool = False,
@@ -182,7 +204,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
 
         step = engine.step
     setup_s = time.perf_counter() - t0 - (build_s or 0.0)
-    times, phases, losses, threads_s, waits_s = [], [], [], [], []
+    times, phases, losses, threads_s, waits_s, summaries = [], [], [], [], [], []
     ours = engine._offload if impl.startswith("zero3") else None  # our host step's chunks are counted
     chunks_before = None
     for s in range(warmup + steps):
@@ -195,6 +217,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         if overlapped is not None and overlapped.overlapped_steps and s > warmup:  # the last step's thread (landed)
             threads_s.append(overlapped.thread_seconds)
             waits_s.append(overlapped.waited_seconds)
+            summaries.append(thread_summary(overlapped.timeline, overlapped.step_called_at))
         step()
         sync()
         if s >= warmup:
@@ -219,6 +242,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             "forward_backward_s": statistics.median(phases), "threads": torch.get_num_threads(),
             "overlap_thread_s": statistics.median(threads_s) if threads_s else None,
             "overlap_wait_s": statistics.median(waits_s) if waits_s else None,
+            "thread_summary": (sorted(summaries, key=lambda d: d["stepping_s"])[len(summaries) // 2]
+                               if summaries else None),  # the step of median stepping time
             "chunks_per_step": (ours.chunks_stepped - chunks_before) / steps if chunks_before is not None else None,
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
@@ -297,6 +322,19 @@ def main(argv=None) -> None:
         if r.get("overlap_thread_s") is not None:
             print(f"{r['impl']}: the overlapped step's thread took {r['overlap_thread_s']:.2f} s (median); the "
                   f"next forward waited {r['overlap_wait_s']:.2f} s for it on the host")
+    for r in rows:
+        t = r.get("thread_summary")
+        if t:
+            def g(x):
+                return "-" if x is None else f"{x:.2f}"
+            print(f"{r['impl']}: thread, its median step: {t['parts_before_call']} parts stepped before the step call "
+                  f"at {g(t['rate_before_call'])} G elements/s (first taken {t['first_part_before_call_s']:.2f} s "
+                  f"before the call), {t['parts_after_call']} after it at {g(t['rate_after_call'])} G elements/s; "
+                  f"stepping {t['stepping_s']:.2f} s, waiting for gradients {t['arrival_wait_s']:.2f} s, issuing "
+                  f"write-backs {t['write_issue_s']:.2f} s, idle between parts {t['idle_s']:.2f} s")
+        elif r["impl"] == "zero3_inline":
+            host = r["step_s"] - r["forward_backward_s"]
+            print(f"{r['impl']}: host step {host:.2f} s, {r['params'] / host / 1e9:.2f} G elements/s")
     for r in rows:
         if r.get("profile"):
             print(f"\n{r['impl']}: one step under torch.profiler\n{r['profile']}")

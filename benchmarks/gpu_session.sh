@@ -16,6 +16,11 @@
 #   final   issue 38: 6.58B inline / default / started during backward / FSDP2, the tier, DeepSpeed's CPU Adam
 #           against our host step, the delayed update at 1.75B 32x1024 if time is left (410 s)
 #   largest issue 38: the largest GPT the host memory holds with offload_optimizer cpu, 10 steps (120 s)
+#   bandwidth issue 38: is the host step bound by host memory bandwidth (benchmarks.host_bandwidth)? Then 1.75B
+#           inline / overlapped / started during backward with the thread's timeline, the latter with 16 threads
+#           and with one copy stream, and the delayed update at 32x1024 (about 280 s)
+#   sidebyside issue 38: DeepSpeed's cpu_adam built (the GPU tier beside it), then 6.58B started during backward /
+#           inline / the default / DeepSpeed / FSDP2 in one call, then the largest model if time is left (480 s)
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
@@ -27,7 +32,8 @@
 #   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 #   typing-extensions==4.16.0   (pydantic 2.14 needs >= 4.16; the image's is older or unknown)
 # DeepSpeed is never a dependency of the project.
-# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds|hoststep|diag|check|final|largest]` with `.whl` in the
+# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds|hoststep|diag|check|final|largest|bandwidth|sidebyside]`
+# with `.whl` in the
 # call's carry.
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl >/dev/null 2>&1
@@ -66,6 +72,52 @@ if [ "$SECTION" = largest ]; then
 L=${LARGEST_LAYERS:-34}
 { step largest_$L; free -g | head -2; timeout 300 python3 -m benchmarks.gpu_offload --layers $L --steps 10 --warmup 1 \
     --impls zero3 --timeout 290 --json "$OUT/largest_$L.json"; echo "rc=$?"; step end; } 2>&1 | tee "$OUT/largest_$L.txt"
+exit 0
+fi
+if [ "$SECTION" = bandwidth ]; then
+BUDGET=${BANDWIDTH_BUDGET:-290}
+left() { echo $(( BUDGET - $(date +%s) + T0 )); }
+# Expected: ~40 s (16 GB of tensors, the kernel alone and beside copies each way, at 16 and 15 threads)
+{ step host_bandwidth; nproc; timeout 80 python3 -m benchmarks.host_bandwidth; echo "rc=$?"; } 2>&1 | tee "$OUT/host_bandwidth.txt"
+# Expected: ~70 s (setup ~7 s, 6 steps of ~0.6 s, exit; three processes)
+{ step timeline_1_75B; timeout 110 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 \
+    --impls zero3_inline zero3_overlap zero3_overlap_bwd --timeout 36; echo "rc=$?"; } 2>&1 | tee "$OUT/timeline_1_75B.txt"
+{ step timeline_1_75B_16threads; timeout 40 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 \
+    --impls zero3_overlap_bwd --overlap-threads 16 --timeout 36; echo "rc=$?"; } 2>&1 | tee "$OUT/timeline_1_75B_16threads.txt"
+{ step timeline_1_75B_one_stream; timeout 40 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 \
+    --impls zero3_overlap_bwd --one-copy-stream --timeout 36; echo "rc=$?"; } 2>&1 | tee "$OUT/timeline_1_75B_one_stream.txt"
+if [ $(left) -gt 60 ]; then
+{ step delayed_1_75B_b32; timeout $(left) python3 -m benchmarks.gpu_offload --layers 8 --batch-size 32 --steps 3 --warmup 3 \
+    --impls zero3_inline zero3_delayed --timeout $(( $(left) / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/delayed_1_75B_b32.txt"
+fi
+step end
+exit 0
+fi
+if [ "$SECTION" = sidebyside ]; then
+BUDGET=${SIDEBYSIDE_BUDGET:-470}
+left() { echo $(( BUDGET - $(date +%s) + T0 )); }
+ds_env
+# DeepSpeed's cpu_adam (~50 s) builds while the GPU tier runs (SIDEBYSIDE_TIER=0: the build alone)
+( ds_build; echo "build rc=$?" ) > "$OUT/ds_build.txt" 2>&1 &
+BUILD=$!
+if [ "${SIDEBYSIDE_TIER:-1}" = 1 ]; then
+{ step tests; nvidia-smi -L; timeout 120 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 110; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -8
+fi
+wait $BUILD; tail -2 "$OUT/ds_build.txt"
+if ! grep -q "build rc=0" "$OUT/ds_build.txt"; then echo "DeepSpeed's cpu_adam did not build: measuring without it"
+  mv /tmp/site/deepspeed /tmp/site/deepspeed.unbuilt; fi
+# Expected: ~340 s: ours ~50 s each, DeepSpeed ~150 s (its setup with 52 GB of pinned fp32 state), FSDP2 ~85 s; in
+# that order, so a run cut short loses FSDP2's row (measured last session at 2.70 s) first
+{ step sidebyside_6_58B; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \
+    --impls zero3_overlap_bwd zero3_inline zero3 deepspeed fsdp2 --timeout 160 --json "$OUT/sidebyside_6_58B.json"; \
+  echo "rc=$?"; } 2>&1 | tee "$OUT/sidebyside_6_58B.txt"
+L=${LARGEST_LAYERS:-34}
+if [ $(left) -gt 100 ]; then
+{ step largest_$L; free -g | head -2; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers $L --steps 10 \
+    --warmup 1 --impls zero3_overlap_bwd --timeout $(( $(left) - 10 )) --json "$OUT/largest_$L.json"; echo "rc=$?"; } 2>&1 \
+  | tee "$OUT/largest_$L.txt"
+fi
+step end
 exit 0
 fi
 if [ "$SECTION" = check ]; then

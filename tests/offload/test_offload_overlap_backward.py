@@ -56,8 +56,13 @@ def train(rank: int, config: dict, overlap: bool, clip: float = 0.0) -> dict:
     overlapped = engine._offload.overlapped
     result = {"losses": losses, "params": full_params(engine.module),
               "masters": engine.full_state_dict(rank0_only=False),
-              "early": overlapped.parts_stepped_in_backward, "overlapped": overlapped.overlapped_steps}
+              "early": overlapped.parts_stepped_in_backward, "overlapped": overlapped.overlapped_steps,
+              "master_numel": sum(master.numel() for master in engine._offload.all_masters())}
     engine.close()
+    # the last step's parts on the thread, as benchmarks/gpu_offload.py reports them (close waited for them)
+    timeline = overlapped.timeline
+    result["timeline"] = [(t.early, t.numel, t.taken <= t.arrived <= t.stepped <= t.written) for t in timeline]
+    result["first_taken_before_call"] = bool(timeline) and timeline[0].taken < overlapped.step_called_at
     return result
 
 
@@ -100,6 +105,10 @@ def test_steps_started_during_backward_equal_the_inline_step_bit_for_bit():
             # steps 3-5 start units in backward (step 1 makes the state, step 2 names the step's parts)
             assert early["early"] >= 3, f"{where}: {early['early']} units started during backward"
             assert False in early["waits"], f"{where}: no forward waited on the host for a unit's update"
+            timeline = early["timeline"]  # the last step's: every unit once, in time order, the first in backward
+            assert all(ordered for _, _, ordered in timeline), (where, timeline)
+            assert sum(numel for _, numel, _ in timeline) == early["master_numel"], (where, timeline)
+            assert any(was_early for was_early, _, _ in timeline) and early["first_taken_before_call"], where
             start = build_model(MODEL).state_dict()
             assert any(not torch.equal(v.float(), start[n].float()) for n, v in inline["params"].items()
                        if n in start), f"{where}: the reference run did not train"

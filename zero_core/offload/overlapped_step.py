@@ -43,7 +43,7 @@ import threading
 import time
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
@@ -61,6 +61,17 @@ _FAILED = ("offload_optimizer: the overlapped host step failed on its thread (th
            "keep their values from before the step); set "
            "zero_optimization.offload_optimizer.overlap_with_forward: false to run the step inline, and report the "
            "error below")
+
+
+class PartTiming(NamedTuple):
+    """One part's turn on the thread (``time.perf_counter`` seconds), for benchmarks (benchmarks/gpu_offload.py)."""
+
+    taken: float  # the thread took it
+    arrived: float  # its gradients were in host memory (== taken when no copy was in flight)
+    stepped: float  # its kernels returned
+    written: float  # its write-back was issued
+    numel: int  # elements stepped
+    early: bool  # handed over during backward (overlap_with_backward)
 
 
 def _use_threads(count: int) -> None:
@@ -126,6 +137,8 @@ class OverlappedStep:
         # (not waiting for backward), and the training thread's host waits for parts since the last step call
         self.thread_seconds = 0.0
         self.waited_seconds = 0.0
+        self.timeline: list[PartTiming] = []  # the last finished step's parts, in the order the thread took them
+        self.step_called_at = 0.0  # perf_counter at the last step call that handed its step over
         self._pool: Optional[ThreadPoolExecutor] = None
         self._flight: Optional[Future] = None
         self._queue: Optional[StepQueue] = None
@@ -267,6 +280,7 @@ class OverlappedStep:
             queue = self._open(kernels)
         self._parts += [part for part, _ in rest]
         queue.close(works, {id(part): index for index, part in enumerate(parts)})
+        self.step_called_at = time.perf_counter()
         self.overlapped_steps += 1
         return True
 
@@ -292,23 +306,32 @@ class OverlappedStep:
     def _run(self, queue: StepQueue) -> None:
         shards: list[torch.Tensor] = []
         busy = 0.0
+        timeline: list[PartTiming] = []
         work = None
         try:
             while (work := queue.take()) is not None:
                 start = time.perf_counter()
                 if work.arrived is not None:
                     work.arrived.synchronize()  # its gradients' copy to the host, issued during backward
+                arrived = time.perf_counter()
                 if self.owner.swapper is not None:  # nvme: tile by tile, each read in, stepped, written back, out
                     self._step_swapped(work, queue)
+                    stepped = time.perf_counter()
                     work.handle.finish(None)
                 else:
                     if work.entries:
                         self._step_part(work.entries, work.states, work.grads, queue.kernels, work.inv_scale,
                                         work.clip)
+                    stepped = time.perf_counter()
                     work.handle.finish(self._write_back(work.entries, shards))
-                busy += time.perf_counter() - start
+                written = time.perf_counter()
+                busy += written - start
+                numel = sum(entry.grad.numel() for entry in work.entries)  # (a swapped-out master is empty)
+                early = any(part is work.part for part in queue.early)
+                timeline.append(PartTiming(start, arrived, stepped, written, numel, early))
                 work = None
             self.thread_seconds = busy
+            self.timeline = timeline
             for device in {shard.device for shard in shards if shard.is_cuda}:  # before the next step changes the
                 _copy_stream(device, to_device=True).synchronize()  # masters they read (not the compute stream)
         except BaseException as error:  # every waiter raises it (raise_error)
