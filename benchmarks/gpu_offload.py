@@ -35,6 +35,11 @@ fails, one line says so and the other implementations still run. On a machine wi
 the CPU (gloo; for a quick check of the code path with a tiny ``--width``/``--layers``, DeepSpeed then needs
 ``DS_ACCELERATOR=cpu``).
 
+Each step is timed from its start until the GPU's compute stream has done its work after the step call (not the
+copy streams: copies a step call issued and the next forward waits for per unit, as the delayed update's into the
+model, count in the next step's time, as in a training loop without a device-wide synchronise); the
+forward+backward column ends at a device-wide synchronise (the gradients' copies to the host included).
+
 Reports per implementation, a row as soon as its process ends: parameters, median step (s) and its forward+backward,
 tokens/s, peak GPU memory, peak RSS, setup (model built and wrapped), the DeepSpeed op's load or build, the whole
 process's wall time, torch's threads; then each implementation's losses (they should agree to bf16's precision).
@@ -130,6 +135,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
+    computed = (lambda: torch.cuda.current_stream().synchronize()) if cuda else (lambda: None)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29557")
     for name in ("RANK", "LOCAL_RANK"):  # DeepSpeed reads these beside the process group
@@ -191,9 +197,9 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         del model
         overlapped = engine._offload.overlapped
         if overlap_threads:  # the overlapped step's thread count (default: torch's count less one)
-            from zero_core.offload import overlapped_step
+            from zero_core.offload import step_thread
 
-            overlapped_step._use_threads = lambda _count, _set=overlapped_step._use_threads: _set(overlap_threads)
+            step_thread.use_threads = lambda _count, _set=step_thread.use_threads: _set(overlap_threads)
         if chunk:  # elements per chunk of the host step, at most (default: chunked_step.chunk_numel's choice)
             engine._offload.chunk_numel = chunk
 
@@ -219,7 +225,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             waits_s.append(overlapped.waited_seconds)
             summaries.append(thread_summary(overlapped.timeline, overlapped.step_called_at))
         step()
-        sync()
+        computed()  # (the next forward waits for any copy the step left running)
         if s >= warmup:
             times.append(time.perf_counter() - start)
             phases.append(middle - start)

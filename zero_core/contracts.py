@@ -28,7 +28,12 @@ if TYPE_CHECKING:  # annotations only: these modules import this one's users
 
 class UpdateHandle(Protocol):
     """A part's optimizer update still being written into its parameter shards (the offloaded step overlapped
-    with the next forward, zero_core/offload/overlapped_step.py)."""
+    with the next forward, zero_core/offload/overlapped_step.py; the delayed update's copies into the model,
+    delayed_update.py)."""
+
+    # True where every rank has issued the update's copies at its step call, so that ``wait`` is a stream wait
+    # only; False where a thread still makes it (its readiness differs between ranks)
+    issued: bool
 
     def wait(self) -> None:
         """Return once the update is in the shards (on an accelerator: the current stream is ordered after it)."""
@@ -43,6 +48,13 @@ def wait_for_update(part: "Part") -> None:
     if handle is not None:
         part.update_in_flight = None
         handle.wait()
+
+
+def update_pending(part: "Part") -> bool:
+    """Whether reading ``part``'s shards could still wait on the host for its update on some rank (ranks that
+    prefetch together leave such a part to its own gather, so that their gathers stay the same collectives)."""
+    handle = part.update_in_flight
+    return handle is not None and not handle.issued
 
 
 def update_landed(part: "Part") -> bool:

@@ -147,7 +147,8 @@ def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0
             written_back.append(all(torch.equal(params[n], masters[n].to(params[n].dtype)) for n in params))
     grads_held_after_step = engine.memory_stats()["grads"]  # counting restores nothing
     weights = engine.full_state_dict(rank0_only=False)
-    return {"grads_held_after_step": grads_held_after_step, "losses": losses, "peak": torch.cuda.max_memory_allocated(), "memory": engine.memory_stats(),
+    return {"grads_held_after_step": grads_held_after_step, "losses": losses,
+            "peak": torch.cuda.max_memory_allocated(), "memory": engine.memory_stats(),
             "weights": {n: weights[n] for n, _ in model.named_parameters()},
             "issued_on_side_stream": issued, "written_back": written_back,
             "host_pinned": [t.is_pinned() for t in _host_tensors(engine)]}
@@ -169,6 +170,41 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: b
     return {"losses": losses, "weights": {n: weights[n] for n, _ in model.named_parameters()},
             "overlapped": engine._offload.overlapped.overlapped_steps,
             "early": engine._offload.overlapped.parts_stepped_in_backward}
+
+
+def delayed_run(device, stage: int, waited: bool) -> dict:
+    """The delayed update (``delayed_update_after: 1``) with each step call's copies of the landed masters into the
+    model held up on their copy stream (a sleep kernel queued there before them): each part's gather must wait for its
+    copies, and the thread for all of them before it changes the masters. ``waited``: the step call also waits for
+    them on the host (the reference). Losses, final weights, delayed steps."""
+    from zero_core.offload import delayed_update
+    from zero_core.offload.placement import _copy_stream
+
+    write = delayed_update.DelayedUpdate._write_into_model
+
+    def held_up(self, entries):
+        with torch.cuda.stream(_copy_stream(device, to_device=True)):
+            torch.cuda._sleep(100_000_000)  # ~50 ms before the copies start; the compute stream goes on
+        copied = write(self, entries)
+        if waited:
+            _copy_stream(device, to_device=True).synchronize()
+        return copied
+
+    delayed_update.DelayedUpdate._write_into_model = held_up
+    try:
+        block = {"device": "cpu", "pin_memory": True, "delayed_update_after": 1}
+        model, engine = _engine(device, stage, offload={"offload_optimizer": block})
+        losses = []
+        for tokens in batches(device):
+            loss = engine.module(tokens)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        weights = engine.full_state_dict(rank0_only=False)
+        delayed = engine._offload.delayed.delayed_steps
+    finally:
+        delayed_update.DelayedUpdate._write_into_model = write
+    return {"losses": losses, "weights": {n: weights[n] for n, _ in model.named_parameters()}, "delayed": delayed}
 
 
 def host_syncs(device, stage: int | None, control: bool = False) -> list[str]:
@@ -248,6 +284,9 @@ def main(out: str) -> None:
         if stage == 3:  # the step started during backward: the thread waits for each unit's copy to the host
             results[f"overlap_backward_zero3_{'pinned' if pin else 'pageable'}"] = overlap_run(device, 3, True, pin,
                                                                                               backward=True)
+    for stage in (2, 3):
+        for waited in (True, False):
+            results[f"delayed_zero{stage}_{waited}"] = delayed_run(device, stage, waited)
     results["host_syncs"] = {f"zero{stage}": host_syncs(device, stage) for stage in (1, 2, 3)}
     results["host_syncs"]["plain"] = host_syncs(device, None)
     results["host_syncs"]["control"] = host_syncs(device, 3, control=True)

@@ -105,6 +105,19 @@ def test_steps_started_during_backward_equal_the_inline_step_on_the_gpu(gpu_runs
         assert torch.equal(early["weights"][name], value), name
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_delayed_update_copies_into_the_model_without_a_host_wait(gpu_runs, stage):
+    """offload_optimizer.delayed_update_after: the step call copies the landed masters into the model on the copy
+    stream and returns; each part's gather waits for its copies (a stream wait) and the thread for all of them
+    before it changes the masters. With those copies held up on the GPU, the run is bit for bit the one whose step
+    call waits for them on the host."""
+    free, waited = gpu_runs[f"delayed_zero{stage}_False"], gpu_runs[f"delayed_zero{stage}_True"]
+    assert free["delayed"] == waited["delayed"] == len(free["losses"]) - 1, (free["delayed"], waited["delayed"])
+    assert free["losses"] == waited["losses"], (free["losses"], waited["losses"])
+    for name, value in waited["weights"].items():
+        assert torch.equal(free["weights"][name], value), name
+
+
 @pytest.mark.parametrize("label, stage", [("zero2_offload", 2), ("zero3_offload", 3), ("zero3_offload_param", 3),
                                           ("zero3_offload_pageable", 3)])  # gpu_workers.OFFLOADS
 def test_offloaded_step_trains_like_the_step_on_the_gpu(gpu_runs, label, stage):

@@ -362,12 +362,13 @@ class OptimizerOffload:
         self.overlapped.settle_previous()  # the step before (another optimizer's) has landed
         on_accelerator = [shard for part in parts for shard in part.grad_shards()[:1]]
         wait_for_copies(on_accelerator)  # the gradients copied out during backward (copy stream) have arrived
+        if self.delayed is not None and self.delayed.takes(optimizer):
+            self.use_fused(optimizer)
+            clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
+            # on a thread; the last update's copies into the model are waited for by their readers, not here
+            self.delayed.step(optimizer, parts, used, inv_scale, clip)  # (delayed_update.py)
+            return
         try:
-            if self.delayed is not None and self.delayed.takes(optimizer):
-                self.use_fused(optimizer)
-                clip = clip_coef.detach().float().cpu() if clip_coef is not None else None
-                self.delayed.step(optimizer, parts, used, inv_scale, clip)  # on a thread (delayed_update.py)
-                return
             self.use_fused(optimizer)
             if self.overlapped.applies(optimizer, parts, self.overlap):
                 mask = {id(part): flags for part, flags in zip(parts, used)}

@@ -4,10 +4,13 @@ backward of step t+1 run, so the CPU's time hides behind the accelerator's.
 
 The rule, as in the paper: after the warm-up's exact steps, the gradients of step t were computed with the
 weights after step t-2's update and are applied to the masters after step t-1's, W_t = U(W_{t-1}, g(W_{t-2})).
-At the step call of step t: 1. wait for step t-1's update; 2. write its masters into the model's parameter shards
-(the engine's write-back and all-gather that follow the step spread them); 3. take step t's gradients into host
-buffers owned by the update (the next backward fills another set); 4. start step t's update on the thread and
-return. The next forward reads W_{t-1}.
+At the step call of step t: 1. wait for step t-1's update; 2. start writing its masters into the model's parameter
+shards, part by part in the order the next forward reads them (the engine's write-back and all-gather that follow
+the step spread them); 3. take step t's gradients into host buffers owned by the update (the next backward fills
+another set); 4. start step t's update on the thread and return. The next forward reads W_{t-1}. On an
+accelerator step 2's copies are asynchronous: each part's reader (its gather) waits for that part's copies on the
+accelerator (a stream wait, as for the overlapped step's write-back), so the next forward starts while the later
+parts are still on their way, and the thread waits for the copies before it changes the masters they read.
 
 The thread touches only the masters' storage, their optimizer state tensors and objects of its own: it steps a
 shallow copy of the user's optimizer whose groups hold stand-in parameters (sharing the masters' storage, with the
@@ -32,7 +35,8 @@ from torch import nn
 from zero_core.optim.kernels import only_params
 from zero_core.optim.master_shards import TileEntry, master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload.host_masters import write_back_pieces
-from zero_core.offload.placement import copy_between, wait_for_copies
+from zero_core.offload.placement import _copy_stream, copy_between
+from zero_core.offload.step_thread import host_step_pool
 
 _WHOLE = 1 << 62  # one tile: the thread steps every piece in one optimizer call
 
@@ -46,6 +50,23 @@ class _Flight(NamedTuple):
     buffers: dict  # (id(part), bucket) -> the host gradient buffer it reads, reused once it has landed
     stand_ins: list[tuple[nn.Parameter, nn.Parameter]]  # (master piece, stand-in) for state made by the step
     shadow_state: dict
+
+
+class _Copied:
+    """A part whose shards the step call is writing on the accelerator's copy stream: its reader's stream waits for
+    the copies (``contracts.wait_for_update``); the host never waits."""
+
+    issued = True  # at the step call, on every rank
+
+    def __init__(self, device: torch.device, event: "torch.cuda.Event") -> None:
+        self.device = device
+        self.event = event
+
+    def ready(self) -> bool:
+        return True
+
+    def wait(self) -> None:
+        torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
 def _frozen(value):
@@ -101,7 +122,7 @@ class DelayedUpdate:
              clip: Optional[torch.Tensor]) -> None:
         key = id(optimizer)
         self._land(key)  # step t-1's update: its masters are final
-        self._write_into_model(self.unwritten.pop(key, []))
+        copied = self._write_into_model(self.unwritten.pop(key, []))
         for part in parts:
             part.master_shards.written_back = True  # the write-back after the step must not read masters in flux
         entries = [entry for tile in master_tiles(parts, used, _WHOLE) for entry in tile]
@@ -113,6 +134,8 @@ class DelayedUpdate:
         shadow, step_fn, pairs, shadow_state = _stand_in_step(optimizer, entries, grads)
 
         def update() -> None:
+            if copied is not None:
+                copied.synchronize()  # the model's shards are being copied from these masters
             with torch.no_grad():
                 unscale_and_clip(grads, inv_scale, clip)  # the same arithmetic as the exact step
                 step_fn(shadow)
@@ -120,7 +143,7 @@ class DelayedUpdate:
                 double.grad = None
 
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-delayed-update")
+            self._pool = host_step_pool("zero-offload-delayed-update")
         self.in_flight[key] = _Flight(self._pool.submit(update), optimizer, entries, buffers, pairs, shadow_state)
         self.delayed_steps += 1
 
@@ -159,19 +182,30 @@ class DelayedUpdate:
             self._pool.shutdown()
             self._pool = None
 
-    @staticmethod
-    def _write_into_model(entries: list[TileEntry]) -> None:
-        """Copy the landed masters into the model's parameter shards: one copy per run of contiguous pieces (on an
-        accelerator cast there, placement.py), or piece by piece for shards offloaded to NVMe."""
+    def _write_into_model(self, entries: list[TileEntry]) -> Optional["torch.cuda.Event"]:
+        """Copy the landed masters into the model's parameter shards, part by part in the order the next forward
+        reads them: one copy per run of contiguous pieces (on an accelerator asynchronous and cast there,
+        placement.py, each part's reader waiting for its copies), or piece by piece for shards offloaded to NVMe.
+        Returns an event after every copy to the accelerator (None: none was made), for the thread to wait on."""
         swapped = [entry for entry in entries if entry.part.swap is not None]
-        shards = []
+        by_part: dict[int, list] = {}
+        for run in tile_runs([e for e in entries if e.part.swap is None]):
+            by_part.setdefault(id(run[0]), []).append(run)
+        parts = self.owner.update_order([runs[0][0] for runs in by_part.values()])
+        last = None
         with torch.no_grad():
-            for part, bucket, start, end, _ in tile_runs([e for e in entries if e.part.swap is None]):
-                master = part.master_shards.buckets[bucket][start:end]
-                shard = part.param_shards()[bucket][start:end]
-                if shard.data_ptr() != master.data_ptr():
-                    copy_between(shard, master)
-                    shards.append(shard)
+            for part in parts:
+                device = None
+                for _, bucket, start, end, _ in by_part[id(part)]:
+                    master = part.master_shards.buckets[bucket][start:end]
+                    shard = part.param_shards()[bucket][start:end]
+                    if shard.data_ptr() != master.data_ptr():
+                        copy_between(shard, master)
+                        device = shard.device if shard.is_cuda else device
+                if device is not None:
+                    last = torch.cuda.Event()
+                    last.record(_copy_stream(device, to_device=True))
+                    part.update_in_flight = _Copied(device, last)
             if swapped:
                 write_back_pieces(swapped)
-        wait_for_copies(shards)
+        return last

@@ -55,6 +55,7 @@ from zero_core.offload.host_masters import write_back_pieces
 from zero_core.offload.nvme_swap import split_into_tiles
 from zero_core.offload.placement import _copy_stream, copy_between
 from zero_core.offload.step_queue import StepQueue, Work
+from zero_core.offload.step_thread import host_step_pool
 
 _WHOLE = 1 << 62  # master_tiles: one tile of everything (the parts are split below)
 _FAILED = ("offload_optimizer: the overlapped host step failed on its thread (the parameters it did not reach "
@@ -74,15 +75,11 @@ class PartTiming(NamedTuple):
     early: bool  # handed over during backward (overlap_with_backward)
 
 
-def _use_threads(count: int) -> None:
-    """This thread's torch CPU kernels use ``count`` threads (torch reads the count once per thread, first)."""
-    torch.get_num_threads()
-    torch.set_num_threads(count)
-
-
 class UpdateInFlight:
     """One part's update on the thread: ``wait()`` returns once its values are in the part's parameter shards
     (on an accelerator: once the calling stream is ordered after the write-back's copies)."""
+
+    issued = False  # the thread makes it
 
     def __init__(self, step: "OverlappedStep") -> None:
         self._step = step
@@ -281,23 +278,16 @@ class OverlappedStep:
         self._parts += [part for part, _ in rest]
         queue.close(works, {id(part): index for index, part in enumerate(parts)})
         self.step_called_at = time.perf_counter()
+        self.waited_seconds = 0.0  # (the next backward may open the next step's queue before they are read)
         self.overlapped_steps += 1
         return True
 
     def _open(self, kernels: dict) -> StepQueue:
         """A new step's queue, and the thread that works through it."""
         self._error = None
-        self.waited_seconds = 0.0
         self._parts = []
         if self._pool is None:
-            # One core fewer than the training thread's: torch's CPU kernels split their work evenly over their
-            # threads, so one of them sharing a core with the training thread (a CUDA synchronise spins on its
-            # core) would hold up the whole step, each chunk of it.
-            threads = torch.get_num_threads()
-            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-overlapped-step",
-                                            initializer=_use_threads, initargs=(max(1, threads - 1),))
-            self._pool.submit(lambda: None).result()  # the thread has set its own count: now put back torch's
-            torch.set_num_threads(threads)  # process-wide default, which setting a count also changes
+            self._pool = host_step_pool("zero-offload-overlapped-step")
         self._queue = StepQueue(kernels)
         self._flight = self._pool.submit(self._run, self._queue)
         return self._queue

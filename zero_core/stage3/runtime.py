@@ -19,7 +19,7 @@ from torch import nn
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
-from zero_core.contracts import update_landed
+from zero_core.contracts import update_landed, update_pending
 from zero_core.planning import PARTITIONED_IN_FLIGHT
 from zero_core.reduction import BackwardSession, ReductionQueue
 from zero_core.stage3.backward_hooks import PreBackward, after_input_grads, attach
@@ -319,10 +319,10 @@ class PartitionedParamsRuntime(UnitSetup, GradientReduction):
                                              self.generation.budget)
             # An overlapped offloaded step may still be writing a unit ahead: its own gather waits for it, so
             # that this module's work is not held up behind the units after it. Alone, a rank prefetches what
-            # has landed; with others, only units with no update pending (the same units on every rank, so
-            # that the ranks' gathers stay the same collectives). The cursor moves past the units left out.
+            # has landed; with others, only units with no update pending on a thread (the same units on every
+            # rank, so that the ranks' gathers stay the same collectives). The cursor moves past the units left out.
             alone = self.comm.topology.world_size == 1
-            batch += [unit for unit in ahead if (update_landed(unit) if alone else unit.update_in_flight is None)]
+            batch += [unit for unit in ahead if (update_landed(unit) if alone else not update_pending(unit))]
         if self.param_swap is not None:  # offload_param nvme: read these shards, then the trace's next, ahead
             following = position is not None and self.trace.following
             self.param_swap.look_ahead(batch, self.trace.order if following else None, position, backward,
