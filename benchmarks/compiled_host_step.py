@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import shutil
-import time
 
 import torch
+
+from benchmarks.gpu_host_step import _best  # the fastest of repeated calls, the variants taking turns
 
 LR, BETA1, BETA2, EPS, WEIGHT_DECAY = 1e-4, 0.9, 0.999, 1e-8, 0.01
 
@@ -38,17 +39,6 @@ def _mixed_adamw(param, avg, sq, grad16, out16, step_size, bias2_sqrt) -> None:
     sq.copy_(new_sq)
     param.copy_(new_param)
     out16.copy_(new_param)
-
-
-def _best(runs: dict, repeats: int) -> dict:
-    times = {name: [] for name in runs}
-    for repeat in range(repeats + 1):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            if repeat:
-                times[name].append(time.perf_counter() - start)
-    return {name: min(values) for name, values in times.items()}
 
 
 def measure(numel: int, threads: int, repeats: int) -> tuple[float, float, float]:
