@@ -206,3 +206,21 @@ def test_delayed_update_config_errors_name_the_field():
         ZeroConfig(stage=2, offload_optimizer={"device": "cpu", "delayed_update_after": -1})
     with pytest.raises(ZeroConfigError, match="weights_ema_decay does not combine with .*delayed_update_after"):
         ZeroConfig(stage=2, weights_ema_decay=0.9, offload_optimizer={"device": "cpu", "delayed_update_after": 0})
+
+
+def test_copies_issued_at_the_step_call_leave_a_unit_in_the_ranks_common_prefetch():
+    """``contracts.update_pending``: ranks that prefetch together (stage 3, world size > 1) leave out a unit whose
+    update a thread still makes (the overlapped step: its readiness differs between ranks), not one whose copies
+    into the model every rank issued at its step call (the delayed update's, a stream wait on an accelerator)."""
+    from zero_core.contracts import update_pending
+    from zero_core.offload import delayed_update, overlapped_step
+
+    class Unit:
+        update_in_flight = None
+
+    unit = Unit()
+    assert not update_pending(unit)
+    unit.update_in_flight = overlapped_step.UpdateInFlight(None)
+    assert update_pending(unit)
+    unit.update_in_flight = delayed_update._Copied(torch.device("cpu"), None)
+    assert not update_pending(unit) and unit.update_in_flight.ready()
