@@ -183,3 +183,28 @@ def test_the_overlap_hands_over_to_the_delayed_update_after_its_warm_up():
         assert losses == plain_losses, (stage, losses, plain_losses)
         for name, value in plain.items():
             assert torch.equal(value, params[name]), (stage, name)
+
+
+def default_worker(rank, world_size):
+    """What ``overlap_with_forward`` resolves to at each stage and device (engine._offload.overlap: None is on
+    where the shards are on an accelerator, False off)."""
+    out = {}
+    for stage in (1, 2, 3):
+        for block in ({"device": "cpu"}, {"device": "cpu", "overlap_with_forward": True},
+                      {"device": "cpu", "overlap_with_forward": False}):
+            model = build_model(MODEL)
+            engine = zero_core.setup(model, make_optimizer(model), {**SMALL, "stage": stage,
+                                                                    "offload_optimizer": block})
+            out[(stage, block.get("overlap_with_forward"))] = engine._offload.overlap
+            engine.close()
+    return out
+
+
+def test_the_default_overlaps_at_stage_3_only():
+    """null: on at stage 3 (the next forward waits per unit); off at stages 1-2, whose step call all-gathers every
+    group after the step (nothing could overlap, and the inline step writes back beside its chunks); true and
+    false as asked at every stage."""
+    (out,) = run_distributed(default_worker, 1, timeout=200)
+    for stage in (1, 2, 3):
+        assert out[(stage, None)] == (None if stage == 3 else False), (stage, out[(stage, None)])
+        assert out[(stage, True)] is None and out[(stage, False)] is False, stage

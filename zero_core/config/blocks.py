@@ -88,9 +88,10 @@ class OffloadOptimizerConfig(Block):
         None,
         doc="lightning-zero's own: the host step runs on a thread while the next forward starts, each part's "
             "update written into the model in the order the forward reads it and waited for there (the maths "
-            "unchanged; acts where the shards are on an accelerator). null (the default): on with device cpu, "
-            "off with nvme (whose gradients would then wait in host memory for the step); true / false: on / off. "
-            "docs/offload.md, \"The step overlapped with the next forward\".")
+            "unchanged; acts where the shards are on an accelerator). null (the default): on with device cpu at "
+            "stage 3; off with nvme (whose gradients would then wait in host memory for the step) and at stages "
+            "1-2 (whose step call all-gathers every group after the step, so nothing overlaps); true / false: "
+            "on / off. docs/offload.md, \"The step overlapped with the next forward\".")
     overlap_with_backward: bool = setting(
         False,
         doc="lightning-zero's own, opt-in, device cpu at stage 3: as overlap_with_forward, and each unit's host "

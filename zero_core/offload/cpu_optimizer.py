@@ -138,10 +138,12 @@ class OptimizerOffload:
         after = block.delayed_update_after
         self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
         # The step overlapped with the next forward (overlapped_step.py): None, where the shards are on an
-        # accelerator; True / False: always / never (offload_optimizer.overlap_with_forward)
+        # accelerator; True / False: always / never (offload_optimizer.overlap_with_forward; tests force True)
         forward = block.overlap_with_forward
-        if forward is None:  # the default: not with nvme, whose gradients would wait in host memory for the step
-            forward = block.device == "cpu"
+        if forward is None:  # the default: stage 3, device cpu. Not with nvme, whose gradients would wait in host
+            # memory for the step; not at stages 1-2, whose step call all-gathers every group after the step, so
+            # the forward cannot start early and the inline step's write-back beside its chunks is the faster
+            forward = block.device == "cpu" and config.stage == 3
         self.overlap: Optional[bool] = None if forward or block.overlap_with_backward else False
         # offload_optimizer.overlap_with_backward (device cpu): a part's step starts once backward reduced it
         self.overlapped = OverlappedStep(self, with_backward=block.overlap_with_backward and self.swapper is None)
