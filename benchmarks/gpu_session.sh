@@ -22,6 +22,8 @@
 #   sidebyside issue 38: DeepSpeed's cpu_adam built (the GPU tier beside it), the delayed update at 1.75B 32x1024,
 #           6.58B started during backward / inline / DeepSpeed / FSDP2 in one call, then the largest model if
 #           time is left (560 s)
+#   settle  issue 38, what is left: the GPU tier alone, 6.58B inline and started during backward taking turns
+#           twice (the 1.10x ratio, which two calls put at 1.17x and 0.95x), the largest model for 10 steps (430 s)
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
@@ -33,7 +35,7 @@
 #   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 #   typing-extensions==4.16.0   (pydantic 2.14 needs >= 4.16; the image's is older or unknown)
 # DeepSpeed is never a dependency of the project.
-# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds|hoststep|diag|check|final|largest|bandwidth|sidebyside]`
+# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds|hoststep|diag|check|final|largest|bandwidth|sidebyside|settle]`
 # with `.whl` in the
 # call's carry.
 export PYTHONUNBUFFERED=1
@@ -115,6 +117,24 @@ if ! grep -q "build rc=0" "$OUT/ds_build.txt"; then echo "DeepSpeed's cpu_adam d
 { step sidebyside_6_58B; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \
     --impls zero3_overlap_bwd zero3_inline deepspeed fsdp2 --timeout 160 --json "$OUT/sidebyside_6_58B.json"; \
   echo "rc=$?"; } 2>&1 | tee "$OUT/sidebyside_6_58B.txt"
+L=${LARGEST_LAYERS:-34}
+if [ $(left) -gt 100 ]; then
+{ step largest_$L; free -g | head -2; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers $L --steps 10 \
+    --warmup 1 --impls zero3_overlap_bwd --timeout $(( $(left) - 10 )) --json "$OUT/largest_$L.json"; echo "rc=$?"; } 2>&1 \
+  | tee "$OUT/largest_$L.txt"
+fi
+step end
+exit 0
+fi
+if [ "$SECTION" = settle ]; then
+BUDGET=${SETTLE_BUDGET:-440}
+left() { echo $(( BUDGET - $(date +%s) + T0 )); }
+# Expected: ~100 s (the last call cut it at 120 s while DeepSpeed's build shared the cores)
+{ step tests; nvidia-smi -L; timeout 170 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 160; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -8
+# Expected: ~220 s (four processes of ~55 s: setup ~15 s, 5 steps of ~2-2.7 s, exit)
+{ step settle_6_58B; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \
+    --impls zero3_inline zero3_overlap_bwd zero3_inline zero3_overlap_bwd --timeout 90 \
+    --json "$OUT/settle_6_58B.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/settle_6_58B.txt"
 L=${LARGEST_LAYERS:-34}
 if [ $(left) -gt 100 ]; then
 { step largest_$L; free -g | head -2; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers $L --steps 10 \
