@@ -2,6 +2,7 @@
 
     python -m benchmarks.delayed_update overlap              # stand-in: step time against sum and max
     python -m benchmarks.delayed_update overlap --stage 3    # ... with the exact step overlapped, unit by unit
+    python -m benchmarks.delayed_update overlap --backward   # stage 2, each bucket's step started in backward
     python -m benchmarks.delayed_update loss --steps 300     # loss curve: delayed update against the exact step
 
 ``overlap``: a CPU stand-in for one GPU. The model's forward and backward are a sleep of a set length (a GPU
@@ -12,7 +13,8 @@ stage 2, world size 1), so the optimizer step is a real host step of that size. 
 turns (a shared machine's load then falls on both); with ``--stage 3`` each of ``--tensors`` blocks is a unit,
 the sleep is split over their forwards and backwards, a third engine overlaps the exact step with the next
 forward (``overlap_with_forward``, forced on: it acts only beside an accelerator) and a fourth also starts each
-unit's step during backward (``overlap_with_backward``). Each reports the median time
+unit's step during backward (``overlap_with_backward``); with ``--backward`` at stage 2 a third engine starts each
+bucket's step during backward (every engine then has a reduce bucket per block). Each reports the median time
 per iteration, its forward+backward, its step call and the host step inside it, against the sum and the max of
 (everything else, host step) of the exact engine. ``--fb-ms`` sets the sleep; by default it equals the exact
 host step, measured first.
@@ -84,11 +86,11 @@ def _engine(model: nn.Module, lr: float, config: dict):
 
 
 def _config(delayed: bool, after: int = 2, dtype: torch.dtype = torch.float32, stage: int = 2,
-            backward: bool = False) -> dict:
+            backward: bool = False, bucket: int = 50_000_000) -> dict:
     block = {"device": "cpu", "overlap_with_backward": backward}
     if delayed:
         block["delayed_update_after"] = after
-    return {"stage": stage, "offload_optimizer": block, "reduce_bucket_size": 50_000_000,
+    return {"stage": stage, "offload_optimizer": block, "reduce_bucket_size": bucket,
             "param_persistence_threshold": 0, "bf16": {"enabled": dtype == torch.bfloat16}}
 
 
@@ -99,8 +101,10 @@ class StandIn:
 
     def __init__(self, args, fb_s: float, delayed: bool, overlapped: bool = False, backward: bool = False) -> None:
         self.dtype = args.dtype
+        # --backward at stage 2: a reduce bucket per block, so that backward reduces them one by one
+        bucket = args.numel // args.tensors if args.backward and args.stage == 2 else 50_000_000
         self.engine = _engine(SleepingModel(args.numel, args.tensors, fb_s), 1e-3,
-                              _config(delayed, dtype=args.dtype, stage=args.stage, backward=backward))
+                              _config(delayed, dtype=args.dtype, stage=args.stage, backward=backward, bucket=bucket))
         # the overlapped step acts only beside an accelerator: forced here (or off)
         self.engine._offload.overlap = overlapped
         self.times: dict[str, list[float]] = {"iteration": [], "fb": [], "step": [], "host": []}
@@ -156,6 +160,8 @@ def bench_overlap_dtype(args) -> str:
     if args.stage == 3:  # the exact step overlapped with the next forward, unit by unit (overlapped_step.py)
         runs["overlapped exact step"] = StandIn(args, fb_s, False, overlapped=True)
         # ... and each unit's step started during backward (overlap_with_backward)
+        runs["exact step started during backward"] = StandIn(args, fb_s, False, overlapped=True, backward=True)
+    if args.stage == 2 and args.backward:  # each bucket's step started during backward (overlap_with_backward)
         runs["exact step started during backward"] = StandIn(args, fb_s, False, overlapped=True, backward=True)
     runs["delayed update"] = StandIn(args, fb_s, True)
     for turn in range(args.turns):  # the two take turns, so that both see the same load on a shared machine
@@ -241,6 +247,8 @@ def main(argv=None) -> None:
     overlap.add_argument("--turn", type=int, default=6, help="iterations per turn (at least 3)")
     overlap.add_argument("--stage", type=int, choices=(2, 3), default=2,
                          help="3: also the exact step overlapped with the next forward, each block a unit")
+    overlap.add_argument("--backward", action="store_true",
+                         help="at stage 2: also each bucket's step started during backward (a bucket per block)")
     overlap.add_argument("--dtypes", choices=("float32", "bfloat16"), nargs="+", default=["float32", "bfloat16"])
     loss = sub.add_parser("loss", help="loss curve: delayed update against the exact step")
     loss.add_argument("--steps", type=int, default=300)

@@ -15,7 +15,8 @@ an overlapped step's forward+backward column includes waits for the step. Issue 
 overlapped step <= 1.10x the larger of the two.
 
 ``zero3_overlap_bwd`` also starts each unit's host step during backward, once its gradients are on the host
-(``overlap_with_backward: true``).
+(``overlap_with_backward: true``). ``zero2_inline`` and ``zero2_overlap_bwd`` are the same at stage 2 (each reduce
+bucket's step started during backward; the default ``reduce_bucket_size``).
 
 ``zero3_delayed`` is ``zero3`` with ``delayed_update_after: 1`` (docs/offload.md, "Delayed parameter update"): its
 step time against ``zero3``'s forward+backward is issue 38's target for the delayed update (use ``--warmup`` 3 or
@@ -61,7 +62,8 @@ import torch
 
 from .gpt import GPTConfig, batch, build_gpt, num_params
 
-IMPLS = ("zero3", "zero3_inline", "zero3_overlap", "zero3_overlap_bwd", "zero3_param", "zero3_delayed", "fsdp2",
+IMPLS = ("zero3", "zero3_inline", "zero3_overlap", "zero3_overlap_bwd", "zero3_param", "zero3_delayed",
+         "zero2_inline", "zero2_overlap_bwd", "fsdp2",
          "deepspeed")
 # What zero3 passes to zero_core.setup, and DeepSpeed gets as it is (plus its batch keys)
 ZERO3_CONFIG = {"bf16": {"enabled": True},
@@ -155,9 +157,9 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
     offload = {k: dict(v) for k, v in ZERO3_CONFIG["zero_optimization"].items() if k != "stage"}
     if impl == "zero3_param":  # parameters too, as FSDP2's CPUOffloadPolicy does
         offload["offload_param"] = {"device": "cpu", "pin_memory": True}
-    if impl in ("zero3_inline", "zero3_overlap"):  # issue 38: the host step inline, or overlapped with the forward
-        offload["offload_optimizer"]["overlap_with_forward"] = impl == "zero3_overlap"
-    if impl == "zero3_overlap_bwd":  # issue 38: and each unit's host step started during backward
+    if impl in ("zero3_inline", "zero3_overlap", "zero2_inline"):  # issue 38: the host step inline, or overlapped
+        offload["offload_optimizer"]["overlap_with_forward"] = impl == "zero3_overlap"  # with the next forward
+    if impl in ("zero3_overlap_bwd", "zero2_overlap_bwd"):  # issue 38: each unit's (bucket's) step in backward
         offload["offload_optimizer"]["overlap_with_backward"] = True
     if impl == "zero3_delayed":  # issue 38: the host step of step t during step t+1's forward and backward
         offload["offload_optimizer"]["delayed_update_after"] = 1
@@ -193,7 +195,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         import zero_core
 
         engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), **ADAMW), {
-            **ZERO3_CONFIG, "zero_optimization": {"stage": 3, **offload}})
+            **ZERO3_CONFIG, "zero_optimization": {"stage": 2 if impl.startswith("zero2") else 3, **offload}})
         del model
         overlapped = engine._offload.overlapped
         if overlap_threads:  # the overlapped step's thread count (default: torch's count less one)
@@ -211,7 +213,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
         step = engine.step
     setup_s = time.perf_counter() - t0 - (build_s or 0.0)
     times, phases, losses, threads_s, waits_s, summaries = [], [], [], [], [], []
-    ours = engine._offload if impl.startswith("zero3") else None  # our host step's chunks are counted
+    ours = engine._offload if impl.startswith("zero") else None  # our host step's chunks are counted
     chunks_before = None
     for s in range(warmup + steps):
         tokens, targets = (t.to(device) for t in batch(config, 0, s))
@@ -338,7 +340,7 @@ def main(argv=None) -> None:
                   f"before the call), {t['parts_after_call']} after it at {g(t['rate_after_call'])} G elements/s; "
                   f"stepping {t['stepping_s']:.2f} s, waiting for gradients {t['arrival_wait_s']:.2f} s, issuing "
                   f"write-backs {t['write_issue_s']:.2f} s, idle between parts {t['idle_s']:.2f} s")
-        elif r["impl"] == "zero3_inline":
+        elif r["impl"] in ("zero3_inline", "zero2_inline"):
             host = r["step_s"] - r["forward_backward_s"]
             print(f"{r['impl']}: host step {host:.2f} s, {r['params'] / host / 1e9:.2f} G elements/s")
     for r in rows:

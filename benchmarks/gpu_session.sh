@@ -23,7 +23,8 @@
 #           6.58B started during backward / inline / DeepSpeed / FSDP2 in one call, then the largest model if
 #           time is left (560 s)
 #   settle  issue 38, what is left: the GPU tier alone, 6.58B inline and started during backward taking turns
-#           twice (the 1.10x ratio, which two calls put at 1.17x and 0.95x), the largest model for 10 steps (430 s)
+#           twice (the 1.10x ratio, which two calls put at 1.17x and 0.95x), 1.75B at stage 2 inline and started
+#           during backward, the largest model for 10 steps (490 s)
 # Results land in $OUT.
 #
 # The device image has torch, lightning and accelerate but not jsonargparse (LightningCLI). Before the call, here:
@@ -127,7 +128,7 @@ step end
 exit 0
 fi
 if [ "$SECTION" = settle ]; then
-BUDGET=${SETTLE_BUDGET:-440}
+BUDGET=${SETTLE_BUDGET:-490}
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 # Expected: ~100 s (the last call cut it at 120 s while DeepSpeed's build shared the cores)
 { step tests; nvidia-smi -L; timeout 170 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 160; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -8
@@ -135,6 +136,9 @@ left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 { step settle_6_58B; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \
     --impls zero3_inline zero3_overlap_bwd zero3_inline zero3_overlap_bwd --timeout 90 \
     --json "$OUT/settle_6_58B.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/settle_6_58B.txt"
+# Expected: ~50 s: stage 2 with each reduce bucket's host step started during backward, against inline
+{ step stage2_1_75B; timeout 100 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 \
+    --impls zero2_inline zero2_overlap_bwd --timeout 48; echo "rc=$?"; } 2>&1 | tee "$OUT/stage2_1_75B.txt"
 L=${LARGEST_LAYERS:-34}
 if [ $(left) -gt 100 ]; then
 { step largest_$L; free -g | head -2; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers $L --steps 10 \

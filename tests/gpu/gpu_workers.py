@@ -159,7 +159,9 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: b
     with ``backward`` each unit's step started during backward (``overlap_with_backward``), nothing read between
     the steps: losses and final weights, how many steps the thread took and how many units backward started."""
     block = {"device": "cpu", "pin_memory": pin, "overlap_with_forward": overlap, "overlap_with_backward": backward}
-    model, engine = _engine(device, stage, offload={"offload_optimizer": block})
+    # stage 2: several reduce buckets (the last is reduced at the step), so that backward reduces some of them
+    buckets = {"reduce_bucket_size": 500_000} if stage == 2 else {}
+    model, engine = _engine(device, stage, offload={"offload_optimizer": block, **buckets})
     losses = []
     for tokens in batches(device):
         loss = engine.module(tokens)
@@ -281,9 +283,9 @@ def main(out: str) -> None:
         for overlap in (True, False):
             label = f"overlap_zero{stage}_{'pinned' if pin else 'pageable'}_{overlap}"
             results[label] = overlap_run(device, stage, overlap, pin)
-        if stage == 3:  # the step started during backward: the thread waits for each unit's copy to the host
-            results[f"overlap_backward_zero3_{'pinned' if pin else 'pageable'}"] = overlap_run(device, 3, True, pin,
-                                                                                              backward=True)
+        # the step started during backward: the thread waits for each unit's (stage 2: bucket's) copy to the host
+        results[f"overlap_backward_zero{stage}_{'pinned' if pin else 'pageable'}"] = overlap_run(
+            device, stage, True, pin, backward=True)
     for stage in (2, 3):
         for waited in (True, False):
             results[f"delayed_zero{stage}_{waited}"] = delayed_run(device, stage, waited)

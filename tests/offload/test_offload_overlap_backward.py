@@ -1,12 +1,12 @@
 """Each unit's offloaded step started during backward (``offload_optimizer.overlap_with_backward``;
 offload/overlapped_step.py, ``start_early``).
 
-Two ranks at stage 3 (fp32, bf16, persistent units, ``offload_param: cpu``) train the same steps twice in one
-process: with the overlap forced on (it acts only beside an accelerator) and inline. No clipping (the early start
+Two ranks at stage 3 (fp32, bf16, persistent units, ``offload_param: cpu``) and at stage 2 (fp32, bf16: each
+reduce bucket started on its own) train the same steps twice in one process: with the overlap forced on (it acts only beside an accelerator) and inline. No clipping (the early start
 refuses it), an LR scheduler stepped after every ``step()``, AdamW with full partitioning. Every loss, every final
 parameter and every master is bit for bit the inline run's; units' steps did start during backward (after the
 first two steps: the first makes the state, the second names the parts), and the next forward waited for them.
-Then, on one rank, what the early start cannot make exact is refused: clipping in the config, a clip between
+Then, on one rank at stages 2 and 3, what the early start cannot make exact is refused (stage 1 at setup): clipping in the config, a clip between
 backward and step (it turns the early start off for the run, with a warning, and the result is the inline
 clipped run's), zero_grad instead of step() after a backward that started units, a second reducing backward
 before the step, and a read of the masters between backward and step() (the step() after it still steps each unit
@@ -14,6 +14,7 @@ once: the inline run's weights)."""
 
 from __future__ import annotations
 
+import functools
 import time
 import warnings
 
@@ -34,7 +35,8 @@ STEPS = 5
 SMALL = {"stage": 3, "reduce_bucket_size": 300, "allgather_bucket_size": 300, "param_persistence_threshold": 0}
 RUNS = {"fp32": {}, "bf16": {"bf16": {"enabled": True}},
         "persistent units": {"param_persistence_threshold": 200},
-        "offload_param cpu": {"offload_param": {"device": "cpu"}}}
+        "offload_param cpu": {"offload_param": {"device": "cpu"}},
+        "stage 2": {"stage": 2}, "stage 2, bf16": {"stage": 2, "bf16": {"enabled": True}}}
 
 
 def train(rank: int, config: dict, overlap: bool, clip: float = 0.0) -> dict:
@@ -44,18 +46,20 @@ def train(rank: int, config: dict, overlap: bool, clip: float = 0.0) -> dict:
     engine = zero_core.setup(model, optimizer, config)
     engine._offload.overlap = True if overlap else False
     dtype = torch.bfloat16 if "bf16" in config else torch.float32
-    losses = []
+    overlapped = engine._offload.overlapped
+    losses, in_backward, counted = [], 0, 0  # parts started before a step call (stage 2's last bucket: inside it)
     for step in range(STEPS):
         loss = engine.module(*make_batch(MODEL, rank, step, 0, dtype=dtype))
         engine.backward(loss)
         if clip:
             engine.clip_grad_norm_(clip)
+        in_backward += overlapped.parts_stepped_in_backward - counted
         engine.step()
+        counted = overlapped.parts_stepped_in_backward
         scheduler.step()
         losses.append(loss.float().item())
-    overlapped = engine._offload.overlapped
     result = {"losses": losses, "params": full_params(engine.module),
-              "masters": engine.full_state_dict(rank0_only=False),
+              "masters": engine.full_state_dict(rank0_only=False), "in_backward": in_backward,
               "early": overlapped.parts_stepped_in_backward, "overlapped": overlapped.overlapped_steps,
               "master_numel": sum(master.numel() for master in engine._offload.all_masters())}
     engine.close()
@@ -103,7 +107,7 @@ def test_steps_started_during_backward_equal_the_inline_step_bit_for_bit():
             assert inline["early"] == 0 and inline["overlapped"] == 0, where
             assert early["overlapped"] == STEPS - 1, f"{where}: {early['overlapped']} overlapped steps"
             # steps 3-5 start units in backward (step 1 makes the state, step 2 names the step's parts)
-            assert early["early"] >= 3, f"{where}: {early['early']} units started during backward"
+            assert early["in_backward"] >= 3, f"{where}: {early['in_backward']} parts started during backward"
             assert False in early["waits"], f"{where}: no forward waited on the host for a unit's update"
             timeline = early["timeline"]  # the last step's: every unit once, in time order, the first in backward
             assert all(ordered for _, _, ordered in timeline), (where, timeline)
@@ -114,13 +118,17 @@ def test_steps_started_during_backward_equal_the_inline_step_bit_for_bit():
                        if n in start), f"{where}: the reference run did not train"
 
 
-def refusals_worker(rank, world_size):
-    config = {**SMALL, "offload_optimizer": {"device": "cpu", "overlap_with_backward": True}}
+def refusals_worker(rank, world_size, stage):
+    config = {**SMALL, "stage": stage, "offload_optimizer": {"device": "cpu", "overlap_with_backward": True}}
     out = {}
     try:
         zero_core.setup(build_model(MODEL), make_optimizer(build_model(MODEL)), {**config, "gradient_clipping": 1.0})
     except ZeroConfigError as error:
         out["config"] = str(error)
+    try:
+        zero_core.setup(build_model(MODEL), make_optimizer(build_model(MODEL)), {**config, "stage": 1})
+    except ZeroConfigError as error:
+        out["config_stage_1"] = str(error)
     # a clip between backward and step: the early start turns itself off, and the run is the inline one
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -181,9 +189,11 @@ def refusals_worker(rank, world_size):
     return out
 
 
-def test_what_the_early_start_cannot_make_exact_is_refused_or_turns_it_off():
-    (out,) = run_distributed(refusals_worker, 1, timeout=200)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_what_the_early_start_cannot_make_exact_is_refused_or_turns_it_off(stage):
+    (out,) = run_distributed(functools.partial(refusals_worker, stage=stage), 1, timeout=200)
     assert "overlap_with_backward" in out["config"] and "gradient_clipping" in out["config"], out["config"]
+    assert "needs stage 2 or 3" in out.get("config_stage_1", ""), out.get("config_stage_1")
     assert out["clip_warning"] and "clipped" in out["clip_warning"][0], out["clip_warning"]
     assert out["clipped"]["early"] == 0, out["clipped"]["early"]
     assert out["clipped"]["losses"] == out["inline_clipped"]["losses"]

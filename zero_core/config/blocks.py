@@ -94,8 +94,9 @@ class OffloadOptimizerConfig(Block):
             "on / off. docs/offload.md, \"The step overlapped with the next forward\".")
     overlap_with_backward: bool = setting(
         False,
-        doc="lightning-zero's own, opt-in, device cpu at stage 3: as overlap_with_forward, and each unit's host "
-            "step starts as soon as backward has reduced its gradients, while backward goes on (the maths "
+        doc="lightning-zero's own, opt-in, device cpu at stages 2-3: as overlap_with_forward, and each unit's "
+            "(stage 2: each reduce bucket's) host step starts as soon as backward has reduced its gradients, while "
+            "backward goes on (the maths "
             "unchanged where it applies: no gradient clipping, no fp16 loss scaling, step() after every "
             "backward that reduces). 6.58B on one H200: 1.83 s a step against 2.15 s inline. docs/offload.md, "
             "\"The step started during backward\".")

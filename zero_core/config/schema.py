@@ -285,9 +285,9 @@ class ZeroConfig(Block):
             raise ZeroConfigError(f"{field} does not combine with gradient_clipping {self.gradient_clipping} (the "
                                   "global norm needs every gradient before any step); set gradient_clipping: 0 or "
                                   "overlap_with_backward: false")
-        if self.stage != 3:
-            raise ZeroConfigError(f"{field} needs stage 3 (each unit is reduced whole in backward), got stage "
-                                  f"{self.stage}; set stage 3, or use overlap_with_forward alone")
+        if self.stage == 1:
+            raise ZeroConfigError(f"{field} needs stage 2 or 3 (stage 1 reduces every gradient at the step, "
+                                  "after backward); set stage 2 or 3, or use overlap_with_forward alone")
 
     def _check_zeropp(self) -> None:
         """ZeRO++ works on stage 3's parameter gathers; MiCS replaces the shard group that hpZ and qgZ assume."""

@@ -307,8 +307,7 @@ class OptimizerOffload:
             copy_between(self._host_bucket(part, index, grad.numel()), grad)
             self._fresh.add((id(part), index))
             self.copied_during_backward += 1
-        if bucket is None:  # stage 3: the unit is whole (overlap_with_backward may start its step now)
-            self.overlapped.start_early(part)
+        self.overlapped.start_early(part, bucket)  # overlap_with_backward may start its step now
 
     def forget_grads(self) -> None:
         """The gradient shards were zeroed (a step, zero_grad, a skipped fp16 step): no host copy is current."""

@@ -22,10 +22,11 @@ read there, so an LR scheduler stepped right after ``step()`` applies from the n
 Gradients not already in host buffers of the offload's own (copied during backward) are copied into them at the
 step call, since the engine zeroes the gradient shards when the call returns.
 
-With ``offload_optimizer.overlap_with_backward`` (stage 3, ``device: cpu``) a unit's step starts earlier still:
-once backward has reduced it and its gradients' copy to the host has landed (``start_early``), while backward
-goes on; the step call then hands over what backward left, which the thread takes in the next forward's order
-(step_queue.py). Only where that is exact: every parameter of the unit got a gradient here, nothing needs every
+With ``offload_optimizer.overlap_with_backward`` (stages 2-3, ``device: cpu``) a unit's step (stage 2: a reduce
+bucket's pieces') starts earlier still: once backward has reduced it and its gradients' copy to the host has landed
+(``start_early``), while backward goes on; the step call then hands over what backward left, which the thread
+takes in the next forward's order (step_queue.py). A stage 2 group's reader waits for all of its buckets
+(``PartUpdates``). Only where that is exact: every parameter of the unit got a gradient here, nothing needs every
 gradient first (no clipping, no fp16: refused at setup, or the early start turns off at the first step that
 clips), and a step follows every backward that reduces (a second one, or zero_grad without a step, raises).
 
@@ -104,8 +105,32 @@ class UpdateInFlight:
             torch.cuda.current_stream(device).wait_event(event)
 
 
+class PartUpdates:
+    """The updates of one stages 1-2 group whose buckets backward started one by one (``start_early`` with a
+    bucket), and of the rest of it the step call handed over: its reader (the all-gather after the step) waits
+    for every one."""
+
+    issued = False  # the thread makes them
+
+    def __init__(self, queue: StepQueue) -> None:
+        self.queue = queue  # the step they belong to
+        self.handles: list[UpdateInFlight] = []
+
+    def ready(self) -> bool:
+        return all(handle.ready() for handle in self.handles)
+
+    def wait(self) -> None:
+        for handle in self.handles:
+            handle.wait()
+
+
 def _entries_of(parts: list, used: list[list[bool]]) -> list[TileEntry]:
     return [entry for tile in master_tiles(parts, used, _WHOLE) for entry in tile]
+
+
+def _bucket_of(entry: TileEntry) -> int:
+    """The bucket of the part's shards that holds ``entry``'s piece."""
+    return entry.part.master_shards.pieces[entry.index].bucket
 
 
 def _group_kernels(kernels: dict) -> list:
@@ -143,7 +168,8 @@ class OverlappedStep:
         self._error: Optional[BaseException] = None
         self._last: Optional[tuple] = None  # (optimizer, ids of its parts) of the last step that could overlap
         self._warned_hyperparameters = False
-        self._stepped_early: set[int] = set()  # parts of the coming step call's step that a settle finished
+        # (id(part), bucket or None) of the coming step call's step that a settle finished
+        self._stepped_early: set[tuple[int, Optional[int]]] = set()
 
     # -- the step call (training thread) -------------------------------------------------------------------
     def applies(self, optimizer: torch.optim.Optimizer, parts: list, forced: Optional[bool]) -> bool:
@@ -174,18 +200,21 @@ class OverlappedStep:
             return
         self._last = (optimizer, {id(part) for part in parts})
 
-    def start_early(self, part) -> None:
-        """Backward reduced ``part`` (its gradients are on their way to the host): hand its step to the thread
-        now, when the step it belongs to is known to be exact this early. Every parameter of it got a gradient
-        here (so it is stepped whatever the others say), it has Adam state, and it is no persistent unit (those
-        are gathered at once after the step)."""
+    def start_early(self, part, bucket: Optional[int] = None) -> None:
+        """Backward reduced ``part`` (a stage-3 unit: ``bucket`` None) or one bucket of it (stage 2), and its
+        gradients are on their way to the host: hand its step to the thread now, when the step it belongs to is
+        known to be exact this early. Every parameter of what was reduced got a gradient here (so it is stepped
+        whatever the others say), it has Adam state, and it is no persistent unit (those are gathered at once after
+        the step)."""
         if not self.with_backward or self._last is None:
             return
         optimizer, ids = self._last
-        if id(part) not in ids or part.swap is not None or part.persistent or not part.reduced_whole:
-            return  # (a stage-3 unit: only those are reduced whole, bucket None)
+        if id(part) not in ids or part.swap is not None or getattr(part, "persistent", False) \
+                or not part.reduced_whole:
+            return
+        key = (id(part), bucket)
         queue = self._open_queue()
-        if id(part) in self._stepped_early or (queue is not None and any(p is part for p in queue.early)):
+        if key in self._stepped_early or (queue is not None and key in queue.early):
             self.with_backward = False  # the engine stays usable (the reductions still in flight come here too)
             self.settle()
             raise RuntimeError(
@@ -193,6 +222,8 @@ class OverlappedStep:
                 f"already started ({', '.join(part.names[:3])}); it needs step() after every backward that "
                 "reduces (accumulate with no_sync, as the front-ends do), or set overlap_with_backward: false")
         entries = _entries_of([part], [[True] * len(part.params)])
+        if bucket is not None:  # the pieces of that bucket
+            entries = [entry for entry in entries if _bucket_of(entry) == bucket]
         states = [optimizer.state.get(entry.piece) for entry in entries]
         if not entries or any(not state or "exp_avg" not in state for state in states):
             return
@@ -201,18 +232,30 @@ class OverlappedStep:
             queue = self._open(piece_kernels(optimizer))
         grads = self.owner.owned_grads(entries, consume=False)
         arrived = None
-        shard = part.grad_shards()[0]
+        shard = part.grad_shards()[bucket or 0]
         if shard.is_cuda:
             arrived = torch.cuda.Event()
             arrived.record(_copy_stream(shard.device, to_device=False))
         torch._foreach_add_([state["step"] for state in states], 1)
         handle = UpdateInFlight(self)
-        part.update_in_flight = handle
+        self._hand_over(part, handle, queue, split=bucket is not None)
         part.master_shards.written_back = True
-        queue.early.append(part)
-        self._parts.append(part)
+        queue.early.append(key)
         self.parts_stepped_in_backward += 1
-        queue.put(Work(part, entries, states, grads, handle, arrived, 1.0, None))
+        queue.put(Work(part, entries, states, grads, handle, arrived, 1.0, None, bucket))
+
+    def _hand_over(self, part, handle: UpdateInFlight, queue: Optional[StepQueue], split: bool) -> None:
+        """``part``'s reader waits for ``handle``: alone, or with the handles of the buckets backward started."""
+        current = part.update_in_flight
+        if isinstance(current, PartUpdates) and current.queue is queue:
+            current.handles.append(handle)
+        elif split:
+            part.update_in_flight = PartUpdates(queue)
+            part.update_in_flight.handles.append(handle)
+        else:
+            part.update_in_flight = handle
+        if not any(known is part for known in self._parts):
+            self._parts.append(part)
 
     def start(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
               clip: Optional[torch.Tensor]) -> bool:
@@ -222,12 +265,17 @@ class OverlappedStep:
         queue = self._open_queue()
         if queue is None:
             self.settle()
-        # parts backward handed over: in flight, or stepped already (something waited for them before this call)
-        early = {id(part) for part in queue.early} if queue is not None else set()
+        # parts (or buckets) backward handed over: in flight, or stepped already (something waited for them
+        # before this call)
+        early = set(queue.early) if queue is not None else set()
         early |= self._stepped_early
         self._stepped_early = set()
-        rest = [(part, flags) for part, flags in zip(parts, used) if id(part) not in early]
-        entries = _entries_of([part for part, _ in rest], [flags for _, flags in rest])
+        entries = [entry for entry in _entries_of(parts, used)
+                   if (id(entry.part), None) not in early and (id(entry.part), _bucket_of(entry)) not in early]
+        stepped = {id(entry.part) for entry in entries}
+        started = {key[0] for key in early}
+        # a part with pieces left to step, or none of it started (it may have nothing to step: its work is empty)
+        rest = [part for part in parts if id(part) in stepped or id(part) not in started]
         states = [optimizer.state.get(entry.piece) for entry in entries]
         problem = None
         if any(not state or "exp_avg" not in state for state in states):
@@ -266,16 +314,15 @@ class OverlappedStep:
         for position, entry in enumerate(entries):
             by_part.setdefault(id(entry.part), []).append(position)
         works = []
-        for part, _ in rest:
+        if queue is None:
+            queue = self._open(kernels)
+        for part in rest:
             handle = UpdateInFlight(self)
-            part.update_in_flight = handle
+            self._hand_over(part, handle, queue, split=False)
             part.master_shards.written_back = True  # the thread writes every stepped piece back itself
             positions = by_part.get(id(part), [])
             works.append(Work(part, [entries[i] for i in positions], [states[i] for i in positions],
                                [grads[i] for i in positions], handle, None, inv_scale, clip))
-        if queue is None:
-            queue = self._open(kernels)
-        self._parts += [part for part, _ in rest]
         queue.close(works, {id(part): index for index, part in enumerate(parts)})
         self.step_called_at = time.perf_counter()
         self.waited_seconds = 0.0  # (the next backward may open the next step's queue before they are read)
@@ -317,7 +364,7 @@ class OverlappedStep:
                 written = time.perf_counter()
                 busy += written - start
                 numel = sum(entry.grad.numel() for entry in work.entries)  # (a swapped-out master is empty)
-                early = any(part is work.part for part in queue.early)
+                early = (id(work.part), work.bucket) in queue.early
                 timeline.append(PartTiming(start, arrived, stepped, written, numel, early))
                 work = None
             self.thread_seconds = busy
@@ -407,7 +454,7 @@ class OverlappedStep:
             return
         queue, self._queue = self._queue, None
         if queue is not None and not queue.closed:
-            self._stepped_early = {id(part) for part in queue.early}
+            self._stepped_early = set(queue.early)
             queue.close([], {})
         for part in self._parts:
             part.update_in_flight = None

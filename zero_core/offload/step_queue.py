@@ -28,6 +28,7 @@ class Work(NamedTuple):
     arrived: Optional["torch.cuda.Event"]  # the gradients' copy to the host (made during backward), or None
     inv_scale: float
     clip: Optional[torch.Tensor]
+    bucket: Optional[int] = None  # stage 2: the one bucket of the group backward reduced (None: all its pieces)
 
 
 class StepQueue:
@@ -38,7 +39,7 @@ class StepQueue:
 
     def __init__(self, kernels: dict) -> None:
         self.kernels = kernels  # chunked_step.piece_kernels: the step's hyperparameters, as of its first part
-        self.early: list = []  # parts added during backward
+        self.early: list[tuple[int, Optional[int]]] = []  # (id(part), bucket or None) added during backward
         self._cond = threading.Condition()
         self._ready: list[Work] = []
         self._order: Optional[dict[int, int]] = None  # set by the step call: position in the next forward

@@ -32,6 +32,7 @@ class FlatParamGroup:
 
     swap = None  # parameter shards are never swapped to NVMe at stages 1-2 (a stage 3 unit's may be)
     update_in_flight = None  # an overlapped offloaded step's handle until this group's shards hold its update
+    reduced_whole = False  # its last reduced bucket had a gradient for every parameter here (grad_reducer.py)
 
     def __init__(
         self,

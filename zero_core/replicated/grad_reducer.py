@@ -48,6 +48,7 @@ class _InFlight:
     scratch: list
     accumulate: bool
     scale: float  # the result times this is the average (1/N unless the source was pre-divided)
+    whole: bool = False  # every parameter of the bucket had a gradient here (offload's early step reads it)
 
 
 class GradReducer:
@@ -243,6 +244,7 @@ class GradReducer:
         else:
             self._release_slots(position, state)
         job = self._reduce(group, bucket, state.staging[:size], accumulate=True)
+        job.whole = len(state.seen) == len(group.layout.buckets[bucket].param_indices)
         job.scratch.append(state.staging)
         state.staging = state.views = None
         self._inflight.push(job)
@@ -372,6 +374,7 @@ class GradReducer:
         elif job.scale != 1.0:
             target.mul_(job.scale)
         if job.group.on_grad_reduced is not None:
+            job.group.reduced_whole = job.whole
             job.group.on_grad_reduced(job.group, job.bucket)
         for buffer in job.scratch:
             self.pool.release(buffer)
