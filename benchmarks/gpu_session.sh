@@ -68,6 +68,15 @@ built = time.perf_counter()
 CPUAdamBuilder().load(verbose=False)
 print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports {built - start:.1f} s)')"
 }
+# The largest model for 10 steps (LARGEST_LAYERS deep, 34 by default: 6.99B) if more than 100 s of the section's
+# budget (left()) is left
+largest_if_time() {
+  local L=${LARGEST_LAYERS:-34}
+  [ $(left) -gt 100 ] || return 0
+  { step largest_$L; free -g | head -2; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers $L \
+      --steps 10 --warmup 1 --impls zero3_overlap_bwd --timeout $(( $(left) - 10 )) --json "$OUT/largest_$L.json"
+    echo "rc=$?"; } 2>&1 | tee "$OUT/largest_$L.txt"
+}
 if [ "$SECTION" = largest ]; then
 # Issue 38: the largest GPT the machine holds with offload_optimizer: cpu, for 10 steps. Host memory is the limit:
 # about 16 bytes per parameter (12 of fp32 masters and Adam state, 4 of fp32 gradients); 6.58B (32 layers) peaked
@@ -118,12 +127,7 @@ if ! grep -q "build rc=0" "$OUT/ds_build.txt"; then echo "DeepSpeed's cpu_adam d
 { step sidebyside_6_58B; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \
     --impls zero3_overlap_bwd zero3_inline deepspeed fsdp2 --timeout 160 --json "$OUT/sidebyside_6_58B.json"; \
   echo "rc=$?"; } 2>&1 | tee "$OUT/sidebyside_6_58B.txt"
-L=${LARGEST_LAYERS:-34}
-if [ $(left) -gt 100 ]; then
-{ step largest_$L; free -g | head -2; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers $L --steps 10 \
-    --warmup 1 --impls zero3_overlap_bwd --timeout $(( $(left) - 10 )) --json "$OUT/largest_$L.json"; echo "rc=$?"; } 2>&1 \
-  | tee "$OUT/largest_$L.txt"
-fi
+largest_if_time
 step end
 exit 0
 fi
@@ -139,12 +143,7 @@ left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 # Expected: ~50 s: stage 2 with each reduce bucket's host step started during backward, against inline
 { step stage2_1_75B; timeout 100 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 \
     --impls zero2_inline zero2_overlap_bwd --timeout 48; echo "rc=$?"; } 2>&1 | tee "$OUT/stage2_1_75B.txt"
-L=${LARGEST_LAYERS:-34}
-if [ $(left) -gt 100 ]; then
-{ step largest_$L; free -g | head -2; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers $L --steps 10 \
-    --warmup 1 --impls zero3_overlap_bwd --timeout $(( $(left) - 10 )) --json "$OUT/largest_$L.json"; echo "rc=$?"; } 2>&1 \
-  | tee "$OUT/largest_$L.txt"
-fi
+largest_if_time
 step end
 exit 0
 fi
