@@ -84,7 +84,8 @@ def main(argv=None) -> None:
         return
     numel = int(args.numel)
     print(f"{numel:.3g} elements; best of {args.repeats}; compiler {compiler}")
-    print("| threads | fused (ms, 28+4+4 B/element moved) | compiled (ms, 28+2+2) | compiled / fused | max difference |")
+    print("| threads | fused (ms, 28+4+4 B/element moved) | compiled (ms, 28+2+2) | compiled / fused "
+          "| max difference |")
     print("| --- | --- | --- | --- | --- |")
     for threads in args.threads:
         fused, compiled, difference = measure(numel, threads, args.repeats)

@@ -2,15 +2,16 @@
 offload/overlapped_step.py, ``start_early``).
 
 Two ranks at stage 3 (fp32, bf16, persistent units, ``offload_param: cpu``) and at stage 2 (fp32, bf16: each
-reduce bucket started on its own) train the same steps twice in one process: with the overlap forced on (it acts only beside an accelerator) and inline. No clipping (the early start
-refuses it), an LR scheduler stepped after every ``step()``, AdamW with full partitioning. Every loss, every final
-parameter and every master is bit for bit the inline run's; units' steps did start during backward (after the
-first two steps: the first makes the state, the second names the parts), and the next forward waited for them.
-Then, on one rank at stages 2 and 3, what the early start cannot make exact is refused (stage 1 at setup): clipping in the config, a clip between
-backward and step (it turns the early start off for the run, with a warning, and the result is the inline
-clipped run's), zero_grad instead of step() after a backward that started units, a second reducing backward
-before the step, and a read of the masters between backward and step() (the step() after it still steps each unit
-once: the inline run's weights)."""
+reduce bucket started on its own) train the same steps twice in one process: with the overlap forced on (it acts
+only beside an accelerator) and inline. No clipping (the early start refuses it), an LR scheduler stepped after
+every ``step()``, AdamW with full partitioning. Every loss, every final parameter and every master is bit for bit
+the inline run's; parts' steps did start during backward, before the step call (after the first two steps: the
+first makes the state, the second names the parts), and the next forward waited for them. Then, on one rank at
+stages 2 and 3, what the early start cannot make exact is refused (stage 1 at setup): clipping in the config, a
+clip between backward and step (it turns the early start off for the run, with a warning, and the result is the
+inline clipped run's), zero_grad instead of step() after a backward that started units, a second reducing
+backward before the step, and a read of the masters between backward and step() (the step() after it still
+steps each unit once: the inline run's weights)."""
 
 from __future__ import annotations
 
