@@ -68,6 +68,14 @@ built = time.perf_counter()
 CPUAdamBuilder().load(verbose=False)
 print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports {built - start:.1f} s)')"
 }
+# The delayed update where forward+backward is at least the host step (1.75B, batch 32x1024), inline against
+# delayed, if more than 60 s of the section's budget (left()) is left
+delayed_b32_if_time() {
+  [ $(left) -gt 60 ] || return 0
+  { step delayed_1_75B_b32; timeout $(left) python3 -m benchmarks.gpu_offload --layers 8 --batch-size 32 --steps 3 \
+      --warmup 3 --impls zero3_inline zero3_delayed --timeout $(( $(left) / 2 )); echo "rc=$?"; } 2>&1 \
+    | tee "$OUT/delayed_1_75B_b32.txt"
+}
 # The largest model for 10 steps (LARGEST_LAYERS deep, 34 by default: 6.99B) if more than 100 s of the section's
 # budget (left()) is left
 largest_if_time() {
@@ -99,10 +107,7 @@ left() { echo $(( BUDGET - $(date +%s) + T0 )); }
     --impls zero3_overlap_bwd --overlap-threads 16 --timeout 36; echo "rc=$?"; } 2>&1 | tee "$OUT/timeline_1_75B_16threads.txt"
 { step timeline_1_75B_one_stream; timeout 40 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 \
     --impls zero3_overlap_bwd --one-copy-stream --timeout 36; echo "rc=$?"; } 2>&1 | tee "$OUT/timeline_1_75B_one_stream.txt"
-if [ $(left) -gt 60 ]; then
-{ step delayed_1_75B_b32; timeout $(left) python3 -m benchmarks.gpu_offload --layers 8 --batch-size 32 --steps 3 --warmup 3 \
-    --impls zero3_inline zero3_delayed --timeout $(( $(left) / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/delayed_1_75B_b32.txt"
-fi
+delayed_b32_if_time
 step end
 exit 0
 fi
@@ -173,10 +178,7 @@ if [ $(left) -gt 45 ]; then
 { step ds_host_step; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_host_step --deepspeed --numel 2e7 2e8 \
     --threads 16 1 --repeats 5 --timeout $(( ($(left) - 10) / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/ds_host_step.txt"
 fi
-if [ $(left) -gt 60 ]; then
-{ step delayed_1_75B_b32; timeout $(left) python3 -m benchmarks.gpu_offload --layers 8 --batch-size 32 --steps 3 --warmup 3 \
-    --impls zero3_inline zero3_delayed --timeout $(( $(left) / 2 )); echo "rc=$?"; } 2>&1 | tee "$OUT/delayed_1_75B_b32.txt"
-fi
+delayed_b32_if_time
 step end
 exit 0
 fi

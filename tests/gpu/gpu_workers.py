@@ -154,6 +154,17 @@ def engine_run(device, stage: int, side_streams: bool = True, resume_at: int = 0
             "host_pinned": [t.is_pinned() for t in _host_tensors(engine)]}
 
 
+def _train(engine, device) -> list[float]:
+    """A step on each of the batches, nothing read between them: the losses."""
+    losses = []
+    for tokens in batches(device):
+        loss = engine.module(tokens)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: bool = False) -> dict:
     """The offloaded step overlapped with the next forward (opt-in) or inline (``overlap_with_forward: false``),
     with ``backward`` each unit's step started during backward (``overlap_with_backward``), nothing read between
@@ -162,12 +173,7 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: b
     # stage 2: several reduce buckets (the last is reduced at the step), so that backward reduces some of them
     buckets = {"reduce_bucket_size": 500_000} if stage == 2 else {}
     model, engine = _engine(device, stage, offload={"offload_optimizer": block, **buckets})
-    losses = []
-    for tokens in batches(device):
-        loss = engine.module(tokens)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
+    losses = _train(engine, device)
     weights = engine.full_state_dict(rank0_only=False)
     return {"losses": losses, "weights": {n: weights[n] for n, _ in model.named_parameters()},
             "overlapped": engine._offload.overlapped.overlapped_steps,
@@ -196,12 +202,7 @@ def delayed_run(device, stage: int, waited: bool) -> dict:
     try:
         block = {"device": "cpu", "pin_memory": True, "delayed_update_after": 1}
         model, engine = _engine(device, stage, offload={"offload_optimizer": block})
-        losses = []
-        for tokens in batches(device):
-            loss = engine.module(tokens)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = _train(engine, device)
         weights = engine.full_state_dict(rank0_only=False)
         delayed = engine._offload.delayed.delayed_steps
     finally:

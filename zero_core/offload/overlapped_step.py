@@ -244,7 +244,7 @@ class OverlappedStep:
         self.parts_stepped_in_backward += 1
         queue.put(Work(part, entries, states, grads, handle, arrived, 1.0, None, bucket))
 
-    def _hand_over(self, part, handle: UpdateInFlight, queue: Optional[StepQueue], split: bool) -> None:
+    def _hand_over(self, part, handle: UpdateInFlight, queue: StepQueue, split: bool) -> None:
         """``part``'s reader waits for ``handle``: alone, or with the handles of the buckets backward started."""
         current = part.update_in_flight
         if isinstance(current, PartUpdates) and current.queue is queue:
