@@ -22,6 +22,8 @@
 #   sidebyside issue 38: DeepSpeed's cpu_adam built (the GPU tier beside it), the delayed update at 1.75B 32x1024,
 #           6.58B started during backward / inline / DeepSpeed / FSDP2 in one call, then the largest model if
 #           time is left (560 s)
+#   kernel  issue 38: torch's fused AdamW against a compiled one reading bf16 gradients (benchmarks.compiled_host_step)
+#           on the GPU host's cores, alone and beside its copies; with KERNEL_PAIR=1 the 6.58B pair again (90-200 s)
 #   settle  issue 38, what is left: the GPU tier alone, 6.58B inline and started during backward taking turns
 #           twice (the 1.10x ratio, which two calls put at 1.17x and 0.95x), 1.75B at stage 2 inline and started
 #           during backward, the largest model for 10 steps (490 s)
@@ -36,7 +38,7 @@
 #   hjson==3.1.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 #   typing-extensions==4.16.0   (pydantic 2.14 needs >= 4.16; the image's is older or unknown)
 # DeepSpeed is never a dependency of the project.
-# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds|hoststep|diag|check|final|largest|bandwidth|sidebyside|settle]`
+# then run `bash benchmarks/gpu_session.sh [wave3|offload|ds|hoststep|diag|check|final|largest|bandwidth|sidebyside|settle|kernel]`
 # with `.whl` in the
 # call's carry.
 export PYTHONUNBUFFERED=1
@@ -149,6 +151,21 @@ left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 { step stage2_1_75B; timeout 100 python3 -m benchmarks.gpu_offload --layers 8 --steps 3 --warmup 3 \
     --impls zero2_inline zero2_overlap_bwd --timeout 48; echo "rc=$?"; } 2>&1 | tee "$OUT/stage2_1_75B.txt"
 largest_if_time
+step end
+exit 0
+fi
+if [ "$SECTION" = kernel ]; then
+# Issue 38, what decides whether a compiled mixed-precision host step is built: torch's fused AdamW against a
+# torch.compile'd AdamW that reads bf16 gradients, alone and beside its gradient's and write-back's copies, at 16
+# and 15 threads over 1e9 elements (~21 GB pinned; inductor's compile needs g++, which DeepSpeed's build found).
+# Expected: ~90 s. Then the 6.58B pair once more (~110 s) if KERNEL_PAIR=1
+{ step compiled_host_step; timeout 200 python3 -m benchmarks.compiled_host_step --numel 1e9 --threads 16 15 \
+    --repeats 5 --with-copies; echo "rc=$?"; } 2>&1 | tee "$OUT/compiled_host_step.txt"
+if [ "${KERNEL_PAIR:-0}" = 1 ]; then
+{ step pair_6_58B; timeout 150 python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \
+    --impls zero3_inline zero3_overlap_bwd --timeout 70 --json "$OUT/pair_6_58B.json"; echo "rc=$?"; } 2>&1 \
+  | tee "$OUT/pair_6_58B.txt"
+fi
 step end
 exit 0
 fi
