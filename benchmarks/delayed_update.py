@@ -10,14 +10,14 @@ frees the host's cores while it computes) plus the host work a real backward lea
 reduced into buckets); its parameters (``--numel`` fp32 elements) are offloaded (``offload_optimizer: cpu``,
 stage 2, world size 1), so the optimizer step is a real host step of that size. Two engines, the exact step and
 ``delayed_update_after`` (the host step of step t on a thread while step t+1's forward and backward run), take
-turns (a shared machine's load then falls on both); with ``--stage 3`` each of ``--tensors`` blocks is a unit,
-the sleep is split over their forwards and backwards, a third engine overlaps the exact step with the next
-forward (``overlap_with_forward``, forced on: it acts only beside an accelerator) and a fourth also starts each
-unit's step during backward (``overlap_with_backward``); with ``--backward`` at stage 2 a third engine starts each
-bucket's step during backward (every engine then has a reduce bucket per block). Each reports the median time
-per iteration, its forward+backward, its step call and the host step inside it, against the sum and the max of
-(everything else, host step) of the exact engine. ``--fb-ms`` sets the sleep; by default it equals the exact
-host step, measured first.
+turns (a shared machine's load then falls on both), with a third that overlaps the exact step with the next
+forward (``overlap_with_forward``, forced on: it acts only beside an accelerator); with ``--stage 3`` each of
+``--tensors`` blocks is a unit, the sleep is split over their forwards and backwards, and a fourth engine also
+starts each unit's step during backward (``overlap_with_backward``); with ``--backward`` at stage 2 a fourth
+engine starts each bucket's step during backward (every engine then has a reduce bucket per block). Each
+reports the median time per iteration, its forward+backward, its step call and the host step inside it, against
+the sum and the max of (everything else, host step) of the exact engine. ``--fb-ms`` sets the sleep; by default
+it equals the exact host step, measured first.
 
 ``loss``: a small GPT (benchmarks/gpt.py) trained at world size 1 with the exact step and with the delayed
 update after each ``--after`` warm-up, on the same batches; the loss per window of steps, the steps each run
@@ -157,11 +157,10 @@ def bench_overlap_dtype(args) -> str:
     probe.engine.close()
     del probe
     runs = {"exact step": StandIn(args, fb_s, False)}
-    if args.stage == 3:  # the exact step overlapped with the next forward, unit by unit (overlapped_step.py)
-        runs["overlapped exact step"] = StandIn(args, fb_s, False, overlapped=True)
-        # ... and each unit's step started during backward (overlap_with_backward)
-        runs["exact step started during backward"] = StandIn(args, fb_s, False, overlapped=True, backward=True)
-    if args.stage == 2 and args.backward:  # each bucket's step started during backward (overlap_with_backward)
+    # The exact step overlapped with the next forward (overlapped_step.py): unit by unit at stage 3; at stage 2 the
+    # step call's all-gather of the flat group waits for all of it (why overlap_with_forward: null is stage 3 only)
+    runs["overlapped exact step"] = StandIn(args, fb_s, False, overlapped=True)
+    if args.stage == 3 or args.backward:  # each unit's / bucket's step started during backward
         runs["exact step started during backward"] = StandIn(args, fb_s, False, overlapped=True, backward=True)
     runs["delayed update"] = StandIn(args, fb_s, True)
     for turn in range(args.turns):  # the two take turns, so that both see the same load on a shared machine
