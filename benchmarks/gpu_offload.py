@@ -16,7 +16,9 @@ overlapped step <= 1.10x the larger of the two.
 
 ``zero3_overlap_bwd`` also starts each unit's host step during backward, once its gradients are on the host
 (``overlap_with_backward: true``). ``zero2_inline`` and ``zero2_overlap_bwd`` are the same at stage 2 (each reduce
-bucket's step started during backward; the default ``reduce_bucket_size``).
+bucket's step started during backward; the default ``reduce_bucket_size``). ``zero3_inline_compiled`` and
+``zero3_overlap_bwd_compiled`` are those two with ``host_kernel: compiled`` (the torch.compile'd host step that reads
+bf16 gradients).
 
 ``zero3_delayed`` is ``zero3`` with ``delayed_update_after: 1`` (docs/offload.md, "Delayed parameter update"): its
 step time against ``zero3``'s forward+backward is issue 38's target for the delayed update (use ``--warmup`` 3 or
@@ -63,8 +65,9 @@ import torch
 from .gpt import GPTConfig, batch, build_gpt, num_params
 
 IMPLS = ("zero3", "zero3_inline", "zero3_overlap", "zero3_overlap_bwd", "zero3_param", "zero3_delayed",
-         "zero2_inline", "zero2_overlap_bwd", "fsdp2",
+         "zero2_inline", "zero2_overlap_bwd", "zero3_inline_compiled", "zero3_overlap_bwd_compiled", "fsdp2",
          "deepspeed")
+COMPILED = "_compiled"  # an implementation of ours with offload_optimizer.host_kernel: compiled
 # What zero3 passes to zero_core.setup, and DeepSpeed gets as it is (plus its batch keys)
 ZERO3_CONFIG = {"bf16": {"enabled": True},
                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
@@ -155,6 +158,10 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
     build_s = None
     overlapped = None  # ours: the overlapped step, whose thread's time is reported
     offload = {k: dict(v) for k, v in ZERO3_CONFIG["zero_optimization"].items() if k != "stage"}
+    name, compiled = impl, impl.endswith(COMPILED)
+    impl = impl.removesuffix(COMPILED)  # the rest as for the implementation it is a variant of
+    if compiled:  # the compiled host kernel that reads bf16 gradients (docs/offload.md)
+        offload["offload_optimizer"]["host_kernel"] = "compiled"
     if impl == "zero3_param":  # parameters too, as FSDP2's CPUOffloadPolicy does
         offload["offload_param"] = {"device": "cpu", "pin_memory": True}
     if impl in ("zero3_inline", "zero3_overlap", "zero2_inline"):  # issue 38: the host step inline, or overlapped
@@ -245,7 +252,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             sync()
         profile = prof.key_averages().table(sort_by="cpu_time_total", row_limit=18, max_name_column_width=60)
     dist.destroy_process_group()
-    return {"profile": profile, "impl": impl, "params": psi, "setup_s": setup_s, "build_s": build_s,
+    return {"profile": profile, "impl": name, "params": psi, "setup_s": setup_s, "build_s": build_s,
             "step_s": statistics.median(times), "losses": [round(float(l), 4) for l in losses],
             "forward_backward_s": statistics.median(phases), "threads": torch.get_num_threads(),
             "overlap_thread_s": statistics.median(threads_s) if threads_s else None,
@@ -340,7 +347,7 @@ def main(argv=None) -> None:
                   f"before the call), {t['parts_after_call']} after it at {g(t['rate_after_call'])} G elements/s; "
                   f"stepping {t['stepping_s']:.2f} s, waiting for gradients {t['arrival_wait_s']:.2f} s, issuing "
                   f"write-backs {t['write_issue_s']:.2f} s, idle between parts {t['idle_s']:.2f} s")
-        elif r["impl"] in ("zero3_inline", "zero2_inline"):
+        elif r["impl"].removesuffix(COMPILED) in ("zero3_inline", "zero2_inline"):
             host = r["step_s"] - r["forward_backward_s"]
             print(f"{r['impl']}: host step {host:.2f} s, {r['params'] / host / 1e9:.2f} G elements/s")
     for r in rows:

@@ -152,7 +152,8 @@ def bench_step(args) -> dict:
         plain.write_back_masters()
 
     group = flat_group()
-    config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu"}, sub_group_size=args.sub_group_size)
+    config = ZeroConfig(stage=1, offload_optimizer={"device": "cpu", "host_kernel": args.host_kernel},
+                        sub_group_size=args.sub_group_size)
     offload = OptimizerOffload([group], config, rank=0)
     offload.copy_thread = args.copy_thread  # on a CPU-only run the engine copies inline (no accelerator transfers)
     if args.chunk:
@@ -205,6 +206,7 @@ def bench_step(args) -> dict:
                        offloaded_with_backward_copies_vs_bare_cpu=cpu_b / (cpu_o + copies))
     return {**cpu_out, "numel": n, "dtype": args.dtype, "copied_in_backward": args.copied_in_backward,
             "copy_thread": args.copy_thread, "chunks": args.chunks, "chunk": offload.chunk_numel,
+            "host_kernel": args.host_kernel,
             "threads": torch.get_num_threads(), "bucket": args.bucket, "param": args.param,
             "engine_step_without_offload_s": min(plain_times),
             "sub_group_size": args.sub_group_size, "bare_fused_adamw_s": b, "offloaded_step_s": o,
@@ -449,6 +451,8 @@ def main(argv=None) -> None:
     parser.add_argument("--chunks", choices=("auto", "on", "off"), default="auto",
                         help="step: the Adam step in chunks smaller than a piece: the engine's choice (with the copy "
                              "thread only), always, or never (whole tiles, the step before chunks)")
+    parser.add_argument("--host-kernel", choices=("fused", "compiled"), default="fused",
+                        help="step: offload_optimizer.host_kernel (compiled: the kernel that reads 16-bit gradients)")
     parser.add_argument("--params", type=int, default=100_000_000)
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--offload", default="none")

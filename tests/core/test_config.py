@@ -121,7 +121,7 @@ def test_defaults_equal_deepspeed():
 
 # Fields of lightning-zero's own in the offload_optimizer block (DeepSpeed has none of these), with defaults.
 OWN_OFFLOAD_OPTIMIZER_DEFAULTS = {"delayed_update_after": None, "overlap_with_forward": None,
-                                  "overlap_with_backward": False}
+                                  "overlap_with_backward": False, "host_kernel": "fused"}
 
 
 # Fields of lightning-zero's own in the zero_optimization block (DeepSpeed has none of these), with defaults.
@@ -156,12 +156,12 @@ def test_every_field_from_kwargs_dict_and_whole_config(name):
                                                    "pin_memory": True, "pipeline_read": True,
                                                    "pipeline_write": True, "fast_init": True,
                                                    "delayed_update_after": None, "overlap_with_forward": True,
-                                                   "overlap_with_backward": False}),
+                                                   "overlap_with_backward": False, "host_kernel": "fused"}),
     ("offload_optimizer", OffloadOptimizerConfig, {"device": "cpu", "nvme_path": None, "buffer_count": 4,
                                                    "pin_memory": False, "pipeline_read": False,
                                                    "pipeline_write": False, "fast_init": False,
                                                    "delayed_update_after": 3, "overlap_with_forward": False,
-                                                   "overlap_with_backward": True}),
+                                                   "overlap_with_backward": True, "host_kernel": "fused"}),
     ("fp16", FP16Config, {"enabled": True, "auto_cast": True, "loss_scale": 128.0, "initial_scale_power": 8,
                           "loss_scale_window": 10, "hysteresis": 3, "consecutive_hysteresis": True,
                           "min_loss_scale": 0.5}),

@@ -165,11 +165,14 @@ def _train(engine, device) -> list[float]:
     return losses
 
 
-def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: bool = False) -> dict:
+def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: bool = False,
+                kernel: str = "fused") -> dict:
     """The offloaded step overlapped with the next forward (opt-in) or inline (``overlap_with_forward: false``),
     with ``backward`` each unit's step started during backward (``overlap_with_backward``), nothing read between
-    the steps: losses and final weights, how many steps the thread took and how many units backward started."""
-    block = {"device": "cpu", "pin_memory": pin, "overlap_with_forward": overlap, "overlap_with_backward": backward}
+    the steps: losses and final weights, how many steps the thread took and how many units backward started.
+    ``kernel``: offload_optimizer.host_kernel."""
+    block = {"device": "cpu", "pin_memory": pin, "overlap_with_forward": overlap, "overlap_with_backward": backward,
+             "host_kernel": kernel}
     # stage 2: several reduce buckets (the last is reduced at the step), so that backward reduces some of them
     buckets = {"reduce_bucket_size": 500_000} if stage == 2 else {}
     model, engine = _engine(device, stage, offload={"offload_optimizer": block, **buckets})
@@ -177,7 +180,8 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: b
     weights = engine.full_state_dict(rank0_only=False)
     return {"losses": losses, "weights": {n: weights[n] for n, _ in model.named_parameters()},
             "overlapped": engine._offload.overlapped.overlapped_steps,
-            "early": engine._offload.overlapped.parts_stepped_in_backward}
+            "early": engine._offload.overlapped.parts_stepped_in_backward,
+            "grad_dtypes": sorted({str(b.dtype) for b in engine._offload._grads.values()})}
 
 
 def delayed_run(device, stage: int, waited: bool) -> dict:
@@ -287,6 +291,9 @@ def main(out: str) -> None:
         # the step started during backward: the thread waits for each unit's (stage 2: bucket's) copy to the host
         results[f"overlap_backward_zero{stage}_{'pinned' if pin else 'pageable'}"] = overlap_run(
             device, stage, True, pin, backward=True)
+    for stage in (2, 3):  # the compiled host kernel, inline and started during backward (pinned)
+        results[f"compiled_zero{stage}_inline"] = overlap_run(device, stage, False, kernel="compiled")
+        results[f"compiled_zero{stage}_backward"] = overlap_run(device, stage, True, backward=True, kernel="compiled")
     for stage in (2, 3):
         for waited in (True, False):
             results[f"delayed_zero{stage}_{waited}"] = delayed_run(device, stage, waited)

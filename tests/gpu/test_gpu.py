@@ -107,6 +107,23 @@ def test_steps_started_during_backward_equal_the_inline_step_on_the_gpu(gpu_runs
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_the_compiled_host_kernel_follows_the_fused_one_on_the_gpu(gpu_runs, stage):
+    """offload_optimizer.host_kernel: compiled: bf16 gradients copied to bf16 pinned buffers (no cast) and stepped
+    by the compiled kernel; started during backward bit for bit its inline step, and within the kernels' rounding
+    of the fused inline step."""
+    inline, early = gpu_runs[f"compiled_zero{stage}_inline"], gpu_runs[f"compiled_zero{stage}_backward"]
+    fused = gpu_runs[f"overlap_zero{stage}_pinned_False"]
+    assert inline["grad_dtypes"] == ["torch.bfloat16"] and fused["grad_dtypes"] == ["torch.float32"]
+    assert early["early"] > 0, early["early"]
+    assert early["losses"] == inline["losses"], (early["losses"], inline["losses"])
+    for name, value in inline["weights"].items():
+        assert torch.equal(early["weights"][name], value), name
+        gap = (value.float() - fused["weights"][name].float()).abs().max().item()
+        assert gap < 1e-4, (name, gap)  # fp32 masters: ~1e-9 a step apart
+    assert max(abs(a - b) for a, b in zip(inline["losses"], fused["losses"])) < 1e-2
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_delayed_update_copies_into_the_model_without_a_host_wait(gpu_runs, stage):
     """offload_optimizer.delayed_update_after: the step call copies the landed masters into the model on the copy
     stream and returns; each part's gather waits for its copies (a stream wait) and the thread for all of them

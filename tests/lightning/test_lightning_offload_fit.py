@@ -4,7 +4,8 @@ weights (AdamW, a step scheduler, accumulation, clipping), with no warning about
 files are gone from nvme_path when fit returns (the strategy's teardown), also when training_step raises, and
 none is left once the processes exit; its Trainer.save_checkpoint after fit (NVMe state streamed) resumes a
 fresh module to the same weights;
-zero3_offload_nvme on a missing /local_nvme fails before training, naming nvme_path
+zero3_offload_nvme on a missing /local_nvme fails before training, naming nvme_path;
+ZeroStrategy with offload_optimizer.host_kernel: compiled (the compiled host kernel) ends with DDP's weights too;
 zero3 with overlap_with_backward fits (accumulating) to DDP's weights without clipping
 (lightning/scripts/fit_offload.py)."""
 
@@ -15,7 +16,8 @@ import pytest
 from lightning_runs import load_json, load_rank, max_diff, run
 
 WEIGHT_TOLERANCE = 1e-5  # float reordering only
-DEVICES = {"zero2_offload": ["cpu", "none"], "zero3_offload": ["cpu", "cpu"], "zero3_infinity": ["nvme", "nvme"]}
+DEVICES = {"zero2_offload": ["cpu", "none"], "zero3_offload": ["cpu", "cpu"], "zero3_infinity": ["nvme", "nvme"],
+           "zero3_compiled": ["cpu", "none"]}
 
 
 @pytest.fixture(scope="module")
@@ -38,6 +40,8 @@ def test_offload_strategy_fits_to_ddp_weights_without_warning(out, name):
     assert got["devices"] == DEVICES[name]
     assert got["global_step"] == results["ddp"]["global_step"] > 0
     assert got["offload_warnings"] == [], got["offload_warnings"]
+    if name == "zero3_compiled":  # offload_optimizer.host_kernel: compiled stepped (in chunks, after the first step)
+        assert got["chunks_stepped"] > 0, got
     if name == "zero3_infinity":  # one optimizer and one parameter file per rank while training
         assert sorted(f.rsplit("_", 2)[0] for f in got["nvme_files_during"]) == sorted(
             f"zero_{kind}_rank{rank}" for kind in ("offload", "params") for rank in (0, 1)), got

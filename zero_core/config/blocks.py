@@ -101,8 +101,25 @@ class OffloadOptimizerConfig(Block):
             "backward that reduces). 6.58B on one H200: 1.83 s a step against 2.15 s inline. docs/offload.md, "
             "\"The step started during backward\".")
 
+    host_kernel: str = setting(
+        "fused", choices=("fused", "compiled"),
+        doc="lightning-zero's own, device cpu: the kernel of the host Adam/AdamW step. fused (the default): torch's "
+            "fused CPU kernel, which takes fp32 gradients, so 16-bit gradients are copied into fp32 host buffers. "
+            "compiled: a kernel torch.compile generates (needs a C++ compiler at run time) that reads the "
+            "gradients in the model's dtype: half the gradient bytes copied to and held in host memory, no cast "
+            "on a CPU-only run; Adam and AdamW without amsgrad; not bit for bit the fused kernel (~1e-9 apart a "
+            "step). docs/offload.md, \"The compiled host kernel\".")
+
     def _check_combinations(self) -> None:
         _check_nvme(self)
+        if self.host_kernel == "compiled" and self.device != "cpu":
+            raise ZeroConfigError(
+                f"{self._PATH}.host_kernel 'compiled' needs {self._PATH}.device 'cpu', got {self.device!r} (with "
+                "nvme the step reads fp32 gradient tiles); set device 'cpu' or host_kernel 'fused'")
+        if self.host_kernel == "compiled" and self.delayed_update_after is not None:
+            raise ZeroConfigError(
+                f"{self._PATH}.host_kernel 'compiled' does not combine with {self._PATH}.delayed_update_after (the "
+                "delayed update steps with torch's kernel); remove one of them")
         if self.overlap_with_backward and self.device != "cpu":
             raise ZeroConfigError(
                 f"{self._PATH}.overlap_with_backward needs {self._PATH}.device 'cpu', got {self.device!r} (with "

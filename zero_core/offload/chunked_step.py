@@ -14,8 +14,9 @@ scalar path whose rounding differs). Used only where that kernel is what ``optim
 chunks measured no faster than whole tiles (docs/benchmarks.md). The step's hooks and the step counters LR
 schedulers patch in run once per step, by a step over no parameters after the chunks. The Python work per chunk
 is kept to slicing views made once per step (:class:`ChunkPlan`) and one kernel call per parameter group: it is
-paid once per chunk, and on the overlapped step's thread each operation also waits for the GIL.
-docs/offload.md, "The CPU step".
+paid once per chunk, and on the overlapped step's thread each operation also waits for the GIL. With
+``host_kernel: compiled`` the chunks run the compiled kernel of compiled_adam.py instead (16-bit gradients, one
+call per piece part), on a CPU-only run too. docs/offload.md, "The CPU step".
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch
 import torch.optim.optimizer as torch_optimizer
 
 from zero_core.optim.kernels import only_params
+from zero_core.offload import compiled_adam
 from zero_core.offload.placement import copy_between, wait_for_copies
 
 # Elements per chunk where copies surround the step (chunk_numel): at least CHUNK, at most CHUNK_MAX (the write-back
@@ -111,28 +113,46 @@ def _slices(spans: list[Span], lo: int, hi: int) -> list[tuple[torch.Tensor, tor
 
 
 class _Kernel:
-    """One group's arguments for the fused kernel, as Adam.step passes them."""
+    """One group's arguments for the fused kernel, as Adam.step passes them (or, ``compiled``, for the compiled
+    kernel that reads 16-bit gradients: compiled_adam.py)."""
 
-    def __init__(self, group: dict) -> None:
+    def __init__(self, group: dict, compiled: bool = False) -> None:
         beta1, beta2 = group["betas"]
         self.amsgrad = group["amsgrad"]
+        self.compiled = compiled
         self.fn = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
         lr = group["lr"]  # as of now: a tensor LR a scheduler changes in place is copied
         lr = lr.detach().clone() if torch.is_tensor(lr) else lr
         self.kwargs = dict(amsgrad=self.amsgrad, lr=lr, beta1=float(beta1), beta2=float(beta2),
                            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                            grad_scale=None, found_inf=None)
+        self.group = dict(lr=float(lr), betas=(float(beta1), float(beta2)), weight_decay=group["weight_decay"],
+                          eps=group["eps"], decoupled_weight_decay=group["decoupled_weight_decay"])
 
-    def run(self, rows: list, steps: list[torch.Tensor]) -> None:
-        """The kernel over ``rows`` (per piece: its parameter, gradient, moments and, with amsgrad, its maximum)."""
+    def run(self, rows: list, steps: list[torch.Tensor], scale: float = 1.0) -> None:
+        """The kernel over ``rows`` (per piece: its parameter, gradient, moments and, with amsgrad, its maximum);
+        the compiled kernel multiplies each gradient by ``scale`` as it reads it (the fused one takes them scaled)."""
+        if self.compiled:
+            fn, maximize = compiled_adam.kernel(), self.kwargs["maximize"]
+            for row, step in zip(rows, steps):  # row[4]: the 16-bit shard the kernel writes too, or None
+                fn(row[0], row[1], row[2], row[3], compiled_adam.scalars(self.group, float(step), scale), maximize,
+                   row[4])
+            return
         columns = tuple(zip(*rows))
         maxes = columns[4] if self.amsgrad else ()
         self.fn(columns[0], columns[1], columns[2], columns[3], maxes, steps, **self.kwargs)
 
 
-def piece_kernels(optimizer: torch.optim.Optimizer) -> dict[int, _Kernel]:
+def piece_kernels(optimizer: torch.optim.Optimizer, compiled: bool = False) -> dict[int, _Kernel]:
     """Each parameter's (by ``id``) group's kernel arguments, with the hyperparameters as of now."""
-    return {id(p): kernel for group in optimizer.param_groups for kernel in [_Kernel(group)] for p in group["params"]}
+    return {id(p): kernel for group in optimizer.param_groups for kernel in [_Kernel(group, compiled)]
+            for p in group["params"]}
+
+
+def grad_factor(inv_scale: float, clip: Optional[torch.Tensor]) -> float:
+    """What the compiled kernel multiplies each gradient by: the loss scale's inverse times the clip coefficient
+    (unscale_and_clip's two multiplications, as one)."""
+    return float(inv_scale) * (float(clip) if clip is not None else 1.0)
 
 
 class ChunkPlan:
@@ -140,14 +160,18 @@ class ChunkPlan:
     count, made once per step so that a chunk only slices them (and passes a whole piece's views as they are)."""
 
     def __init__(self, pieces: list[torch.Tensor], states: list[dict], grads: list[torch.Tensor],
-                 kernels: dict[int, _Kernel]) -> None:
+                 kernels: dict[int, _Kernel], grad_scale: float = 1.0,
+                 outs: Optional[list[Optional[torch.Tensor]]] = None) -> None:
         self.kernels = [kernels[id(piece)] for piece in pieces]  # kernels: from piece_kernels
+        self.grad_scale = grad_scale  # the compiled kernel's factor on every gradient (the fused one's are scaled)
         self.steps = [state["step"] for state in states]
         self.views = []
         for piece, state, grad, kernel in zip(pieces, states, grads, self.kernels):
             row = [piece.detach().view(-1), grad.view(-1), state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)]
             if kernel.amsgrad:
                 row.append(state["max_exp_avg_sq"].view(-1))
+            elif kernel.compiled:  # (no amsgrad there) the model's shard the kernel writes too, or None
+                row.append(outs[len(self.views)] if outs is not None else None)
             self.views.append(row)
         self.sizes = [piece.numel() for piece in pieces]
         self.starts = [0] * len(pieces)
@@ -176,7 +200,8 @@ class ChunkPlan:
     def rows(self, lo: int, hi: int) -> list[tuple[int, list[torch.Tensor]]]:
         """(piece index, its views over the part of the piece inside [lo, hi)) for each piece there."""
         views, sizes = self.views, self.sizes
-        return [(i, views[i] if b - a == sizes[i] else [t[a:b] for t in views[i]]) for i, a, b in self._parts(lo, hi)]
+        return [(i, views[i] if b - a == sizes[i] else [t if t is None else t[a:b] for t in views[i]])
+                for i, a, b in self._parts(lo, hi)]
 
     def grads(self, lo: int, hi: int) -> list[torch.Tensor]:
         """The gradient views over [lo, hi)."""
@@ -185,12 +210,16 @@ class ChunkPlan:
 
 def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tensor], grads: list[torch.Tensor],
                       copies: list[Span], writes: list[Span], scale: Optional[Callable[[list[torch.Tensor]], None]],
-                      pool: Optional[ThreadPoolExecutor], numel: int = CHUNK) -> int:
-    """Step ``pieces`` (master pieces that have Adam state) with host fp32 ``grads`` (one per piece, filled by
-    ``copies`` and scaled in place by ``scale``, None where there is nothing to scale), in chunks of about
-    ``numel`` elements, then do ``writes`` (the write-back). With ``pool`` (one thread) chunk k+1's copies and
-    chunk k-1's write-back run while chunk k steps. Returns the number of chunks, or 0, having done nothing, when
-    a piece has no state yet (its first step goes through ``optimizer.step()``)."""
+                      pool: Optional[ThreadPoolExecutor], numel: int = CHUNK, compiled: bool = False,
+                      grad_scale: float = 1.0, outs: Optional[list[Optional[torch.Tensor]]] = None) -> int:
+    """Step ``pieces`` (master pieces that have Adam state) with host ``grads`` (fp32, or 16-bit for ``compiled``;
+    one per piece, filled by ``copies`` and scaled in place by ``scale``, None where there is nothing to scale), in
+    chunks of about ``numel`` elements, then do ``writes`` (the write-back). With ``pool`` (one thread) chunk
+    k+1's copies and chunk k-1's write-back run while chunk k steps. Returns the number of chunks, or 0, having done nothing, when
+    a piece has no state yet (its first step goes through ``optimizer.step()``). ``compiled``: the compiled kernel
+    (compiled_adam.py) steps, multiplying each gradient by ``grad_scale`` as it reads it (``scale`` is then None),
+    and writing each piece's updated parameter into its ``outs`` entry too (the model's 16-bit shard in host
+    memory, flat; None: ``writes`` covers it)."""
     if not pieces:
         return 0  # nothing stepped: the caller's tile loop has nothing to do either
     states = []
@@ -199,7 +228,7 @@ def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tenso
         if not state or "exp_avg" not in state:
             return 0
         states.append(state)
-    plan = ChunkPlan(pieces, states, grads, piece_kernels(optimizer))
+    plan = ChunkPlan(pieces, states, grads, piece_kernels(optimizer, compiled), grad_scale, outs)
     chunks = plan.cuts(numel)
 
     def bring(lo: int, hi: int) -> None:  # chunk [lo, hi)'s gradients in, unscaled and clipped
@@ -250,7 +279,7 @@ def _step_chunk(plan: ChunkPlan, lo: int, hi: int) -> None:
     ``torch.no_grad()``, once for all its chunks)."""
     rows = plan.rows(lo, hi)
     if plan.one_kernel:
-        plan.kernels[0].run([row for _, row in rows], [plan.steps[i] for i, _ in rows])
+        plan.kernels[0].run([row for _, row in rows], [plan.steps[i] for i, _ in rows], plan.grad_scale)
         return
     by_kernel: dict[int, tuple[_Kernel, list, list]] = {}
     for index, row in rows:
@@ -261,4 +290,4 @@ def _step_chunk(plan: ChunkPlan, lo: int, hi: int) -> None:
         entry[1].append(row)
         entry[2].append(plan.steps[index])
     for kernel, group_rows, steps in by_kernel.values():
-        kernel.run(group_rows, steps)
+        kernel.run(group_rows, steps, plan.grad_scale)

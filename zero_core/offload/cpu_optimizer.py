@@ -23,8 +23,10 @@ from torch import nn
 
 from zero_core.optim.kernels import FUSED_CPU, fused_sgd_would_fail, only_params
 from zero_core.optim.master_shards import master_tiles, tile_runs, unscale_and_clip
+from zero_core.offload import compiled_adam
 from zero_core.offload.aio import AioPool, Transfer
-from zero_core.offload.chunked_step import CHUNK_MAX, Span, chunk_numel, chunked_adam_step, steps_fused_adam
+from zero_core.offload.chunked_step import (CHUNK_MAX, Span, chunk_numel, chunked_adam_step, grad_factor,
+                                            steps_fused_adam)
 from zero_core.offload.delayed_update import DelayedUpdate
 from zero_core.offload.host_masters import HostMasterShards, write_back_pieces
 from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path, split_into_tiles
@@ -34,11 +36,6 @@ from zero_core.offload.placement import copy_between, host_empty, pinning, wait_
 
 # Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
 _SWAP_BYTES_PER_ELEMENT = 4 * 3
-
-
-def _in_host_fp32(grad: torch.Tensor) -> bool:
-    return grad.device.type == "cpu" and grad.dtype == torch.float32
-
 
 
 def _copy_all(copies: list[tuple], arrive: bool = False) -> None:
@@ -107,6 +104,12 @@ class OptimizerOffload:
         self.chunks_stepped = 0  # chunks stepped by the chunked Adam path so far (a counter)
         # The chunked Adam path: None, where the shards are on an accelerator; True / False: always / never
         self.chunked: Optional[bool] = None
+        # offload_optimizer.host_kernel 'compiled' (compiled_adam.py): the host gradient buffers keep the gradients'
+        # dtype and every Adam/AdamW step with state runs the compiled kernel in chunks (_step), on a CPU-only run
+        # too
+        self.compiled = block.host_kernel == "compiled"
+        if self.compiled:
+            compiled_adam.warm_up(compiled_adam.FIELD)
         nvme = self.device == "nvme"
         numel = sum(m.numel() for part in parts for m in part.masters)
         if nvme:
@@ -234,16 +237,26 @@ class OptimizerOffload:
                 stacklevel=5,
             )
 
-    def _host_bucket(self, part, bucket: int, numel: int) -> torch.Tensor:
-        """The host fp32 gradient buffer of one bucket shard (device 'cpu': kept; 'nvme': only for this tile)."""
+    def _host_dtype(self, grad: torch.Tensor) -> torch.dtype:
+        """The dtype the host step reads ``grad`` in: fp32 for torch's fused kernel, its own for the compiled one."""
+        return grad.dtype if self.compiled else torch.float32
+
+    def _in_place(self, grad: torch.Tensor) -> bool:
+        """Whether the step reads ``grad`` where it is (in host memory already, in the dtype the kernel takes)."""
+        return grad.device.type == "cpu" and grad.dtype == self._host_dtype(grad)
+
+    def _host_bucket(self, part, bucket: int, like: torch.Tensor) -> torch.Tensor:
+        """The host gradient buffer of one bucket shard ``like`` (device 'cpu': kept; 'nvme': only for this tile),
+        in the dtype the kernel takes (_host_dtype)."""
+        dtype = self._host_dtype(like)
         if self.swapper is not None:  # only the tile's gradients are in memory
-            return torch.empty(numel, dtype=torch.float32)
+            return torch.empty(like.numel(), dtype=dtype)
         key = (id(part), bucket)
         grad = self._grads.get(key)
         if grad is None:
             grad = self._spare_grads.pop(key, None)
             if grad is None:
-                grad = host_empty(numel, torch.float32, self.pin)
+                grad = host_empty(like.numel(), dtype, self.pin)
             self._grads[key] = grad
         return grad
 
@@ -257,7 +270,7 @@ class OptimizerOffload:
             key = (id(part), bucket)
             whole = part.grad_shards()[bucket]
             if key not in taken:
-                taken[key] = self._host_bucket(part, bucket, whole.numel())
+                taken[key] = self._host_bucket(part, bucket, whole)
                 del self._grads[key]
             if key not in self._fresh:
                 copies.append((taken[key][start:end], whole[start:end]))
@@ -279,7 +292,7 @@ class OptimizerOffload:
             key = (id(part), bucket)
             whole = part.grad_shards()[bucket]
             if key not in buffers:  # nvme: a buffer of its own per bucket (the gradients wait in host memory)
-                buffers[key] = self._host_bucket(part, bucket, whole.numel())
+                buffers[key] = self._host_bucket(part, bucket, whole)
             if self.swapper is not None or key not in self._fresh:
                 copies.append((buffers[key][start:end], whole[start:end]))
         _copy_all(copies, arrive=True)
@@ -302,9 +315,9 @@ class OptimizerOffload:
         shards = part.grad_shards()
         for index in range(len(shards)) if bucket is None else (bucket,):
             grad = shards[index]
-            if _in_host_fp32(grad) or grad.numel() == 0:
+            if self._in_place(grad) or grad.numel() == 0:
                 continue  # used in place at the step
-            copy_between(self._host_bucket(part, index, grad.numel()), grad)
+            copy_between(self._host_bucket(part, index, grad), grad)
             self._fresh.add((id(part), index))
             self.copied_during_backward += 1
         self.overlapped.start_early(part, bucket)  # overlap_with_backward may start its step now
@@ -326,21 +339,21 @@ class OptimizerOffload:
         contiguous pieces, so that they are still in cache when the tile steps."""
         out = []
         for piece, grad, part, index in tile:
-            if _in_host_fp32(grad):
-                out.append(grad)  # already fp32 in host memory: used in place, as without offload
+            if self._in_place(grad):
+                out.append(grad)  # already in host memory, in the kernel's dtype: used in place, as without offload
                 continue
             fragment = part.master_shards.pieces[index]
             if self.swapper is not None:  # only the tile's gradients are in memory
-                host = self._host_bucket(part, fragment.bucket, grad.numel())
+                host = self._host_bucket(part, fragment.bucket, grad)
                 copies.append((host, grad))
                 out.append(host)
                 continue
             whole = part.grad_shards()[fragment.bucket]
-            out.append(self._host_bucket(part, fragment.bucket, whole.numel())[fragment.shard_range.as_slice()])
+            out.append(self._host_bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
         if self.swapper is None:
             for part, bucket, start, end, _ in tile_runs(tile):
                 whole = part.grad_shards()[bucket]
-                if not _in_host_fp32(whole) and (id(part), bucket) not in self._fresh:
+                if not self._in_place(whole) and (id(part), bucket) not in self._fresh:
                     copies.append((self._grads[(id(part), bucket)][start:end], whole[start:end]))
         return out
 
@@ -371,6 +384,7 @@ class OptimizerOffload:
             return
         try:
             self.use_fused(optimizer)
+            self.check_kernel(optimizer)
             if self.overlapped.applies(optimizer, parts, self.overlap):
                 mask = {id(part): flags for part, flags in zip(parts, used)}
                 ordered = self.update_order(parts)
@@ -390,8 +404,9 @@ class OptimizerOffload:
         swap = self.swapper
         # Chunks serve the copies to and from an accelerator (they overlap the neighbouring chunks' step, and the
         # last chunk's write-back is all that is left after the kernel); on a CPU-only run they were measured no
-        # faster at one thread and slower at two (docs/benchmarks.md), so tiles step whole.
-        chunked = self._on_accelerator(parts) if self.chunked is None else self.chunked
+        # faster at one thread and slower at two (docs/benchmarks.md), so tiles step whole. The compiled kernel
+        # runs only there (the chunked path), on a CPU-only run too.
+        chunked = self.compiled or (self._on_accelerator(parts) if self.chunked is None else self.chunked)
         if swap is None and chunked and steps_fused_adam(optimizer) and self._step_chunked(optimizer, tiles,
                                                                                           inv_scale, clip):
             return
@@ -413,6 +428,8 @@ class OptimizerOffload:
                     grads = upcoming
                     if index + 1 < len(tiles):  # the next tile's gradients come in while this one steps
                         upcoming, arriving = self._fetch_grads(tiles[index + 1], pipe)
+                if self.compiled:  # a first step (state created) or new pieces: torch's step takes fp32
+                    grads = [grad.float() for grad in grads]
                 unscale_and_clip(grads, inv_scale, clip)  # the same arithmetic as step_in_tiles
                 for (piece, *_), host in zip(tile, grads):
                     piece.grad = host.view(piece.shape)
@@ -445,20 +462,22 @@ class OptimizerOffload:
         entries = [entry for tile in tiles for entry in tile]
         grads, copies, writes, parts, offset = [], [], [], {}, 0
         for piece, grad, part, index in entries:
-            if _in_host_fp32(grad):
-                grads.append(grad)  # already fp32 in host memory: used in place, as without offload
+            if self._in_place(grad):
+                grads.append(grad)  # already in host memory, in the kernel's dtype: used in place, as without offload
                 continue
             fragment = part.master_shards.pieces[index]
             whole = part.grad_shards()[fragment.bucket]
-            grads.append(self._host_bucket(part, fragment.bucket, whole.numel())[fragment.shard_range.as_slice()])
+            grads.append(self._host_bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
+        outs = self._direct_outs(entries) if self.compiled else None
         for part, bucket, start, end, _ in tile_runs(entries):
             whole = part.grad_shards()[bucket]
-            if not _in_host_fp32(whole) and (id(part), bucket) not in self._fresh:
+            if not self._in_place(whole) and (id(part), bucket) not in self._fresh:
                 copies.append(Span(offset, self._grads[(id(part), bucket)][start:end], whole[start:end]))
             if part.swap is None:  # else the parameter shards are on NVMe: the part writes back after the step
                 parts[id(part)] = part
                 master, shard = part.master_shards.buckets[bucket][start:end], part.param_shards()[bucket][start:end]
-                if shard.data_ptr() != master.data_ptr():
+                written = outs is not None and shard.device.type == "cpu" and shard.dtype != torch.float32
+                if shard.data_ptr() != master.data_ptr() and not written:  # (written: by the kernel, _direct_outs)
                     writes.append(Span(offset, shard, master.detach()))
             offset += end - start
         # Nothing to copy (fp32 host shards, their own masters): one chunk, no thread; chunks only add calls.
@@ -466,8 +485,12 @@ class OptimizerOffload:
         moving = bool(copies or writes)
         pool = self._writer() if moving and self._copy_thread([entry.part for entry in entries]) else None
         scale = None if inv_scale == 1.0 and clip is None else lambda chunk: unscale_and_clip(chunk, inv_scale, clip)
+        factor = 1.0
+        if self.compiled:  # the kernel scales as it reads (16-bit gradients, some the model's own, stay as they are)
+            scale, factor = None, grad_factor(inv_scale, clip)
         chunks = chunked_adam_step(optimizer, [entry.piece for entry in entries], grads, copies, writes, scale, pool,
-                                   chunk_numel(offset, self.chunk_numel) if moving else offset)
+                                   chunk_numel(offset, self.chunk_numel) if moving else offset,
+                                   compiled=self.compiled, grad_scale=factor, outs=outs)
         if not chunks:
             return False
         self.chunks_stepped += chunks
@@ -475,6 +498,25 @@ class OptimizerOffload:
             part.master_shards.written_back = True  # the parts' own write-back after the step is skipped once
         self._fresh.clear()
         return True
+
+    @staticmethod
+    def _direct_outs(entries: list) -> list[Optional[torch.Tensor]]:
+        """The compiled kernel's own write-back: per entry, its flat view of the model's parameter shard where that
+        is a separate 16-bit tensor in host memory (a CPU-only run), else None (a copy writes it back)."""
+        outs = []
+        for entry in entries:
+            fragment = entry.part.master_shards.pieces[entry.index]
+            shard = None if entry.part.swap is not None else entry.part.param_shards()[fragment.bucket]
+            direct = shard is not None and shard.device.type == "cpu" and shard.dtype != torch.float32
+            outs.append(shard[fragment.shard_range.as_slice()] if direct else None)
+        return outs
+
+    def check_kernel(self, optimizer: torch.optim.Optimizer) -> None:
+        """host_kernel 'compiled' steps torch's Adam/AdamW only: any other optimizer is an error that says so."""
+        if self.compiled:
+            problem = compiled_adam.refusal(optimizer, compiled_adam.FIELD)
+            if problem is not None:
+                raise ValueError(problem)
 
     @staticmethod
     def _on_accelerator(parts: list) -> bool:

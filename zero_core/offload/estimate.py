@@ -9,7 +9,7 @@ from zero_core.config import ZeroConfig
 from zero_core.offload.nvme_swap import NVME_TILE_NUMEL
 
 MASTER_BYTES = 4  # an offloaded master is always its own fp32 host copy
-HOST_GRAD_BYTES = 4  # the fp32 host gradient buffer the CPU step reads
+HOST_GRAD_BYTES = 4  # the fp32 host gradient buffer the CPU step reads (torch's fused kernel)
 TILES_IN_FLIGHT = 3  # NVMe: the tile stepping, the next being read, the last being written (during the step only)
 
 
@@ -32,7 +32,8 @@ def placement_bytes(estimate, config) -> Placement:
         accelerator -= max(estimate.live_params, estimate.step_tile) - estimate.live_params
         moved = MASTER_BYTES * shard + estimate.optimizer_state  # master + state, per element (4 + K)
         if optimizer == "cpu":
-            host += moved + HOST_GRAD_BYTES * shard
+            compiled = cfg.offload_optimizer.host_kernel == "compiled" and estimate.precision != "fp32"
+            host += moved + (2 if compiled else HOST_GRAD_BYTES) * shard  # compiled: 16-bit buffers (compiled_adam.py)
         else:
             nvme += moved
             tile = min(cfg.sub_group_size, NVME_TILE_NUMEL, shard)

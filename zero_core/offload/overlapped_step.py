@@ -51,7 +51,7 @@ import torch
 from zero_core.optim.kernels import only_params
 from zero_core.optim.master_shards import TileEntry, master_tiles, tile_runs, unscale_and_clip
 from zero_core.offload import chunked_step
-from zero_core.offload.chunked_step import ChunkPlan, piece_kernels, steps_fused_adam
+from zero_core.offload.chunked_step import ChunkPlan, grad_factor, piece_kernels, steps_fused_adam
 from zero_core.offload.host_masters import write_back_pieces
 from zero_core.offload.nvme_swap import split_into_tiles
 from zero_core.offload.placement import _copy_stream, copy_between
@@ -229,7 +229,7 @@ class OverlappedStep:
             return
         if queue is None:
             self.settle()
-            queue = self._open(piece_kernels(optimizer))
+            queue = self._open(piece_kernels(optimizer, self.owner.compiled))
         grads = self.owner.owned_grads(entries, consume=False)
         arrived = None
         shard = part.grad_shards()[bucket or 0]
@@ -297,7 +297,7 @@ class OverlappedStep:
                 "clips (or unscales) the gradients, which needs every gradient first: the parts stepped early were "
                 "not clipped. Stop clipping (gradient_clipping: 0, no clip_grad_norm_) or set "
                 "overlap_with_backward: false")
-        kernels = piece_kernels(optimizer)  # hyperparameters as of now
+        kernels = piece_kernels(optimizer, self.owner.compiled)  # hyperparameters as of now
         if queue is not None:
             if not _same_hyperparameters(kernels, queue.kernels) and not self._warned_hyperparameters:
                 self._warned_hyperparameters = True
@@ -305,7 +305,7 @@ class OverlappedStep:
                               "between backward and step(); this step uses those of backward's time for every "
                               "part (the new ones apply from the next step)", stacklevel=4)
             kernels = queue.kernels
-        grads = self.owner.owned_grads(entries)  # host fp32, the offload's own buffers
+        grads = self.owner.owned_grads(entries)  # in host memory, the offload's own buffers
         if states:  # (backward may have started every part)
             torch._foreach_add_([state["step"] for state in states], 1)  # once per piece, as Adam's step does
         with only_params(optimizer, []):  # its hooks and patched counters (LR schedulers), once, here
@@ -410,8 +410,10 @@ class OverlappedStep:
                    inv_scale: float, clip: Optional[torch.Tensor]) -> None:
         """One part's pieces in chunks of at most ``chunk_numel`` (no copies around them here: the part is written
         back whole, after its last chunk), each unscaled and clipped just before its kernel."""
-        plan = ChunkPlan([entry.piece for entry in entries], states, grads, kernels)
-        scaled = inv_scale != 1.0 or clip is not None
+        compiled = self.owner.compiled  # the compiled kernel scales the 16-bit gradients as it reads them
+        plan = ChunkPlan([entry.piece for entry in entries], states, grads, kernels,
+                         grad_factor(inv_scale, clip) if compiled else 1.0)
+        scaled = not compiled and (inv_scale != 1.0 or clip is not None)
         chunks = plan.cuts(self.owner.chunk_numel)
         with torch.no_grad():
             for lo, hi in chunks:

@@ -2,7 +2,8 @@
 
     python tests/lightning/scripts/fit_offload.py OUT_DIR NVME_DIR   (Lightning's launcher starts rank 1)
 
-"zero2_offload" and "zero3_offload" are the registered names; "zero3_overlap_backward" is stage 3 with
+"zero2_offload" and "zero3_offload" are the registered names; "zero3_compiled" is stage 3 with the compiled host
+kernel (``host_kernel: compiled``); "zero3_overlap_backward" is stage 3 with
 ``overlap_with_backward`` (forced on: CPU processes), fit without clipping beside DDP without clipping
 ("ddp_unclipped"); ZeroStrategy(offload_optimizer="nvme",
 offload_parameters="nvme", nvme_path=...) is ZeRO-Infinity on a directory that exists. "zero3_offload_nvme"
@@ -37,6 +38,9 @@ def strategy_for(name: str):
     if name == "zero3_overlap_backward":  # each unit's host step started during backward
         return ZeroStrategy(stage=3, config={**STAGE3, "offload_optimizer": {"device": "cpu",
                                                                              "overlap_with_backward": True}})
+    if name == "zero3_compiled":  # the host step by the compiled kernel (offload_optimizer.host_kernel)
+        return ZeroStrategy(stage=3, config={**STAGE3, "offload_optimizer": {"device": "cpu",
+                                                                             "host_kernel": "compiled"}})
     if name == "ddp_unclipped":
         return "ddp"
     if name == "zero3_infinity":
@@ -69,6 +73,16 @@ class ForceOverlap(Callback):
         self.offload.overlap = True
 
 
+class KeepOffload(Callback):
+    """The engine's offload, kept to count the chunks its kernel stepped."""
+
+    def __init__(self):
+        self.offload = None
+
+    def on_fit_start(self, trainer, *args):
+        self.offload = trainer.strategy._engine._offload
+
+
 class FailingGPT(LitGPT):
     def training_step(self, batch, batch_idx):
         if batch_idx == 3:  # every rank, at the same batch
@@ -89,7 +103,9 @@ def fit(name: str) -> dict:
     listing = ListSwapFiles()
     forced = ForceOverlap()
     unclipped = name in ("ddp_unclipped", "zero3_overlap_backward")
-    callbacks = [listing] + ([forced] if name == "zero3_overlap_backward" else [])
+    kept = KeepOffload()
+    callbacks = [listing] + ([kept] if name == "zero3_compiled" else []) + (
+        [forced] if name == "zero3_overlap_backward" else [])
     run = trainer(strategy_for(name), OUT, callbacks=callbacks, **(UNCLIPPED if unclipped else FIT))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -110,6 +126,8 @@ def fit(name: str) -> dict:
         trainer(strategy_for(name), OUT, **FIT).fit(fresh, loader(), ckpt_path=str(path))  # nothing left to train
         resumed = full_weights(fresh)
         result["resumed_diff"] = max((resumed[n] - weights[n]).abs().max().item() for n in weights)
+    if name == "zero3_compiled":
+        result["chunks_stepped"] = kept.offload.chunks_stepped  # the compiled kernel steps in chunks
     if forced.offload is not None:
         result["started_in_backward"] = forced.offload.overlapped.parts_stepped_in_backward
         result["overlapped_steps"] = forced.offload.overlapped.overlapped_steps
@@ -121,7 +139,7 @@ def fit(name: str) -> dict:
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     results = {name: fit(name) for name in ("ddp", "zero2_offload", "zero3_offload", "zero3_infinity",
-                                            "ddp_unclipped", "zero3_overlap_backward")}
+                                            "zero3_compiled", "ddp_unclipped", "zero3_overlap_backward")}
     results["zero3_offload_nvme"] = {"error": message_of(lambda: trainer("zero3_offload_nvme", OUT, **FIT).fit(
         LitGPT(), loader()))}
     failing = ListSwapFiles()
