@@ -212,14 +212,14 @@ def chunked_adam_step(optimizer: torch.optim.Optimizer, pieces: list[torch.Tenso
                       copies: list[Span], writes: list[Span], scale: Optional[Callable[[list[torch.Tensor]], None]],
                       pool: Optional[ThreadPoolExecutor], numel: int = CHUNK, compiled: bool = False,
                       grad_scale: float = 1.0, outs: Optional[list[Optional[torch.Tensor]]] = None) -> int:
-    """Step ``pieces`` (master pieces that have Adam state) with host ``grads`` (fp32, or 16-bit for ``compiled``;
-    one per piece, filled by ``copies`` and scaled in place by ``scale``, None where there is nothing to scale), in
-    chunks of about ``numel`` elements, then do ``writes`` (the write-back). With ``pool`` (one thread) chunk
-    k+1's copies and chunk k-1's write-back run while chunk k steps. Returns the number of chunks, or 0, having done nothing, when
-    a piece has no state yet (its first step goes through ``optimizer.step()``). ``compiled``: the compiled kernel
-    (compiled_adam.py) steps, multiplying each gradient by ``grad_scale`` as it reads it (``scale`` is then None),
-    and writing each piece's updated parameter into its ``outs`` entry too (the model's 16-bit shard in host
-    memory, flat; None: ``writes`` covers it)."""
+    """Step ``pieces`` (master pieces that have Adam state) with host ``grads`` (fp32, or 16-bit for ``compiled``; one
+    per piece, filled by ``copies`` and scaled in place by ``scale``, None where there is nothing to scale), in
+    chunks of about ``numel`` elements, then do ``writes`` (the write-back). With ``pool`` (one thread) chunk k+1's
+    copies and chunk k-1's write-back run while chunk k steps. Returns the number of chunks, or 0, having done
+    nothing, when a piece has no state yet (its first step goes through ``optimizer.step()``). ``compiled``: the
+    compiled kernel (compiled_adam.py) steps, multiplying each gradient by ``grad_scale`` as it reads it (``scale``
+    is then None), and writing each piece's updated parameter into its ``outs`` entry too (the model's 16-bit shard
+    in host memory, flat; None: ``writes`` covers it)."""
     if not pieces:
         return 0  # nothing stepped: the caller's tile loop has nothing to do either
     states = []
