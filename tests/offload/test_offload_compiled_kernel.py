@@ -2,11 +2,12 @@
 
 The kernel alone against torch's own Adam and AdamW (fused, fp32 gradients: the 16-bit ones upcast and scaled),
 with weight decay, maximize and a gradient scale, over several steps; a step in chunks is bit for bit the whole
-step. Then two ranks at stages 2 and 3 (bf16, clipping and an LR scheduler, AdamW with and without weight decay
-by group) train the same steps with the fused kernel, with the compiled one, and with the compiled one on the
-overlapped step's thread (forced on: it acts only beside an accelerator): the compiled run follows the fused run
-to within the kernels' rounding, keeps no fp32 host gradient buffer, and the overlapped run is bit for bit the
-inline compiled run. What it cannot step is refused with the field named."""
+step. Then two ranks at stages 2 and 3 (also with ``offload_param: cpu``; bf16, clipping and an LR scheduler,
+AdamW with and without weight decay by group) train the same steps with the fused kernel, with the compiled one,
+and with the compiled one on the overlapped step's thread (forced on: it acts only beside an accelerator): the
+compiled run follows the fused run to within the kernels' rounding, keeps no fp32 host gradient buffer, and the
+overlapped run is bit for bit the inline compiled run; so is, without clipping, the run whose parts' steps start
+during backward. What it cannot step is refused with the field named."""
 
 from __future__ import annotations
 
@@ -90,41 +91,57 @@ def train(rank: int, config: dict, overlap: bool) -> dict:
     offload = engine._offload
     result = {"losses": losses, "params": full_params(engine.module),
               "masters": engine.full_state_dict(rank0_only=False), "chunks": offload.chunks_stepped,
-              "overlapped": offload.overlapped.overlapped_steps,
+              "overlapped": offload.overlapped.overlapped_steps, "early": offload.overlapped.parts_stepped_in_backward,
               "grad_dtypes": sorted({str(buffer.dtype) for buffer in offload._grads.values()})}
     engine.close()
     return result
 
 
+CASES = {"stage 2": {"stage": 2}, "stage 3": {"stage": 3},
+         "stage 3, offload_param cpu": {"stage": 3, "offload_param": {"device": "cpu"}}}
+
+
 def kernels_worker(rank, world_size):
     out = {}
-    for stage in (2, 3):
-        config = {**SMALL, "stage": stage, "bf16": {"enabled": True}, "gradient_clipping": 0.5}
-        out[stage] = {
-            "fused": train(rank, {**config, "offload_optimizer": {"device": "cpu"}}, overlap=False),
-            "compiled": train(rank, {**config, "offload_optimizer": {"device": "cpu", "host_kernel": "compiled"}},
-                              overlap=False),
-            "overlapped": train(rank, {**config, "offload_optimizer": {"device": "cpu", "host_kernel": "compiled"}},
-                                overlap=True)}
+    fused, compiled = {"device": "cpu"}, {"device": "cpu", "host_kernel": "compiled"}
+    for label, case in CASES.items():
+        config = {**SMALL, **case, "bf16": {"enabled": True}, "gradient_clipping": 0.5}
+        out[label] = {"fused": train(rank, {**config, "offload_optimizer": fused}, overlap=False),
+                      "compiled": train(rank, {**config, "offload_optimizer": compiled}, overlap=False),
+                      "overlapped": train(rank, {**config, "offload_optimizer": compiled}, overlap=True)}
+    for stage in (2, 3):  # each part's step started during backward (no clipping: that needs every gradient)
+        config = {**SMALL, "stage": stage, "bf16": {"enabled": True}}
+        out[f"stage {stage}, early start"] = {
+            "compiled": train(rank, {**config, "offload_optimizer": compiled}, overlap=False),
+            "early": train(rank, {**config, "offload_optimizer": {**compiled, "overlap_with_backward": True}},
+                           overlap=True)}
     return out
+
+
+def same(label: str, a: dict, b: dict) -> None:
+    assert a["losses"] == b["losses"], label
+    for key in ("params", "masters"):
+        for name, value in a[key].items():
+            assert torch.equal(value, b[key][name]), f"{label}: {key} {name} differs"
 
 
 def test_the_compiled_kernel_trains_as_the_fused_one_and_overlaps_bit_for_bit():
     for rank, out in enumerate(run_distributed(kernels_worker, 2, timeout=400)):
-        for stage, runs in out.items():
-            label = f"rank {rank}, stage {stage}"
+        for case, runs in out.items():
+            label = f"rank {rank}, {case}"
+            if "early" in runs:  # started during backward: bit for bit the inline compiled step
+                assert runs["early"]["early"] > 0 and runs["compiled"]["early"] == 0, (label, runs["early"]["early"])
+                same(label, runs["compiled"], runs["early"])
+                continue
             fused, compiled, overlapped = runs["fused"], runs["compiled"], runs["overlapped"]
             assert fused["chunks"] == 0 and compiled["chunks"] > 0, (label, fused["chunks"], compiled["chunks"])
             assert overlapped["overlapped"] == STEPS - 1, (label, overlapped["overlapped"])
-            # the fused kernel's host buffers are fp32 (here none: fp32 host shards would be read in place, and
-            # bf16 ones are copied); the compiled kernel reads the bf16 shards in place, or bf16 copies of them
+            # host gradient buffers: fp32 for the fused kernel (the bf16 shards copied and cast); none or bf16 for
+            # the compiled one (it reads the bf16 shards in place; the overlapped step copies them, uncast)
+            assert fused["grad_dtypes"] == ["torch.float32"], (label, fused["grad_dtypes"])
             assert compiled["grad_dtypes"] in ([], ["torch.bfloat16"]), (label, compiled["grad_dtypes"])
             assert overlapped["grad_dtypes"] == ["torch.bfloat16"], (label, overlapped["grad_dtypes"])
-            assert fused["grad_dtypes"] == ["torch.float32"], (label, fused["grad_dtypes"])
-            assert compiled["losses"] == overlapped["losses"], label
-            for key in ("params", "masters"):
-                for name, value in compiled[key].items():
-                    assert torch.equal(value, overlapped[key][name]), f"{label}: {key} {name} differs"
+            same(label, compiled, overlapped)  # written by the kernel itself / copied by the thread's write-back
             start = build_model(MODEL).state_dict()
             moved = 0.0
             for name, value in fused["masters"].items():
