@@ -1,13 +1,13 @@
 """The compiled host kernel (``offload_optimizer.host_kernel: compiled``; offload/compiled_adam.py).
 
-The kernel alone against torch's own Adam and AdamW (fused, fp32 gradients: the 16-bit ones upcast and scaled),
-with weight decay, maximize and a gradient scale, over several steps; a step in chunks is bit for bit the whole
-step. Then two ranks at stages 2 and 3 (also with ``offload_param: cpu``; bf16, clipping and an LR scheduler,
-AdamW with and without weight decay by group) train the same steps with the fused kernel, with the compiled one,
-and with the compiled one on the overlapped step's thread (forced on: it acts only beside an accelerator): the
-compiled run follows the fused run to within the kernels' rounding, keeps no fp32 host gradient buffer, and the
-overlapped run is bit for bit the inline compiled run; so is, without clipping, the run whose parts' steps start
-during backward. What it cannot step is refused with the field named."""
+The kernel alone against torch's own Adam and AdamW (fused, fp32 gradients: the 16-bit ones upcast and scaled), with
+weight decay, maximize and a gradient scale, over several steps; a step in chunks is bit for bit the whole step.
+Then two ranks at stages 2 and 3 (also with ``offload_param: cpu``, and in fp16 with a loss scale; bf16, clipping
+and an LR scheduler, AdamW with and without weight decay by group) train the same steps with the fused kernel, with
+the compiled one, and with the compiled one on the overlapped step's thread (forced on: it acts only beside an
+accelerator): the compiled run follows the fused run to within the kernels' rounding, keeps no fp32 host gradient
+buffer, and the overlapped run is bit for bit the inline compiled run; so is, without clipping, the run whose parts'
+steps start during backward. What it cannot step is refused with the field named."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_the_kernel_steps_as_torch_adam_with_16_bit_gradients(cls, options):
         reference.grad = grad.float() * scale
         optimizer.step()
         group = optimizer.param_groups[0]
-        compiled_adam.kernel()(param, grad, avg, sq, compiled_adam.scalars(group, step, scale), group["maximize"])
+        compiled_adam.kernel()(param, grad, avg, sq, compiled_adam.scalars(group, step, scale))
         moved = (reference.detach() - param).abs().max().item()
         assert moved < 2e-6, (step, moved)  # ~1e-9 per step from the order of operations, over lr 1e-2 moves
     assert not torch.equal(reference.detach(), torch.zeros(numel))
@@ -58,9 +58,9 @@ def test_a_step_in_chunks_is_bit_for_bit_the_whole_step():
     grad = torch.randn(1000, generator=gen).bfloat16()
     group = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01, "eps": 1e-8, "decoupled_weight_decay": True}
     scalars = compiled_adam.scalars(group, 3, 0.7)
-    compiled_adam.kernel()(whole[0], grad, whole[1], whole[2], scalars, False)
+    compiled_adam.kernel()(whole[0], grad, whole[1], whole[2], scalars)
     for lo, hi in ((0, 320), (320, 640), (640, 1000)):  # 64-element cuts, as the engine's chunks
-        compiled_adam.kernel()(chunked[0][lo:hi], grad[lo:hi], chunked[1][lo:hi], chunked[2][lo:hi], scalars, False)
+        compiled_adam.kernel()(chunked[0][lo:hi], grad[lo:hi], chunked[1][lo:hi], chunked[2][lo:hi], scalars)
     for a, b in zip(whole, chunked):
         assert torch.equal(a, b)
 
@@ -83,7 +83,8 @@ def train(rank: int, config: dict, overlap: bool) -> dict:
     engine._offload.overlap = overlap
     losses = []
     for step in range(STEPS):
-        loss = engine.module(*make_batch(MODEL, rank, step, 0, dtype=torch.bfloat16))
+        loss = engine.module(*make_batch(MODEL, rank, step, 0, dtype=torch.float16 if "fp16" in config
+                                         else torch.bfloat16))
         engine.backward(loss)
         engine.step()
         scheduler.step()
@@ -97,20 +98,23 @@ def train(rank: int, config: dict, overlap: bool) -> dict:
     return result
 
 
-CASES = {"stage 2": {"stage": 2}, "stage 3": {"stage": 3},
-         "stage 3, offload_param cpu": {"stage": 3, "offload_param": {"device": "cpu"}}}
+BF16 = {"bf16": {"enabled": True}}
+# fp16: a fixed loss scale of 2^8 (finite gradients for this model), which the compiled kernel takes off as it reads
+CASES = {"stage 2": {"stage": 2, **BF16}, "stage 3": {"stage": 3, **BF16},
+         "stage 3, offload_param cpu": {"stage": 3, "offload_param": {"device": "cpu"}, **BF16},
+         "stage 3, fp16": {"stage": 3, "fp16": {"enabled": True, "loss_scale": 256.0}}}
 
 
 def kernels_worker(rank, world_size):
     out = {}
     fused, compiled = {"device": "cpu"}, {"device": "cpu", "host_kernel": "compiled"}
     for label, case in CASES.items():
-        config = {**SMALL, **case, "bf16": {"enabled": True}, "gradient_clipping": 0.5}
+        config = {**SMALL, **case, "gradient_clipping": 0.5}
         out[label] = {"fused": train(rank, {**config, "offload_optimizer": fused}, overlap=False),
                       "compiled": train(rank, {**config, "offload_optimizer": compiled}, overlap=False),
                       "overlapped": train(rank, {**config, "offload_optimizer": compiled}, overlap=True)}
     for stage in (2, 3):  # each part's step started during backward (no clipping: that needs every gradient)
-        config = {**SMALL, "stage": stage, "bf16": {"enabled": True}}
+        config = {**SMALL, "stage": stage, **BF16}
         out[f"stage {stage}, early start"] = {
             "compiled": train(rank, {**config, "offload_optimizer": compiled}, overlap=False),
             "early": train(rank, {**config, "offload_optimizer": {**compiled, "overlap_with_backward": True}},
@@ -136,11 +140,12 @@ def test_the_compiled_kernel_trains_as_the_fused_one_and_overlaps_bit_for_bit():
             fused, compiled, overlapped = runs["fused"], runs["compiled"], runs["overlapped"]
             assert fused["chunks"] == 0 and compiled["chunks"] > 0, (label, fused["chunks"], compiled["chunks"])
             assert overlapped["overlapped"] == STEPS - 1, (label, overlapped["overlapped"])
-            # host gradient buffers: fp32 for the fused kernel (the bf16 shards copied and cast); none or bf16 for
-            # the compiled one (it reads the bf16 shards in place; the overlapped step copies them, uncast)
+            # host gradient buffers: fp32 for the fused kernel (the 16-bit shards copied and cast); none or 16-bit
+            # for the compiled one (it reads the shards in place; the overlapped step copies them, uncast)
+            half = "torch.float16" if "fp16" in case else "torch.bfloat16"
             assert fused["grad_dtypes"] == ["torch.float32"], (label, fused["grad_dtypes"])
-            assert compiled["grad_dtypes"] in ([], ["torch.bfloat16"]), (label, compiled["grad_dtypes"])
-            assert overlapped["grad_dtypes"] == ["torch.bfloat16"], (label, overlapped["grad_dtypes"])
+            assert compiled["grad_dtypes"] in ([], [half]), (label, compiled["grad_dtypes"])
+            assert overlapped["grad_dtypes"] == [half], (label, overlapped["grad_dtypes"])
             same(label, compiled, overlapped)  # written by the kernel itself / copied by the thread's write-back
             start = build_model(MODEL).state_dict()
             moved = 0.0

@@ -127,16 +127,16 @@ class _Kernel:
                            weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
                            grad_scale=None, found_inf=None)
         self.group = dict(lr=float(lr), betas=(float(beta1), float(beta2)), weight_decay=group["weight_decay"],
-                          eps=group["eps"], decoupled_weight_decay=group["decoupled_weight_decay"])
+                          eps=group["eps"], decoupled_weight_decay=group["decoupled_weight_decay"],
+                          maximize=group["maximize"])
 
     def run(self, rows: list, steps: list[torch.Tensor], scale: float = 1.0) -> None:
         """The kernel over ``rows`` (per piece: its parameter, gradient, moments and, with amsgrad, its maximum);
         the compiled kernel multiplies each gradient by ``scale`` as it reads it (the fused one takes them scaled)."""
         if self.compiled:
-            fn, maximize = compiled_adam.kernel(), self.kwargs["maximize"]
+            fn = compiled_adam.kernel()
             for row, step in zip(rows, steps):  # row[4]: the 16-bit shard the kernel writes too, or None
-                fn(row[0], row[1], row[2], row[3], compiled_adam.scalars(self.group, float(step), scale), maximize,
-                   row[4])
+                fn(row[0], row[1], row[2], row[3], compiled_adam.scalars(self.group, float(step), scale), row[4])
             return
         columns = tuple(zip(*rows))
         maxes = columns[4] if self.amsgrad else ()

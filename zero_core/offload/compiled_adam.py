@@ -24,26 +24,26 @@ from __future__ import annotations
 import math
 import os
 import shutil
-from typing import Callable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 
 FIELD = "zero_optimization.offload_optimizer.host_kernel"  # what errors name
 
 # What the kernel takes besides the tensors, in this order, as one fp32 tensor (values change without a recompile):
-# the gradient's scale (unscale x clip), the step size lr / (1 - beta1^t), sqrt(1 - beta2^t), AdamW's decay
-# 1 - lr * weight_decay (1 for Adam), Adam's L2 weight decay (0 for AdamW), beta1, beta2, eps.
+# the gradient's scale (unscale x clip, negated for maximize), the step size lr / (1 - beta1^t), sqrt(1 - beta2^t),
+# AdamW's decay 1 - lr * weight_decay (1 for Adam), Adam's L2 weight decay (0 for AdamW), beta1, beta2, eps. Every
+# option is a value here, not a branch: dynamo compiles a variant per branch taken, per gradient dtype and with or
+# without ``out``, and refuses more than 8 variants of one function.
 SCALARS = ("scale", "step_size", "bias2_sqrt", "decay", "l2", "beta1", "beta2", "eps")
 
 
 def _adam(param: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor, sq: torch.Tensor, h: torch.Tensor,
-          maximize: bool, out: Optional[torch.Tensor] = None) -> None:
+          out: Optional[torch.Tensor] = None) -> None:
     """One Adam/AdamW step of fp32 ``param``, ``avg``, ``sq`` (in place) with ``grad`` of any float dtype; with
     ``out`` (the model's 16-bit shard in host memory), the updated parameter is written there too, cast as a
     copy casts it (so no write-back pass is left)."""
-    g = grad.float() * h[0]
-    if maximize:
-        g = -g
+    g = grad.float() * h[0]  # scaled, and negated for maximize
     g = g + h[4] * param  # Adam's L2 decay (h[4] = 0 for AdamW)
     new_avg = avg * h[5] + g * (1 - h[5])  # lerp's own form (a branch per element) ran 1.35x slower here
     new_sq = sq * h[6] + g * g * (1 - h[6])
@@ -75,20 +75,20 @@ def kernel() -> Callable:
     return _compiled
 
 
-def warm_up(field: str) -> None:
-    """Build the kernel now, on the training thread, so that a missing compiler or a failed build is an error at
-    setup that names ``field``, not one on the step's thread later."""
+def warm_up(field: str, dtypes: Iterable[torch.dtype]) -> None:
+    """Build the kernel now for gradients (and 16-bit shards written through) of each of ``dtypes``, on the
+    training thread: a missing compiler or a failed build is then an error at setup that names ``field``, and the
+    step's thread never compiles."""
     if compiler() is None:
         raise RuntimeError(f"{field}: compiled needs a C++ compiler (g++ or clang++, or $CXX) for torch.compile's "
                            "CPU code; none was found on PATH. Install one, or set it to 'fused'")
     numel = _WARM_UP_NUMEL
     try:
         with torch.no_grad():  # as the step calls it (grad mode is part of what a compiled graph assumes)
-            for maximize in (False, True):
-                for out in (None, torch.zeros(numel, dtype=torch.bfloat16)):
-                    param, grad = torch.zeros(numel), torch.zeros(numel, dtype=torch.bfloat16)
-                    kernel()(param, grad, torch.zeros(numel), torch.zeros(numel), torch.ones(len(SCALARS)), maximize,
-                             out)
+            for dtype in set(dtypes):
+                for out in (None,) if dtype == torch.float32 else (None, torch.zeros(numel, dtype=dtype)):
+                    param, grad = torch.zeros(numel), torch.zeros(numel, dtype=dtype)
+                    kernel()(param, grad, torch.zeros(numel), torch.zeros(numel), torch.ones(len(SCALARS)), out)
     except Exception as error:  # noqa: BLE001 - whatever the build raised, said with the field and the fix
         raise RuntimeError(f"{field}: compiled could not build its kernel with torch.compile "
                            f"({type(error).__name__}: {str(error)[-400:]}); set it to 'fused'") from error
@@ -100,7 +100,7 @@ def scalars(group: dict, step: float, scale: float) -> torch.Tensor:
     beta1, beta2 = (float(b) for b in group["betas"])
     decoupled = group.get("decoupled_weight_decay", False)
     weight_decay = float(group["weight_decay"])
-    values = (scale, lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step),
+    values = (-scale if group.get("maximize") else scale, lr / (1 - beta1 ** step), math.sqrt(1 - beta2 ** step),
               1 - lr * weight_decay if decoupled else 1.0, 0.0 if decoupled else weight_decay,
               beta1, beta2, float(group["eps"]))
     return torch.tensor(values, dtype=torch.float32)

@@ -108,8 +108,6 @@ class OptimizerOffload:
         # dtype and every Adam/AdamW step with state runs the compiled kernel in chunks (_step), on a CPU-only run
         # too
         self.compiled = block.host_kernel == "compiled"
-        if self.compiled:
-            compiled_adam.warm_up(compiled_adam.FIELD)
         nvme = self.device == "nvme"
         numel = sum(m.numel() for part in parts for m in part.masters)
         if nvme:
@@ -156,6 +154,8 @@ class OptimizerOffload:
     def adopt(self, parts: list) -> None:
         """Move the masters of ``parts`` (at setup, or made trainable later) to the host; with NVMe, write them
         out one piece at a time (only one is in memory at once)."""
+        if self.compiled:  # the kernel for these parts' gradient dtype, built now (compiled_adam.py)
+            compiled_adam.warm_up(compiled_adam.FIELD, {part.dtype for part in parts})
         for part in parts:
             if self.swapper is None:
                 part.on_grad_reduced = self.grad_reduced
