@@ -71,6 +71,11 @@ built = time.perf_counter()
 CPUAdamBuilder().load(verbose=False)
 print(f'DeepSpeed cpu_adam built in {time.perf_counter() - built:.1f} s (imports {built - start:.1f} s)')"
 }
+# The GPU tier alone (about 110 s on an H200), at most 170 s
+tier_alone() {
+  { step tests; nvidia-smi -L; timeout 170 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 160
+    echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -8
+}
 # The delayed update where forward+backward is at least the host step (1.75B, batch 32x1024), inline against
 # delayed, if more than 60 s of the section's budget (left()) is left
 delayed_b32_if_time() {
@@ -143,7 +148,7 @@ if [ "$SECTION" = settle ]; then
 BUDGET=${SETTLE_BUDGET:-490}
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 # Expected: ~100 s (the last call cut it at 120 s while DeepSpeed's build shared the cores)
-{ step tests; nvidia-smi -L; timeout 170 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 160; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -8
+tier_alone
 # Expected: ~220 s (four processes of ~55 s: setup ~15 s, 5 steps of ~2-2.7 s, exit)
 { step settle_6_58B; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \
     --impls zero3_inline zero3_overlap_bwd zero3_inline zero3_overlap_bwd --timeout 90 \
@@ -163,7 +168,7 @@ if [ "$SECTION" = kernel ]; then
 # fused and the compiled kernel, taking turns (the 1.10x ratio with 32 bytes per element moved instead of 36)
 BUDGET=${KERNEL_BUDGET:-480}
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
-{ step tests; nvidia-smi -L; timeout 170 python3 -m pytest tests/gpu -q -p no:cacheprovider --timeout 160; echo "rc=$?"; } 2>&1 | tee "$OUT/tests.txt" | tail -8
+tier_alone
 { step compiled_host_step; timeout 120 python3 -m benchmarks.compiled_host_step --numel 1e9 --threads 16 15 \
     --repeats 5 --with-copies; echo "rc=$?"; } 2>&1 | tee "$OUT/compiled_host_step.txt"
 { step kernel_6_58B; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \

@@ -476,8 +476,7 @@ class OptimizerOffload:
             if part.swap is None:  # else the parameter shards are on NVMe: the part writes back after the step
                 parts[id(part)] = part
                 master, shard = part.master_shards.buckets[bucket][start:end], part.param_shards()[bucket][start:end]
-                written = outs is not None and shard.device.type == "cpu" and shard.dtype != torch.float32
-                if shard.data_ptr() != master.data_ptr() and not written:  # (written: by the kernel, _direct_outs)
+                if shard.data_ptr() != master.data_ptr() and not self._kernel_writes(shard):
                     writes.append(Span(offset, shard, master.detach()))
             offset += end - start
         # Nothing to copy (fp32 host shards, their own masters): one chunk, no thread; chunks only add calls.
@@ -499,15 +498,19 @@ class OptimizerOffload:
         self._fresh.clear()
         return True
 
-    @staticmethod
-    def _direct_outs(entries: list) -> list[Optional[torch.Tensor]]:
-        """The compiled kernel's own write-back: per entry, its flat view of the model's parameter shard where that
-        is a separate 16-bit tensor in host memory (a CPU-only run), else None (a copy writes it back)."""
+    def _kernel_writes(self, shard: torch.Tensor) -> bool:
+        """Whether the compiled kernel writes ``shard`` (a model's parameter shard) itself as it steps: a separate
+        16-bit tensor in host memory (a CPU-only run, or offload_param cpu); else a copy writes it back."""
+        return self.compiled and shard.device.type == "cpu" and shard.dtype != torch.float32
+
+    def _direct_outs(self, entries: list) -> list[Optional[torch.Tensor]]:
+        """The compiled kernel's own write-back: per entry, its flat view of the model's parameter shard where the
+        kernel writes it (_kernel_writes), else None."""
         outs = []
         for entry in entries:
             fragment = entry.part.master_shards.pieces[entry.index]
             shard = None if entry.part.swap is not None else entry.part.param_shards()[fragment.bucket]
-            direct = shard is not None and shard.device.type == "cpu" and shard.dtype != torch.float32
+            direct = shard is not None and self._kernel_writes(shard)
             outs.append(shard[fragment.shard_range.as_slice()] if direct else None)
         return outs
 
