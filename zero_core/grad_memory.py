@@ -5,6 +5,9 @@ are None meanwhile and autograd allocates them, as in plain training). So the pe
 activation alive) does not also hold a gradient per parameter: 2 bytes per parameter in bf16, 1.7 GiB of a 873M
 model's peak on one GPU (docs/benchmarks.md).
 
+With ``offload_optimizer`` (device cpu) at stage 3 a gradient shard gives its memory back as soon as its copy to
+the host is under way (``MovedToHost``), so backward does not keep a gradient per parameter on the accelerator.
+
 Only on CUDA, where the caching allocator hands the same blocks back at no cost. On a CPU a freed buffer goes back
 to the operating system and its pages fault in again every step, so there the storage is kept
 (``RELEASE_ON_CPU`` turns the release on anyway, for tests). Views of the storage stay valid while it is empty,
@@ -12,6 +15,9 @@ and its owner restores it before anything reads or writes through them.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
@@ -35,3 +41,24 @@ def is_released(storage: torch.Tensor) -> bool:
 def restore(storage: torch.Tensor) -> None:
     """Allocate ``storage``'s memory again (uninitialised), on the current stream."""
     storage.untyped_storage().resize_(storage.numel() * storage.element_size())
+
+
+@dataclass
+class MovedToHost:
+    """A reduced gradient shard that ``offload_optimizer`` copied to host memory, whose accelerator memory was then
+    given back (stage 3; the ZeRO-Offload paper keeps reduced gradients on the host only). ``copy_in`` puts the
+    values back into the bucket views it is given, for a reader that needs them on the accelerator again (an
+    accumulating reduction, the debugging API); ``norms`` holds each bucket's norm by norm type, taken before the
+    memory went (None for an empty bucket): what clipping and fp16's overflow check read instead."""
+
+    copy_in: Callable[[list[torch.Tensor]], None]
+    norms: dict[float, list[Optional[torch.Tensor]]]
+
+
+class KnownNorm(NamedTuple):
+    """A gradient shard's norm taken before its memory was given back (``MovedToHost``), standing for the shard
+    where norms are computed (engine/norms.py)."""
+
+    value: torch.Tensor  # 0-d fp32, on the shard's device
+    device: torch.device  # the shard's
+    dtype: torch.dtype  # the shard's

@@ -1,7 +1,8 @@
 """Gradients give their memory back between steps (zero_core/grad_memory.py; on CUDA by default, forced on
 here on the CPU): stage 1's full buffer and the gradient shards of stages 2 and 3. Stages 1-3 still train to
 DDP's weights, with accumulation (no_sync and synced micro-batches) and clipping; after a step the gradients
-hold no memory, a backward allocates them again, and reading them between steps gives zeros, not a failure."""
+hold no memory, a backward allocates them again, and reading them between steps gives zeros, not a failure. The
+shards of stages 2 and 3 hold none after setup either (the first reduction allocates them)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from functools import partial
 import pytest
 import torch
 
+import zero_core
 from reference import train_ddp
 from stage3_support import batch, build, max_abs_diff, run_once, train_engine
 from zero_core import grad_memory
@@ -33,6 +35,10 @@ def _worker(rank: int, world_size: int) -> dict:
     reference = train_ddp(model_fn, data_fn, STEPS, ACCUMULATION, MAX_NORM)
     out = {}
     for name, config in CONFIGS.items():
+        model = model_fn()
+        fresh = zero_core.setup(model, torch.optim.AdamW(model.parameters()), config)
+        held_after_setup = _held_bytes(fresh)  # stages 2-3: born released, allocated by the first reduction
+        fresh.close()
         result, engine = train_engine(model_fn, data_fn, config, STEPS, ACCUMULATION, MAX_NORM)
         released_after_step = _held_bytes(engine)
         zero_between_steps = all(not s.any() for part in engine.runtime.parts for s in part.grad_shards())
@@ -44,6 +50,7 @@ def _worker(rank: int, world_size: int) -> dict:
             "held_after_step": released_after_step,
             "held_after_backward": _held_bytes(engine),
             "zero_between_steps": zero_between_steps,
+            "held_after_setup": held_after_setup,
         }
     return out
 
@@ -58,3 +65,5 @@ def test_released_gradient_shards_train_like_ddp():
             assert r["held_after_step"] == 0, (name, r)  # the memory went back
             assert r["held_after_backward"] > 0, (name, r)  # and came back for the reduction
             assert r["zero_between_steps"], (name, r)  # read between steps: zeros, not a failure
+            if name != "stage1":  # (stage 1's parameters' .grad are views of its full buffer from setup on)
+                assert r["held_after_setup"] == 0, (name, r)

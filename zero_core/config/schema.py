@@ -313,6 +313,12 @@ class ZeroConfig(Block):
         return self.stage == 3 if self.overlap_comm is None else self.overlap_comm
 
     @property
+    def masters_offloaded(self) -> bool:
+        """Whether offload_optimizer keeps the fp32 masters off the accelerator (device cpu or nvme): the runtimes
+        then make none there at setup (the offload makes them in host memory from the 16-bit shards)."""
+        return self.offload_optimizer is not None and self.offload_optimizer.device != "none"
+
+    @property
     def param_dtype(self):
         """torch.float16, torch.bfloat16 or torch.float32, from fp16.enabled / bf16.enabled."""
         import torch  # lazily: reading a config should not need torch

@@ -63,13 +63,16 @@ class OptimizerStep:
         if self.reduce(indices):
             self.pending.arm()
 
-    def grad_shards(self, indices: list[int]) -> list[torch.Tensor]:
-        return [s for unit in self.binding.units(indices) for s in unit.grad_shards()]
+    def norm_inputs(self, indices: list[int], norm_type: float) -> list:
+        """What the norm of optimizers ``indices``' gradients is computed from: the shards, or the norms of those
+        offload moved to the host (Part.grad_norm_inputs)."""
+        return [s for unit in self.binding.units(indices) for s in unit.grad_norm_inputs(norm_type)]
 
     def clip(self, max_norm: float, norm_type: float, indices: list[int]) -> torch.Tensor:
         """Clip optimizers ``indices``' gradients by their global norm (applied at the step); returns the norm."""
         self.reduce_now(indices)
-        norm = global_norm(self.comm, self.grad_shards(indices), float(norm_type), self.device, self.loss_scale)
+        norm = global_norm(self.comm, self.norm_inputs(indices, float(norm_type)), float(norm_type), self.device,
+                           self.loss_scale)
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         for k in indices:
             self.pending.of_optimizer[k].clip_coef = coef
@@ -93,7 +96,7 @@ class OptimizerStep:
                 flags[torch.tensor([flag_slot[key] + 1 for key in used], dtype=torch.long)] = 1
             flags = flags.to(device)
         if self.scaler is not None:  # one max-norm kernel per dtype, no host sync: inf and nan propagate
-            flags[0] = ~torch.isfinite(shard_norms(self.grad_shards([k]), math.inf, device).max())
+            flags[0] = ~torch.isfinite(shard_norms(self.norm_inputs([k], math.inf), math.inf, device).max())
         self.comm.all_reduce(flags, op=dist.ReduceOp.MAX, over="world")  # MiCS: a gradient on any replica counts
         if all_used and self.scaler is None:
             # Known without reading the result: the MAX of all ones is all ones, and nothing can overflow. Every

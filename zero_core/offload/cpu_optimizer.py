@@ -14,6 +14,7 @@ again (overlapping the next tile's step).
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
@@ -32,7 +33,8 @@ from zero_core.offload.host_masters import HostMasterShards, write_back_pieces
 from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path, split_into_tiles
 from zero_core.offload.overlapped_step import OverlappedStep
 from zero_core.offload.params import offload_param_shards
-from zero_core.offload.placement import copy_between, host_empty, pinning, wait_for_copies
+from zero_core.offload.placement import (_copy_stream, copy_between, copy_in_now, host_empty, pinning,
+                                         wait_for_copies)
 
 # Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
 _SWAP_BYTES_PER_ELEMENT = 4 * 3
@@ -124,6 +126,9 @@ class OptimizerOffload:
         # delay, one set is filled by backward while the update of the step before reads the other.
         self._spare_grads: dict[tuple, torch.Tensor] = {}
         self.copied_during_backward = 0  # buckets copied to the host as they were reduced (a counter)
+        self.moved_to_host = 0  # reduced gradient shards whose accelerator memory went after their copy (a counter)
+        # The norms a moved shard keeps (_move_to_host): clipping's 2-norm, and fp16's overflow check's max
+        self.norm_types = (2.0, math.inf) if config.fp16.enabled else (2.0,)
         self._noted: set[type] = set()
         self.swapper: Optional[NvmeSwapper] = None
         self._resident_depth = 0
@@ -268,12 +273,12 @@ class OptimizerOffload:
         copies = []
         for part, bucket, start, end, _ in tile_runs(entries):
             key = (id(part), bucket)
-            whole = part.grad_shards()[bucket]
+            whole = part.grad_views()[bucket]
             if key not in taken:
                 taken[key] = self._host_bucket(part, bucket, whole)
                 del self._grads[key]
             if key not in self._fresh:
-                copies.append((taken[key][start:end], whole[start:end]))
+                copies.append((taken[key][start:end], part.grad_shards()[bucket][start:end]))
         _copy_all(copies, arrive=True)
         self._fresh.difference_update(taken)
         grads = []
@@ -290,11 +295,11 @@ class OptimizerOffload:
         copies, buffers = [], {}
         for part, bucket, start, end, _ in tile_runs(entries):
             key = (id(part), bucket)
-            whole = part.grad_shards()[bucket]
+            whole = part.grad_views()[bucket]
             if key not in buffers:  # nvme: a buffer of its own per bucket (the gradients wait in host memory)
                 buffers[key] = self._host_bucket(part, bucket, whole)
             if self.swapper is not None or key not in self._fresh:
-                copies.append((buffers[key][start:end], whole[start:end]))
+                copies.append((buffers[key][start:end], part.grad_shards()[bucket][start:end]))
         _copy_all(copies, arrive=True)
         if consume:
             self._fresh.clear()  # consumed by this step (not by a part backward starts early: the rest follow)
@@ -313,14 +318,40 @@ class OptimizerOffload:
         overlaps the rest of backward. Later reductions (accumulation) copy again; the last one is what steps."""
         self.overlapped.settle_previous()  # the last step's update reads these buffers
         shards = part.grad_shards()
+        hosts: list[Optional[torch.Tensor]] = []
         for index in range(len(shards)) if bucket is None else (bucket,):
             grad = shards[index]
             if self._in_place(grad) or grad.numel() == 0:
+                hosts.append(None)
                 continue  # used in place at the step
-            copy_between(self._host_bucket(part, index, grad), grad)
+            host = self._host_bucket(part, index, grad)
+            copy_between(host, grad)
+            hosts.append(host)
             self._fresh.add((id(part), index))
             self.copied_during_backward += 1
+        if bucket is None and any(host is not None for host in hosts) and all(
+                host is not None or grad.numel() == 0 for host, grad in zip(hosts, shards)):
+            self._move_to_host(part, shards, hosts)
         self.overlapped.start_early(part, bucket)  # overlap_with_backward may start its step now
+
+    def _move_to_host(self, part, shards: list[torch.Tensor], hosts: list[Optional[torch.Tensor]]) -> None:
+        """Every bucket of ``part``'s reduced gradient is on its way to the host: the accelerator's copy gives its
+        memory back (stage 3, where gradient memory is released, grad_memory.py), keeping the bucket norms that
+        clipping and fp16's overflow check read. A reader that needs the shard again (an accumulating reduction,
+        the debugging API) gets the host's values copied back in."""
+
+        device = shards[0].device
+        in_use = _copy_stream(device, to_device=False) if device.type == "cuda" else None
+
+        def copy_in(views: list[torch.Tensor]) -> None:
+            if in_use is not None:
+                in_use.synchronize()  # the copies to the host have landed
+            for view, host in zip(views, hosts):
+                if host is not None:
+                    copy_in_now(view, host)
+
+        if part.grads_to_host(copy_in, self.norm_types, in_use):
+            self.moved_to_host += 1
 
     def forget_grads(self) -> None:
         """The gradient shards were zeroed (a step, zero_grad, a skipped fp16 step): no host copy is current."""
@@ -348,13 +379,14 @@ class OptimizerOffload:
                 copies.append((host, grad))
                 out.append(host)
                 continue
-            whole = part.grad_shards()[fragment.bucket]
+            whole = part.grad_views()[fragment.bucket]
             out.append(self._host_bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
         if self.swapper is None:
             for part, bucket, start, end, _ in tile_runs(tile):
-                whole = part.grad_shards()[bucket]
+                whole = part.grad_views()[bucket]
                 if not self._in_place(whole) and (id(part), bucket) not in self._fresh:
-                    copies.append((self._grads[(id(part), bucket)][start:end], whole[start:end]))
+                    host = self._grads[(id(part), bucket)]
+                    copies.append((host[start:end], part.grad_shards()[bucket][start:end]))
         return out
 
     def _fetch_grads(self, tile: list[tuple],
@@ -374,7 +406,7 @@ class OptimizerOffload:
         model's parameter shards, so the next forward reads them and the next step may change the masters they
         were copied from."""
         self.overlapped.settle_previous()  # the step before (another optimizer's) has landed
-        on_accelerator = [shard for part in parts for shard in part.grad_shards()[:1]]
+        on_accelerator = [shard for part in parts for shard in part.grad_views()[:1]]
         wait_for_copies(on_accelerator)  # the gradients copied out during backward (copy stream) have arrived
         if self.delayed is not None and self.delayed.takes(optimizer):
             self.use_fused(optimizer)
@@ -466,13 +498,14 @@ class OptimizerOffload:
                 grads.append(grad)  # already in host memory, in the kernel's dtype: used in place, as without offload
                 continue
             fragment = part.master_shards.pieces[index]
-            whole = part.grad_shards()[fragment.bucket]
+            whole = part.grad_views()[fragment.bucket]
             grads.append(self._host_bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
         outs = self._direct_outs(entries) if self.compiled else None
         for part, bucket, start, end, _ in tile_runs(entries):
-            whole = part.grad_shards()[bucket]
+            whole = part.grad_views()[bucket]
             if not self._in_place(whole) and (id(part), bucket) not in self._fresh:
-                copies.append(Span(offset, self._grads[(id(part), bucket)][start:end], whole[start:end]))
+                copies.append(Span(offset, self._grads[(id(part), bucket)][start:end],
+                                   part.grad_shards()[bucket][start:end]))
             if part.swap is None:  # else the parameter shards are on NVMe: the part writes back after the step
                 parts[id(part)] = part
                 master, shard = part.master_shards.buckets[bucket][start:end], part.param_shards()[bucket][start:end]
@@ -523,7 +556,7 @@ class OptimizerOffload:
 
     @staticmethod
     def _on_accelerator(parts: list) -> bool:
-        return any(shard.device.type != "cpu" for part in parts for shard in part.grad_shards()[:1])
+        return any(shard.device.type != "cpu" for part in parts for shard in part.grad_views()[:1])
 
     def _copy_thread(self, parts: list) -> bool:
         """Whether the copies around the step run on a thread. Host <-> accelerator copies from pinned memory are

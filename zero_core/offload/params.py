@@ -37,8 +37,10 @@ def offload_param_shards(runtime, units: list, config, rank: int) -> None:
             continue
         in_cpu += old.numel()
         unit.shard = host_copy(old, old.dtype, pin)
-        if _master_aliases(unit, old):  # rebuild the master over the host shard
-            unit.master_shards = MasterShards(unit.layout, unit.rank, unit.param_shards(), torch.float32)
+        if _master_aliases(unit, old):  # rebuild the master over the host shard, in the dtype it had (views of
+            # the shard where offload_optimizer makes the fp32 masters next: no fp32 copy in between)
+            dtype = unit.master_shards.buckets[0].dtype
+            unit.master_shards = MasterShards(unit.layout, unit.rank, unit.param_shards(), dtype)
     runtime.param_elements_in_cpu = in_cpu
     if not to_file:
         return

@@ -37,8 +37,12 @@ class MasterShards:
 
     def grad_pieces(self, grad_shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each piece's slice of the part's gradient shards, in ``params`` order. Cached: slicing per piece at
-        every step is Python per parameter; the views are made again only if the shards were reallocated."""
-        key = tuple((g.data_ptr(), g.numel(), g.dtype) for g in grad_shards)
+        every step is Python per parameter; the views are made again only if the shards are other tensors. Views
+        follow their storage when its memory is given back and allocated again (grad_memory.py), so the key is
+        the tensor the shards view, not their address: the offloaded step reads these of a shard moved to the
+        host, whose storage holds no memory (and no view of it can be made then)."""
+        key = tuple((id(g if g._base is None else g._base), g.storage_offset(), g.numel(), g.dtype)
+                    for g in grad_shards)
         if key != self._grad_key:
             self._grad_views = [grad_shards[f.bucket][f.shard_range.as_slice()] for f in self.pieces]
             self._grad_key = key
@@ -87,7 +91,7 @@ def master_tiles(parts: Sequence, used: Sequence[Sequence[bool]], tile_numel: in
     tiles, current, size = [], [], 0
     for part, mask in zip(parts, used):
         masters = part.master_shards
-        grads = masters.grad_pieces(part.grad_shards())
+        grads = masters.grad_pieces(part.grad_views())  # (offload reads the host copy of a moved shard)
         for index, (piece, fragment, grad) in enumerate(zip(masters.params, masters.pieces, grads)):
             if not mask[fragment.param_index]:
                 continue  # no rank produced a gradient: not stepped (grad stays None)

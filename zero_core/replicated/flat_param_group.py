@@ -87,18 +87,25 @@ class FlatParamGroup:
                                 for param, slot in zip(self.params, self.layout.slots)]
             self._point_grads_at_views()
             return [self.flat_grad[b.shard_range(self.rank).as_slice()] for b in self.layout.buckets]
-        storage = self._grad_storage = torch.zeros(self.layout.shard_numel, dtype=self.dtype, device=self.device)
+        storage = self._grad_storage = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
         offsets = self.layout.shard_offsets()
-        return [storage[o : o + b.shard_size] for o, b in zip(offsets, self.layout.buckets)]
+        views = [storage[o : o + b.shard_size] for o, b in zip(offsets, self.layout.buckets)]
+        if grad_memory.releases(self.device):  # every bucket starts stale: the first reduction allocates it
+            grad_memory.release(storage)
+        else:
+            storage.zero_()
+        return views
 
     def _point_grads_at_views(self) -> None:
         for param, view in zip(self.params, self._grad_views):
             if param.grad is not view:
                 param.grad = view
 
-    def build_masters(self, master_dtype: torch.dtype) -> None:
-        """fp32 master shards, one per bucket: views of ``flat`` when it is already fp32, copies otherwise."""
-        self.master_shards = MasterShards(self.layout, self.rank, self.param_shards(), master_dtype)
+    def build_masters(self, master_dtype: Optional[torch.dtype]) -> None:
+        """fp32 master shards, one per bucket: views of ``flat`` when it is already fp32, copies otherwise.
+        ``master_dtype`` None: views of ``flat`` in its own dtype, for offload_optimizer to copy into fp32 host
+        memory (no fp32 copy on the accelerator first)."""
+        self.master_shards = MasterShards(self.layout, self.rank, self.param_shards(), master_dtype or self.dtype)
 
     @property
     def masters(self) -> list[nn.Parameter]:
@@ -128,6 +135,18 @@ class FlatParamGroup:
             self._zero_stale()
         self._restore_full_grads()
         return list(self._grad_shards)
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """As :meth:`grad_shards`: at stages 1-2 no shard is moved to the host (stage 3's ParamUnit.grad_views)."""
+        return self.grad_shards()
+
+    def grad_norm_inputs(self, norm_type: float) -> list[torch.Tensor]:
+        """What the gradient's norm is computed from: the shards themselves."""
+        return self.grad_shards()
+
+    def grads_to_host(self, copy_in, norm_types, in_use) -> bool:
+        """Stages 1-2 keep their gradient shards until the step (their buckets share one storage)."""
+        return False
 
     def _restore_full_grads(self) -> None:
         """Stage 1: the full gradient buffer again, zeroed, if its memory was given back after the step (the

@@ -45,9 +45,11 @@ class ReplicatedParamsRuntime:
         self.comm = comm
         self.names = names
         self.parts = self._build_groups(trainable_by_group, names)
+        # None: offload_optimizer makes the fp32 masters in host memory from views of the flat buffers
+        self._master_dtype = None if config.masters_offloaded else torch.float32
         self._broadcast_initial_state()
         for part in self.parts:
-            part.build_masters(torch.float32)
+            part.build_masters(self._master_dtype)
         device = self.parts[0].device if self.parts else torch.device("cpu")
         self.pool = BufferPool(device, self._largest_bucket())
         self.reducer = self._make_reducer(sync=True)
@@ -106,7 +108,7 @@ class ReplicatedParamsRuntime:
         rank (replicated like DDP's, and not stepped while frozen), so nothing is communicated."""
         new = [g for index, params in sorted(by_group.items()) for g in self._groups_of(index, params)]
         for group in new:
-            group.build_masters(torch.float32)
+            group.build_masters(self._master_dtype)
         self.parts += new
         if self._largest_bucket() > self.pool.largest:
             self.pool = BufferPool(self.pool.device, self._largest_bucket())

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 
 import enum
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -84,7 +84,16 @@ class ParamUnit:
         # Views of ``full`` stay valid while its storage is resized to zero and back.
         self.rank_views = [self.full[b.range.as_slice()].view(layout.world_size, b.shard_size)
                            for b in layout.buckets]
-        self._grad_shard = torch.zeros_like(self.shard) if self.trainable else None
+        self._grad_shard = None
+        self._grad_buckets: list[torch.Tensor] = []  # its bucket views, made while it has memory (grad_views)
+        self._moved: Optional[grad_memory.MovedToHost] = None  # offload moved the reduced shard to the host
+        if self.trainable:  # born released where shards give their memory back (the first reduction allocates it)
+            self._grad_shard = torch.empty_like(self.shard)
+            self._grad_buckets = [self._bucket_shard(self._grad_shard, b.index) for b in layout.buckets]
+            if grad_memory.releases(self.device):
+                grad_memory.release(self._grad_shard)
+            else:
+                self._grad_shard.zero_()
         self.master_shards: Optional[MasterShards] = None
         self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, None) after each reduction
         self.streams = side_streams.NONE  # the runtime's CUDA side streams (streams.py), none on the CPU
@@ -95,7 +104,11 @@ class ParamUnit:
         given back (grad_memory.py)."""
         if self._grad_shard is not None and grad_memory.is_released(self._grad_shard):
             grad_memory.restore(self._grad_shard)
-            self._grad_shard.zero_()
+            moved, self._moved = self._moved, None
+            if moved is None:
+                self._grad_shard.zero_()
+            else:  # offload copied it to the host and gave the memory back: its values come back in
+                moved.copy_in(list(self._grad_buckets))
         return self._grad_shard
 
     def grad_storage(self) -> Optional[torch.Tensor]:
@@ -103,8 +116,47 @@ class ParamUnit:
         return self._grad_shard
 
     def grads_released(self) -> bool:
-        """Whether the gradient shard's memory was given back since the last step (the next access zeroes it)."""
+        """Whether the gradient shard's memory was given back since the last step (the next access zeroes it, or
+        copies it back in from the host where offload moved it there)."""
         return self._grad_shard is not None and grad_memory.is_released(self._grad_shard)
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """The gradient shards as :meth:`grad_shards`, except that one offload moved to the host stays there (its
+        views hold no memory): for offload's own step, which reads the host copy, and needs these only for their
+        dtype and device, and to copy from where the host copy is not current."""
+        if self._moved is None:
+            return self.grad_shards()
+        return list(self._grad_buckets)
+
+    def grad_norm_inputs(self, norm_type: float) -> list:
+        """What the gradient's norm is computed from, per bucket: the shard, or its norm taken before offload moved
+        it to the host (grad_memory.KnownNorm), for the norm types offload took; any other brings the shard back."""
+        known = self._moved.norms.get(norm_type) if self._moved is not None else None
+        if known is None:
+            return self.grad_shards()
+        return [view if norm is None else grad_memory.KnownNorm(norm, view.device, view.dtype)
+                for view, norm in zip(self._grad_buckets, known)]
+
+    def grads_to_host(self, copy_in: Callable[[list[torch.Tensor]], None], norm_types: Sequence[float],
+                      in_use: Optional[torch.cuda.Stream]) -> bool:
+        """Offload copied the reduced gradient shard to the host (``in_use``: on that CUDA stream, still under way):
+        give its memory back where shards do (grad_memory.releases), keeping the norms of ``norm_types``, and the
+        piece views the offloaded step reads (made while the memory is there). ``copy_in`` brings the values back
+        for a later reader. Whether it was given back."""
+        if self._grad_shard is None or self.grads_released() or not grad_memory.releases(self.device):
+            return False
+        shards = self.grad_shards()
+        self.master_shards.grad_pieces(shards)  # cached views of the storage: valid while it is empty
+        norms = {}
+        for norm_type in norm_types:
+            filled = [s for s in shards if s.numel()]
+            values = iter(torch._foreach_norm(filled, norm_type, dtype=torch.float32) if filled else ())
+            norms[norm_type] = [next(values) if s.numel() else None for s in shards]
+        if in_use is not None:
+            self._grad_shard.record_stream(in_use)  # its blocks are reused only once that copy is done
+        grad_memory.release(self._grad_shard)
+        self._moved = grad_memory.MovedToHost(copy_in, norms)
+        return True
 
     @property
     def trainable(self) -> bool:
@@ -120,9 +172,12 @@ class ParamUnit:
         return tensor[start : start + self.layout.buckets[bucket].shard_size]
 
     # -- building ------------------------------------------------------------------------------------------
-    def shard_values(self, values: Sequence[torch.Tensor], broadcast: bool) -> None:
+    def shard_values(self, values: Sequence[torch.Tensor], broadcast: bool,
+                     master_dtype: Optional[torch.dtype] = torch.float32) -> None:
         """Take whole values for every parameter, keep this rank's shard, point the parameters at views of
-        ``full`` and release it. ``broadcast``: start from rank 0's values (as DDP does)."""
+        ``full`` and release it. ``broadcast``: start from rank 0's values (as DDP does). ``master_dtype`` None:
+        the masters are views of the shard, for offload_optimizer to copy into fp32 host memory (no fp32 copy of
+        every shard on the accelerator first: at setup that was 4 bytes per parameter of its peak)."""
         for value, slot in zip(values, self.layout.slots):
             self.full[slot.range.as_slice()].copy_(value.detach().reshape(-1))
         if broadcast:
@@ -133,7 +188,7 @@ class ParamUnit:
         for param, slot in zip(self.params, self.layout.slots):
             param.data = self.full[slot.range.as_slice()].view(param.shape)
         if self.trainable:
-            self.master_shards = MasterShards(self.layout, self.rank, self.param_shards(), torch.float32)
+            self.master_shards = MasterShards(self.layout, self.rank, self.param_shards(), master_dtype or self.dtype)
         self.release()  # persistent units stay gathered
 
     @property
@@ -290,6 +345,7 @@ class ParamUnit:
         return missing
 
     def zero_grads(self) -> None:
+        self._moved = None  # (a host copy offload kept is stale now)
         if self._grad_shard is not None and not self.grads_released():
             if grad_memory.releases(self._grad_shard.device):
                 grad_memory.release(self._grad_shard)  # zeros again at its next access

@@ -163,7 +163,8 @@ class UnitSetup:
         unit.persistent = persistent
         unit.streams = self.streams
         unit.store_quantized = self._stores_quantized(unit)
-        unit.shard_values(values, broadcast=broadcast)
+        unit.shard_values(values, broadcast=broadcast,
+                          master_dtype=None if self.config.masters_offloaded else torch.float32)
         for param in params:
             mark_partitioned(param)
             self.unit_of[param] = unit
