@@ -44,8 +44,10 @@ model, count in the next step's time, as in a training loop without a device-wid
 forward+backward column ends at a device-wide synchronise (the gradients' copies to the host included).
 
 Reports per implementation, a row as soon as its process ends: parameters, median step (s) and its forward+backward,
-tokens/s, peak GPU memory, peak RSS, setup (model built and wrapped), the DeepSpeed op's load or build, the whole
-process's wall time, torch's threads; then each implementation's losses (they should agree to bf16's precision).
+tokens/s, peak GPU memory in training (warm-up steps included) and in setup apart (the model is built in fp32 on
+the GPU, as every implementation takes it), peak RSS, setup (model built and wrapped), the DeepSpeed op's load or
+build, the whole process's wall time, torch's threads; then each implementation's losses (they should agree to
+bf16's precision).
 """
 
 from __future__ import annotations
@@ -219,6 +221,10 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
 
         step = engine.step
     setup_s = time.perf_counter() - t0 - (build_s or 0.0)
+    # Setup's peak (the fp32 model built on the GPU, as each implementation takes it) apart from training's
+    setup_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     times, phases, losses, threads_s, waits_s, summaries = [], [], [], [], [], []
     ours = engine._offload if impl.startswith("zero") else None  # our host step's chunks are counted
     chunks_before = None
@@ -262,6 +268,8 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             "chunks_per_step": (ours.chunks_stepped - chunks_before) / steps if chunks_before is not None else None,
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
+            "setup_peak_gpu_gib": setup_peak,
+            "moved_to_host": getattr(ours, "moved_to_host", None),
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 
@@ -297,9 +305,9 @@ def main(argv=None) -> None:
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"{where}; d {args.width}, {args.layers} layers, batch {args.batch_size}x{args.seq_len}, "
           f"bf16, AdamW, optimizer on the CPU; median of {args.steps} steps after {args.warmup}")
-    print("| implementation | params | step s | of which forward+backward | tokens/s | peak GPU GiB | peak RSS GiB | "
-          "setup s | build s | process s | torch threads |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
+    print("| implementation | params | step s | of which forward+backward | tokens/s | peak GPU GiB, training | "
+          "peak GPU GiB, setup | peak RSS GiB | setup s | build s | process s | torch threads |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |", flush=True)
     rows = []
     for impl in args.impls:  # each row as soon as it is measured: a run cut short keeps the rows it has
         cmd = [sys.executable, "-m", "benchmarks.gpu_offload", "--worker", impl, "--layers", str(args.layers),
@@ -325,7 +333,8 @@ def main(argv=None) -> None:
         r["process_s"] = time.perf_counter() - start
         rows.append(r)
         print(f"| {r['impl']} | {r['params'] / 1e9:.2f}B | {r['step_s']:.2f} | {r['forward_backward_s']:.2f} | "
-              f"{r['tokens_per_s']:,.0f} | {r['peak_gpu_gib']:.1f} | {r['peak_rss_gib']:.1f} | {r['setup_s']:.0f} | "
+              f"{r['tokens_per_s']:,.0f} | {r['peak_gpu_gib']:.1f} | {r.get('setup_peak_gpu_gib', 0.0):.1f} | "
+              f"{r['peak_rss_gib']:.1f} | {r['setup_s']:.0f} | "
               f"{'-' if r.get('build_s') is None else format(r['build_s'], '.1f')} | {r['process_s']:.0f} | "
               f"{r['threads']} |", flush=True)
     for r in rows:  # the same model, data and hyperparameters: the losses should agree to bf16's precision

@@ -165,12 +165,17 @@ if [ "$SECTION" = kernel ]; then
 # 470 s on an H200: the GPU tier (its compiled-kernel cases included); the kernel alone against torch's fused one
 # on the host's 16 and 15 threads over 1e9 elements, alone and beside its copies (~21 GB pinned; inductor needs
 # g++, which DeepSpeed's build found on that image); then 6.58B inline and started during backward, each with the
-# fused and the compiled kernel, taking turns (the 1.10x ratio with 32 bytes per element moved instead of 36)
+# fused and the compiled kernel, taking turns (the 1.10x ratio with 32 bytes per element moved instead of 36). The
+# rows' peak GPU memory is training's, setup's apart: the first measurement since reduced gradient shards leave
+# the GPU as backward copies them to the host, and setup stopped making fp32 masters on the GPU (setup's peak
+# alone at 1.75B: benchmarks.setup_memory, about 60 s)
 BUDGET=${KERNEL_BUDGET:-480}
 left() { echo $(( BUDGET - $(date +%s) + T0 )); }
 tier_alone
 { step compiled_host_step; timeout 120 python3 -m benchmarks.compiled_host_step --numel 1e9 --threads 16 15 \
     --repeats 5 --with-copies; echo "rc=$?"; } 2>&1 | tee "$OUT/compiled_host_step.txt"
+{ step setup_memory; timeout 90 python3 -m benchmarks.setup_memory --layers 8 --width 4096; echo "rc=$?"; } 2>&1 \
+  | tee "$OUT/setup_memory_1_75B.txt"
 { step kernel_6_58B; timeout $(( $(left) - 5 )) python3 -m benchmarks.gpu_offload --layers 32 --steps 3 --warmup 2 \
     --impls zero3_inline zero3_inline_compiled zero3_overlap_bwd zero3_overlap_bwd_compiled --timeout 70 \
     --json "$OUT/kernel_6_58B.json"; echo "rc=$?"; } 2>&1 | tee "$OUT/kernel_6_58B.txt"

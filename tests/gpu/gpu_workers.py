@@ -184,6 +184,45 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: b
             "grad_dtypes": sorted({str(b.dtype) for b in engine._offload._grads.values()})}
 
 
+def grads_on_host_run(device, moved: bool, clip: float) -> dict:
+    """Stage 3 with ``offload_optimizer: cpu``: each reduced gradient shard gives its GPU memory back once its copy
+    to the host is under way (``moved``, the default), or keeps it until the step (the move patched out). Losses,
+    masters, the gradient held after each backward, a gradient read between backward and step, how many shards
+    moved, and setup's peak against the fp32 model built on the GPU (no fp32 master is made there first)."""
+    import zero_core
+    from zero_core.offload import cpu_optimizer
+
+    move = cpu_optimizer.OptimizerOffload._move_to_host
+    if not moved:
+        cpu_optimizer.OptimizerOffload._move_to_host = lambda self, *args: None
+    try:
+        fresh_peak()
+        torch.manual_seed(0)
+        model = GPT().to(device)
+        fp32_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        engine = zero_core.setup(model, optimizer, {"stage": 3, "bf16": {"enabled": True}, "gradient_clipping": clip,
+                                                    "stage3_param_persistence_threshold": 0,
+                                                    "offload_optimizer": PINNED_CPU})
+        setup_peak = torch.cuda.max_memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        losses, held, grads = [], [], []
+        for index, tokens in enumerate(batches(device)):
+            loss = engine.module(tokens)
+            engine.backward(loss)
+            held.append(engine.memory_stats()["grads"])
+            if index == STEPS - 1:
+                grads.append(zero_core.safe_get_full_grad(model.blocks[0].up.weight).cpu())
+            engine.step()
+            losses.append(loss.item())
+        masters = engine.full_state_dict(rank0_only=False)
+        return {"losses": losses, "held": held, "grads": grads, "moved": engine._offload.moved_to_host,
+                "masters": {n: masters[n] for n, _ in model.named_parameters()}, "setup_peak": setup_peak,
+                "fp32_bytes": fp32_bytes, "peak": torch.cuda.max_memory_allocated()}
+    finally:
+        cpu_optimizer.OptimizerOffload._move_to_host = move
+
+
 def delayed_run(device, stage: int, waited: bool) -> dict:
     """The delayed update (``delayed_update_after: 1``) with each step call's copies of the landed masters into the
     model held up on their copy stream (a sleep kernel queued there before them): each part's gather must wait for its
@@ -294,6 +333,9 @@ def main(out: str) -> None:
     for stage in (2, 3):  # the compiled host kernel, inline and started during backward (pinned)
         results[f"compiled_zero{stage}_inline"] = overlap_run(device, stage, False, kernel="compiled")
         results[f"compiled_zero{stage}_backward"] = overlap_run(device, stage, True, backward=True, kernel="compiled")
+    for clip in (0.0, 0.05):  # reduced gradients on the host only, against kept on the GPU until the step
+        for moved in (True, False):
+            results[f"grads_{'moved' if moved else 'kept'}_{clip}"] = grads_on_host_run(device, moved, clip)
     for stage in (2, 3):
         for waited in (True, False):
             results[f"delayed_zero{stage}_{waited}"] = delayed_run(device, stage, waited)

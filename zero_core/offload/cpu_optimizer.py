@@ -339,7 +339,6 @@ class OptimizerOffload:
         memory back (stage 3, where gradient memory is released, grad_memory.py), keeping the bucket norms that
         clipping and fp16's overflow check read. A reader that needs the shard again (an accumulating reduction,
         the debugging API) gets the host's values copied back in."""
-
         device = shards[0].device
         in_use = _copy_stream(device, to_device=False) if device.type == "cuda" else None
 
