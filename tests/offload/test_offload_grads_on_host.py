@@ -4,7 +4,8 @@ on CUDA, forced on here on the CPU with ``RELEASE_ON_CPU``), keeping its bucket 
 overflow check. A reader that needs the shard again gets the host's values copied back in.
 
 Two ranks train the same steps twice in one process, with the shards moved and kept (the reference, itself tested
-against DDP by the other offload tests): bf16 with clipping from the config, fp16 with a loss scale, a user's
+against DDP by the other offload tests): bf16 with clipping from the config (also with persistent units, and with
+``offload_param: cpu``), fp16 with a loss scale, a user's
 clip by the 1-norm (a norm not kept: the shards come back), accumulation by reducing backwards (the second
 reduction adds to the values copied back in), the step overlapped with the forward, and started during backward.
 Every loss, parameter and master is bit for bit the reference's, so are the clip norms and a gradient read with
@@ -37,6 +38,9 @@ RUNS = {
     "bf16, overlapped with the forward": (BF16, {"overlap": True}),
     "bf16, started during backward": ({**BF16, "offload_optimizer": {"device": "cpu", "overlap_with_backward": True}},
                                       {"overlap": True}),
+    "bf16, persistent units, clipping": ({**BF16, "param_persistence_threshold": 200, "gradient_clipping": 0.05}, {}),
+    "bf16, offload_param cpu, clipping": ({**BF16, "offload_param": {"device": "cpu"}, "gradient_clipping": 0.05},
+                                          {}),
 }
 
 
