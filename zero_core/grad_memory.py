@@ -5,6 +5,8 @@ are None meanwhile and autograd allocates them, as in plain training). So the pe
 activation alive) does not also hold a gradient per parameter: 2 bytes per parameter in bf16, 1.7 GiB of a 873M
 model's peak on one GPU (docs/benchmarks.md).
 
+They are born that way too: after setup no gradient holds memory until the first reduction.
+
 With ``offload_optimizer`` (device cpu) at stage 3 a gradient shard gives its memory back as soon as its copy to
 the host is under way (``MovedToHost``), so backward does not keep a gradient per parameter on the accelerator.
 

@@ -66,6 +66,8 @@ class FlatParamGroup:
             for param, grad in zip(self.params, existing):
                 if grad is not None:
                     param.grad.copy_(grad)
+            if grad_memory.releases(self.device) and all(grad is None for grad in existing):
+                self.zero_grads()  # born as after a step: no memory until the first reduction (or read)
         self.master_shards: Optional[MasterShards] = None
         self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, bucket) after each reduction
 
