@@ -77,23 +77,24 @@ class ParamUnit:
         # ``shard`` is empty; its gathers send the codes and dequantise (docs/multinode.md)
         self.store_quantized = False
         self.quantized: Optional[list[Quantized]] = None
-        self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
-        self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
         self._offsets = layout.shard_offsets()
-        # Each bucket of ``full`` seen as (rank, slice): where a coalesced all-gather's rank-major result goes.
-        # Views of ``full`` stay valid while its storage is resized to zero and back.
-        self.rank_views = [self.full[b.range.as_slice()].view(layout.world_size, b.shard_size)
-                           for b in layout.buckets]
         self._grad_shard = None
         self._grad_buckets: list[torch.Tensor] = []  # its bucket views, made while it has memory (grad_views)
         self._moved: Optional[grad_memory.MovedToHost] = None  # offload moved the reduced shard to the host
-        if self.trainable:  # born released where shards give their memory back (the first reduction allocates it)
-            self._grad_shard = torch.empty_like(self.shard)
+        if self.trainable:  # born released where shards give their memory back (the first reduction allocates it);
+            # made before ``full`` and ``shard``, which then reuse its memory: setup's peak does not hold all three
+            self._grad_shard = torch.empty(layout.shard_numel, dtype=self.dtype, device=self.device)
             self._grad_buckets = [self._bucket_shard(self._grad_shard, b.index) for b in layout.buckets]
             if grad_memory.releases(self.device):
                 grad_memory.release(self._grad_shard)
             else:
                 self._grad_shard.zero_()
+        self.full = torch.zeros(layout.total, dtype=self.dtype, device=self.device)
+        self.shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
+        # Each bucket of ``full`` seen as (rank, slice): where a coalesced all-gather's rank-major result goes.
+        # Views of ``full`` stay valid while its storage is resized to zero and back.
+        self.rank_views = [self.full[b.range.as_slice()].view(layout.world_size, b.shard_size)
+                           for b in layout.buckets]
         self.master_shards: Optional[MasterShards] = None
         self.on_grad_reduced = None  # offload (zero_core/offload): called with (self, None) after each reduction
         self.streams = side_streams.NONE  # the runtime's CUDA side streams (streams.py), none on the CPU
