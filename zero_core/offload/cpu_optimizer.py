@@ -33,8 +33,7 @@ from zero_core.offload.host_masters import HostMasterShards, write_back_pieces
 from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path, split_into_tiles
 from zero_core.offload.overlapped_step import OverlappedStep
 from zero_core.offload.params import offload_param_shards
-from zero_core.offload.placement import (_copy_stream, copy_between, copy_in_now, host_empty, pinning,
-                                         wait_for_copies)
+from zero_core.offload.placement import _copy_stream, copy_between, host_empty, pinning, wait_for_copies
 
 # Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
 _SWAP_BYTES_PER_ELEMENT = 4 * 3
@@ -335,19 +334,21 @@ class OptimizerOffload:
         self.overlapped.start_early(part, bucket)  # overlap_with_backward may start its step now
 
     def _move_to_host(self, part, shards: list[torch.Tensor], hosts: list[Optional[torch.Tensor]]) -> None:
-        """Every bucket of ``part``'s reduced gradient is on its way to the host: the accelerator's copy gives its
-        memory back (stage 3, where gradient memory is released, grad_memory.py), keeping the bucket norms that
+        """Every bucket of stage 3 unit ``part``'s reduced gradient is on its way to the host: the accelerator's copy
+        gives its memory back (where gradient memory is released, grad_memory.py), keeping the bucket norms that
         clipping and fp16's overflow check read. A reader that needs the shard again (an accumulating reduction,
         the debugging API) gets the host's values copied back in."""
         device = shards[0].device
         in_use = _copy_stream(device, to_device=False) if device.type == "cuda" else None
 
-        def copy_in(views: list[torch.Tensor]) -> None:
+        def copy_in(views: list[torch.Tensor]) -> None:  # returns once the values are back (a rare read)
             if in_use is not None:
                 in_use.synchronize()  # the copies to the host have landed
             for view, host in zip(views, hosts):
                 if host is not None:
-                    copy_in_now(view, host)
+                    copy_between(view, host)
+            if in_use is not None:
+                _copy_stream(device, to_device=True).synchronize()
 
         if part.grads_to_host(copy_in, self.norm_types, in_use):
             self.moved_to_host += 1

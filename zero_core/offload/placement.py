@@ -84,17 +84,6 @@ def copy_between(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst[start : start + _SLICE].copy_(piece, non_blocking=asynchronous)
 
 
-def copy_in_now(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """Copy host memory ``src`` into ``dst`` (1-D, on an accelerator or the host) on the current stream, casting on
-    the accelerator slice by slice, and return once it is done (the host may then change ``src``). For rare reads
-    (a gradient shard offload moved to the host, read again), not for the step's copies."""
-    if dst.device == src.device or dst.dtype == src.dtype:
-        dst.copy_(src)
-        return
-    for start in range(0, src.numel(), _SLICE):
-        dst[start : start + _SLICE].copy_(src[start : start + _SLICE].to(dst.device))
-
-
 def wait_for_copies(tensors: list[torch.Tensor]) -> None:
     """Complete the asynchronous copies to and from an accelerator: the host may then read what came in and
     write what went out, and the accelerator's compute stream sees what went in."""

@@ -146,10 +146,6 @@ class FlatParamGroup:
         """What the gradient's norm is computed from: the shards themselves."""
         return self.grad_shards()
 
-    def grads_to_host(self, copy_in, norm_types, in_use) -> bool:
-        """Stages 1-2 keep their gradient shards until the step (their buckets share one storage)."""
-        return False
-
     def _restore_full_grads(self) -> None:
         """Stage 1: the full gradient buffer again, zeroed, if its memory was given back after the step (the
         parameters' ``.grad`` were set to None then; autograd's new ones are copied in at the reduction)."""
