@@ -87,12 +87,22 @@ def _collect(ranks, timeout: float) -> list:
             raise TimeoutError(f"ranks {pending} still running after {timeout:g} s; all ranks were killed")
         waitables = [ranks[rank][1] for rank in pending] + [ranks[rank][0].sentinel for rank in pending]
         wait(waitables, timeout=remaining)
+        # A rank that died without a result is the cause of what its peers then raise (a collective's "connection
+        # reset"), whichever of them is read first: it is reported before any error from the same round.
+        errors, died = [], []
         for rank in pending:
             process, receiver = ranks[rank]
             if receiver.poll():
-                results[rank] = _receive(rank, process, receiver)
+                try:
+                    results[rank] = _receive(rank, process, receiver)
+                except RankFailed as error:
+                    errors.append(error)
+                except RuntimeError as error:  # its pipe closed without a message
+                    died.append(error)
             elif not process.is_alive():
-                raise RuntimeError(f"rank {rank} exited with code {process.exitcode} without a result")
+                died.append(RuntimeError(f"rank {rank} exited with code {process.exitcode} without a result"))
+        if died or errors:
+            raise (died + errors)[0]
     return [results[rank] for rank in range(len(ranks))]
 
 

@@ -334,8 +334,8 @@ class OptimizerOffload:
         self.overlapped.start_early(part, bucket)  # overlap_with_backward may start its step now
 
     def _move_to_host(self, part, shards: list[torch.Tensor], hosts: list[Optional[torch.Tensor]]) -> None:
-        """Every bucket of stage 3 unit ``part``'s reduced gradient is on its way to the host: the accelerator's copy
-        gives its memory back (where gradient memory is released, grad_memory.py), keeping the bucket norms that
+        """Every bucket of ``part``'s reduced gradient is on its way to the host: the accelerator's copy gives its
+        memory back (stage 3's units, where gradient memory is released, grad_memory.py), keeping the bucket norms that
         clipping and fp16's overflow check read. A reader that needs the shard again (an accumulating reduction,
         the debugging API) gets the host's values copied back in."""
         device = shards[0].device

@@ -142,6 +142,11 @@ class FlatParamGroup:
         """As :meth:`grad_shards`: at stages 1-2 no shard is moved to the host (stage 3's ParamUnit.grad_views)."""
         return self.grad_shards()
 
+    def grads_to_host(self, copy_in, norm_types, in_use) -> bool:
+        """Stages 1-2 keep their gradient shards until the step (a group's buckets share one storage, so none can
+        give its memory back alone): never."""
+        return False
+
     def grad_norm_inputs(self, norm_type: float) -> list[torch.Tensor]:
         """What the gradient's norm is computed from: the shards themselves."""
         return self.grad_shards()
