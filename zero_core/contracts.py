@@ -91,12 +91,16 @@ class Part(Protocol):
     def grad_views(self) -> list[torch.Tensor]:
         """The gradient shards, except that one offload moved to the host stays there (views without memory)."""
 
+    def grad_view(self, bucket: int) -> torch.Tensor:
+        """One bucket's gradient shard as it is, restoring nothing: for its dtype, size and device."""
+
     def grad_norm_inputs(self, norm_type: float) -> list:
         """Per bucket: the gradient shard, or its norm (grad_memory.KnownNorm) where offload moved it to the host."""
 
-    def grads_to_host(self, copy_in: Callable, norm_types: Sequence[float], in_use: Optional[Any]) -> bool:
-        """Offload copied every bucket of the reduced gradient to the host: give the accelerator memory back if this
-        part can (``copy_in`` brings the values back for a later reader). Whether it did."""
+    def grads_to_host(self, copy_in: Callable, norm_types: Sequence[float], in_use: Optional[Any],
+                      bucket: Optional[int] = None) -> bool:
+        """Offload copied the reduced gradient of ``bucket`` (None: every bucket) to the host: give the accelerator
+        memory back if this part can (``copy_in`` brings the values back for a later reader). Whether it did."""
 
     def param_shards(self) -> list[torch.Tensor]:
         """This rank's model-side (training dtype) shard of each bucket: what the masters write back into."""

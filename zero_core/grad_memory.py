@@ -7,8 +7,9 @@ model's peak on one GPU (docs/benchmarks.md).
 
 They are born that way too: after setup no gradient holds memory until the first reduction.
 
-With ``offload_optimizer`` (device cpu) at stage 3 a gradient shard gives its memory back as soon as its copy to
-the host is under way (``MovedToHost``), so backward does not keep a gradient per parameter on the accelerator.
+With ``offload_optimizer`` (device cpu) at stages 2-3 a gradient shard (stage 2: a reduce bucket's) gives its
+memory back as soon as its copy to the host is under way (``MovedToHost``), so backward does not keep a gradient
+per parameter on the accelerator.
 
 Only on CUDA, where the caching allocator hands the same blocks back at no cost. On a CPU a freed buffer goes back
 to the operating system and its pages fault in again every step, so there the storage is kept
@@ -48,7 +49,7 @@ def restore(storage: torch.Tensor) -> None:
 @dataclass
 class MovedToHost:
     """A reduced gradient shard that ``offload_optimizer`` copied to host memory, whose accelerator memory was then
-    given back (stage 3; the ZeRO-Offload paper keeps reduced gradients on the host only). ``copy_in`` puts the
+    given back (stages 2-3; the ZeRO-Offload paper keeps reduced gradients on the host only). ``copy_in`` puts the
     values back into the bucket views it is given, for a reader that needs them on the accelerator again (an
     accumulating reduction, the debugging API); ``norms`` holds each bucket's norm by norm type, taken before the
     memory went (None for an empty bucket): what clipping and fp16's overflow check read instead."""

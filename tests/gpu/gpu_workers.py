@@ -184,9 +184,10 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: b
             "grad_dtypes": sorted({str(b.dtype) for b in engine._offload._grads.values()})}
 
 
-def grads_on_host_run(device, moved: bool, clip: float) -> dict:
-    """Stage 3 with ``offload_optimizer: cpu``: each reduced gradient shard gives its GPU memory back once its copy
-    to the host is under way (``moved``, the default), or keeps it until the step (the move patched out). Losses,
+def grads_on_host_run(device, stage: int, moved: bool, clip: float) -> dict:
+    """Stages 2-3 with ``offload_optimizer: cpu``: each reduced gradient shard (stage 2: each reduce bucket's, about
+    8 here) gives its GPU memory back once its copy to the host is under way (``moved``, the default), or keeps it
+    until the step (the move patched out). Losses,
     masters, the gradient held after each backward, a gradient read between backward and step, how many shards
     moved, and setup's peak against the fp32 model built on the GPU (no fp32 master is made there first)."""
     import zero_core
@@ -201,7 +202,8 @@ def grads_on_host_run(device, moved: bool, clip: float) -> dict:
         model = GPT().to(device)
         fp32_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        engine = zero_core.setup(model, optimizer, {"stage": 3, "bf16": {"enabled": True}, "gradient_clipping": clip,
+        engine = zero_core.setup(model, optimizer, {"stage": stage, "bf16": {"enabled": True},
+                                                    "gradient_clipping": clip, "reduce_bucket_size": 300_000,
                                                     "stage3_param_persistence_threshold": 0,
                                                     "offload_optimizer": PINNED_CPU})
         setup_peak = torch.cuda.max_memory_allocated()
@@ -333,9 +335,11 @@ def main(out: str) -> None:
     for stage in (2, 3):  # the compiled host kernel, inline and started during backward (pinned)
         results[f"compiled_zero{stage}_inline"] = overlap_run(device, stage, False, kernel="compiled")
         results[f"compiled_zero{stage}_backward"] = overlap_run(device, stage, True, backward=True, kernel="compiled")
-    for clip in (0.0, 0.05):  # reduced gradients on the host only, against kept on the GPU until the step
-        for moved in (True, False):
-            results[f"grads_{'moved' if moved else 'kept'}_{clip}"] = grads_on_host_run(device, moved, clip)
+    for stage in (2, 3):  # reduced gradients on the host only, against kept on the GPU until the step
+        for clip in (0.0, 0.05):
+            for moved in (True, False):
+                label = f"grads_zero{stage}_{'moved' if moved else 'kept'}_{clip}"
+                results[label] = grads_on_host_run(device, stage, moved, clip)
     for stage in (2, 3):
         for waited in (True, False):
             results[f"delayed_zero{stage}_{waited}"] = delayed_run(device, stage, waited)

@@ -296,15 +296,19 @@ def test_estimate_by_place():
     assert nvme.nvme == place.nvme + (shard - 500) * 2
     assert nvme.host == place.host - shard * 2 + 500 * 2 + 3 * 100 * 2
     assert nvme.accelerator == place.accelerator
-    # device cpu at stage 3: the reduced gradient shards leave the accelerator as backward copies them to the host
-    # (at stage 2 they stay until the step)
+    # device cpu at stages 2-3: the reduced gradient shards leave the accelerator as backward copies them to the
+    # host (stage 1's stay: its buckets view one buffer)
     cpu = {"stage": 3, "bf16": {"enabled": True}, "offload_optimizer": {"device": "cpu"}}
     on_cpu = placement_bytes(estimate, cpu)
     assert on_cpu.accelerator == estimate.total - estimate.fp32_master - estimate.optimizer_state - estimate.grads
     assert estimate.grads == shard * 2
     stage2 = estimate_stage(10_000, {**cpu, "stage": 2}, 4)
     assert placement_bytes(stage2, {**cpu, "stage": 2}).accelerator == (  # (the step's fp32 tile is on the host)
-        stage2.total - stage2.fp32_master - stage2.optimizer_state - stage2.step_tile)
+        stage2.total - stage2.fp32_master - stage2.optimizer_state - stage2.step_tile - stage2.grads)
+    assert stage2.grads == shard * 2
+    stage1 = estimate_stage(10_000, {**cpu, "stage": 1}, 4)
+    assert placement_bytes(stage1, {**cpu, "stage": 1}).accelerator == (
+        stage1.total - stage1.fp32_master - stage1.optimizer_state - stage1.step_tile)
 
 
 def test_full_disk_is_an_error_before_training(monkeypatch, tmp_path):

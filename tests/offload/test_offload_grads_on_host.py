@@ -1,16 +1,18 @@
-"""Gradient shards that live on the host once reduced (stage 3, ``offload_optimizer: cpu``): after backward's copy
-of a unit's reduced gradient to the host, the accelerator's copy gives its memory back (grad_memory.MovedToHost;
-on CUDA, forced on here on the CPU with ``RELEASE_ON_CPU``), keeping its bucket norms for clipping and fp16's
-overflow check. A reader that needs the shard again gets the host's values copied back in.
+"""Gradient shards that live on the host once reduced (stages 2-3, ``offload_optimizer: cpu``): after backward's
+copy of a unit's (stage 2: a reduce bucket's) reduced gradient to the host, the accelerator's copy gives its
+memory back (grad_memory.MovedToHost; on CUDA, forced on here on the CPU with ``RELEASE_ON_CPU``), keeping its
+bucket norms for clipping and fp16's overflow check. A reader that needs the shard again gets the host's values
+copied back in.
 
 Two ranks train the same steps twice in one process, with the shards moved and kept (the reference, itself tested
-against DDP by the other offload tests): bf16 with clipping from the config (also with persistent units, and with
-``offload_param: cpu``), fp16 with a loss scale, a user's
-clip by the 1-norm (a norm not kept: the shards come back), accumulation by reducing backwards (the second
-reduction adds to the values copied back in), the step overlapped with the forward, and started during backward.
-Every loss, parameter and master is bit for bit the reference's, so are the clip norms and a gradient read with
-the debugging API between backward and step; after backward the shards hold no memory (and the reference's do).
-Setup makes no fp32 master on the accelerator first: the masters offload takes are views of the 16-bit shards."""
+against DDP by the other offload tests), at each stage: bf16 with clipping from the config (at stage 3 also with
+persistent units, and with ``offload_param: cpu``), fp16 with a loss scale, a user's clip by the 1-norm (a norm
+not kept: the shards come back), accumulation by reducing backwards (the second reduction adds to the values
+copied back in), the step overlapped with the forward, and started during backward. Every loss, parameter and
+master is bit for bit the reference's, so are the clip norms and a gradient read with the debugging API between
+backward and step; after backward the shards hold no memory (and the reference's do; at stage 2 the bucket
+reduced last lends its shard from the reducer's staging, and holds none of its own). Setup makes no fp32 master
+on the accelerator first: the masters offload takes are views of the 16-bit shards."""
 
 from __future__ import annotations
 
@@ -42,6 +44,17 @@ RUNS = {
     "bf16, offload_param cpu, clipping": ({**BF16, "offload_param": {"device": "cpu"}, "gradient_clipping": 0.05},
                                           {}),
 }
+STAGE2 = {"stage": 2}  # several reduce buckets per group (reduce_bucket_size 300), each moved on its own
+RUNS.update({
+    "stage 2, bf16, clipping": ({**STAGE2, **BF16, "gradient_clipping": 0.05}, {}),
+    "stage 2, fp16, loss scale, clipping": ({**STAGE2, "fp16": {"enabled": True, "initial_scale_power": 8},
+                                             "gradient_clipping": 0.05}, {}),
+    "stage 2, bf16, a user's 1-norm clip": ({**STAGE2, **BF16}, {"clip_norm_type": 1.0}),
+    "stage 2, bf16, accumulation by reducing backwards": ({**STAGE2, **BF16}, {"micro": 2}),
+    "stage 2, bf16, overlapped with the forward": ({**STAGE2, **BF16}, {"overlap": True}),
+    "stage 2, bf16, started during backward": ({**STAGE2, **BF16, "offload_optimizer": {
+        "device": "cpu", "overlap_with_backward": True}}, {"overlap": True}),
+})
 
 
 def train(rank: int, config: dict, moved: bool, micro: int = 1, overlap: bool = False,

@@ -272,7 +272,7 @@ class OptimizerOffload:
         copies = []
         for part, bucket, start, end, _ in tile_runs(entries):
             key = (id(part), bucket)
-            whole = part.grad_views()[bucket]
+            whole = part.grad_view(bucket)
             if key not in taken:
                 taken[key] = self._host_bucket(part, bucket, whole)
                 del self._grads[key]
@@ -294,7 +294,7 @@ class OptimizerOffload:
         copies, buffers = [], {}
         for part, bucket, start, end, _ in tile_runs(entries):
             key = (id(part), bucket)
-            whole = part.grad_views()[bucket]
+            whole = part.grad_view(bucket)
             if key not in buffers:  # nvme: a buffer of its own per bucket (the gradients wait in host memory)
                 buffers[key] = self._host_bucket(part, bucket, whole)
             if self.swapper is not None or key not in self._fresh:
@@ -316,10 +316,11 @@ class OptimizerOffload:
         """The reducer finished ``bucket`` of ``part`` (None: all of them): start its copy to the host now, so it
         overlaps the rest of backward. Later reductions (accumulation) copy again; the last one is what steps."""
         self.overlapped.settle_previous()  # the last step's update reads these buffers
-        shards = part.grad_shards()
+        # Only the buckets just reduced (a stage 2 group's others may hold no memory, and keep it that way)
+        indices = range(len(part.layout.buckets)) if bucket is None else (bucket,)
+        shards = [part.grad_view(index) for index in indices]
         hosts: list[Optional[torch.Tensor]] = []
-        for index in range(len(shards)) if bucket is None else (bucket,):
-            grad = shards[index]
+        for index, grad in zip(indices, shards):
             if self._in_place(grad) or grad.numel() == 0:
                 hosts.append(None)
                 continue  # used in place at the step
@@ -328,16 +329,17 @@ class OptimizerOffload:
             hosts.append(host)
             self._fresh.add((id(part), index))
             self.copied_during_backward += 1
-        if bucket is None and any(host is not None for host in hosts) and all(
+        if any(host is not None for host in hosts) and all(
                 host is not None or grad.numel() == 0 for host, grad in zip(hosts, shards)):
-            self._move_to_host(part, shards, hosts)
+            self._move_to_host(part, shards, hosts, bucket)
         self.overlapped.start_early(part, bucket)  # overlap_with_backward may start its step now
 
-    def _move_to_host(self, part, shards: list[torch.Tensor], hosts: list[Optional[torch.Tensor]]) -> None:
-        """Every bucket of ``part``'s reduced gradient is on its way to the host: the accelerator's copy gives its
-        memory back (stage 3's units, where gradient memory is released, grad_memory.py), keeping the bucket norms that
-        clipping and fp16's overflow check read. A reader that needs the shard again (an accumulating reduction,
-        the debugging API) gets the host's values copied back in."""
+    def _move_to_host(self, part, shards: list[torch.Tensor], hosts: list[Optional[torch.Tensor]],
+                      bucket: Optional[int]) -> None:
+        """``part``'s reduced gradient (``bucket``, or None: every bucket, stage 3) is on its way to the host: the
+        accelerator's copy gives its memory back (where gradient memory is released, grad_memory.py), keeping the
+        bucket norms that clipping and fp16's overflow check read. A reader that needs the shard again (an
+        accumulating reduction, the debugging API) gets the host's values copied back in."""
         device = shards[0].device
         in_use = _copy_stream(device, to_device=False) if device.type == "cuda" else None
 
@@ -350,7 +352,7 @@ class OptimizerOffload:
             if in_use is not None:
                 _copy_stream(device, to_device=True).synchronize()
 
-        if part.grads_to_host(copy_in, self.norm_types, in_use):
+        if part.grads_to_host(copy_in, self.norm_types, in_use, bucket):
             self.moved_to_host += 1
 
     def forget_grads(self) -> None:
@@ -379,11 +381,11 @@ class OptimizerOffload:
                 copies.append((host, grad))
                 out.append(host)
                 continue
-            whole = part.grad_views()[fragment.bucket]
+            whole = part.grad_view(fragment.bucket)
             out.append(self._host_bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
         if self.swapper is None:
             for part, bucket, start, end, _ in tile_runs(tile):
-                whole = part.grad_views()[bucket]
+                whole = part.grad_view(bucket)
                 if not self._in_place(whole) and (id(part), bucket) not in self._fresh:
                     host = self._grads[(id(part), bucket)]
                     copies.append((host[start:end], part.grad_shards()[bucket][start:end]))
@@ -406,7 +408,7 @@ class OptimizerOffload:
         model's parameter shards, so the next forward reads them and the next step may change the masters they
         were copied from."""
         self.overlapped.settle_previous()  # the step before (another optimizer's) has landed
-        on_accelerator = [shard for part in parts for shard in part.grad_views()[:1]]
+        on_accelerator = [part.grad_view(0) for part in parts]
         wait_for_copies(on_accelerator)  # the gradients copied out during backward (copy stream) have arrived
         if self.delayed is not None and self.delayed.takes(optimizer):
             self.use_fused(optimizer)
@@ -498,11 +500,11 @@ class OptimizerOffload:
                 grads.append(grad)  # already in host memory, in the kernel's dtype: used in place, as without offload
                 continue
             fragment = part.master_shards.pieces[index]
-            whole = part.grad_views()[fragment.bucket]
+            whole = part.grad_view(fragment.bucket)
             grads.append(self._host_bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
         outs = self._direct_outs(entries) if self.compiled else None
         for part, bucket, start, end, _ in tile_runs(entries):
-            whole = part.grad_views()[bucket]
+            whole = part.grad_view(bucket)
             if not self._in_place(whole) and (id(part), bucket) not in self._fresh:
                 copies.append(Span(offset, self._grads[(id(part), bucket)][start:end],
                                    part.grad_shards()[bucket][start:end]))
@@ -556,7 +558,7 @@ class OptimizerOffload:
 
     @staticmethod
     def _on_accelerator(parts: list) -> bool:
-        return any(shard.device.type != "cpu" for part in parts for shard in part.grad_views()[:1])
+        return any(part.grad_view(0).device.type != "cpu" for part in parts)
 
     def _copy_thread(self, parts: list) -> bool:
         """Whether the copies around the step run on a thread. Host <-> accelerator copies from pinned memory are

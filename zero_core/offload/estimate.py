@@ -31,9 +31,10 @@ def placement_bytes(estimate, config) -> Placement:
         # the step runs on the host: its fp32 tile (MemoryEstimate.step_tile) is the host gradient buffer below
         accelerator -= max(estimate.live_params, estimate.step_tile) - estimate.live_params
         moved = MASTER_BYTES * shard + estimate.optimizer_state  # master + state, per element (4 + K)
-        if optimizer == "cpu" and estimate.stage == 3:
+        if optimizer == "cpu" and estimate.stage >= 2:
             # a reduced gradient shard gives its accelerator memory back once its copy to the host is under way
-            # (grad_memory.MovedToHost, on CUDA): the one in flight is a unit's, not counted
+            # (grad_memory.MovedToHost, on CUDA): the one in flight is a unit's or a bucket's, and stage 2's bucket
+            # reduced last is the reducer's kept staging (counted in its buffers), not counted
             accelerator -= estimate.grads
         if optimizer == "cpu":
             compiled = cfg.offload_optimizer.host_kernel == "compiled" and estimate.precision != "fp32"

@@ -232,7 +232,7 @@ class OverlappedStep:
             queue = self._open(piece_kernels(optimizer, self.owner.compiled))
         grads = self.owner.owned_grads(entries, consume=False)
         arrived = None
-        shard = part.grad_views()[bucket or 0]
+        shard = part.grad_view(bucket or 0)
         if shard.is_cuda:
             arrived = torch.cuda.Event()
             arrived.record(_copy_stream(shard.device, to_device=False))

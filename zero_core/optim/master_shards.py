@@ -32,21 +32,41 @@ class MasterShards:
                        for f in self.pieces]
 
     # The gradient views of the pieces, made once per gradient storage (not per step): see grad_pieces.
-    _grad_key: Optional[tuple] = None
+    _grad_key: Optional[list] = None
     _grad_views: list = []
+    _bucket_views: Optional[dict] = None  # bucket -> (its shard's key, its pieces' views)
+    _bucket_pieces: Optional[dict] = None  # bucket -> its pieces' fragments
 
     def grad_pieces(self, grad_shards: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """Each piece's slice of the part's gradient shards, in ``params`` order. Cached: slicing per piece at
         every step is Python per parameter; the views are made again only if the shards are other tensors. Views
         follow their storage when its memory is given back and allocated again (grad_memory.py), so the key is
         the tensor the shards view, not their address: the offloaded step reads these of a shard moved to the
-        host, whose storage holds no memory (and no view of it can be made then)."""
-        key = tuple((id(g if g._base is None else g._base), g.storage_offset(), g.numel(), g.dtype)
-                    for g in grad_shards)
-        if key != self._grad_key:
-            self._grad_views = [grad_shards[f.bucket][f.shard_range.as_slice()] for f in self.pieces]
-            self._grad_key = key
+        host, whose storage holds no memory (and no view of it can be made then: :meth:`keep_grad_pieces` makes
+        them before)."""
+        key = [_view_key(g) for g in grad_shards]
+        old = self._grad_key
+        if old is None or len(key) != len(old) or not all(map(_same_view, key, old)):
+            views = []
+            for bucket, shard in enumerate(grad_shards):
+                views += self.keep_grad_pieces(bucket, shard)
+            self._grad_views, self._grad_key = views, key
         return self._grad_views
+
+    def keep_grad_pieces(self, bucket: int, shard: torch.Tensor) -> list[torch.Tensor]:
+        """The views of ``bucket``'s pieces in its gradient ``shard`` (in ``params`` order), made now unless made
+        of that shard before: called while its memory is there, they stay valid once it is given back."""
+        if self._bucket_views is None:
+            self._bucket_views = {}
+            self._bucket_pieces = {}
+            for fragment in self.pieces:
+                self._bucket_pieces.setdefault(fragment.bucket, []).append(fragment)
+        key = _view_key(shard)
+        kept = self._bucket_views.get(bucket)
+        if kept is None or not _same_view(kept[0], key):
+            views = [shard[f.shard_range.as_slice()] for f in self._bucket_pieces.get(bucket, ())]
+            kept = self._bucket_views[bucket] = (key, views)
+        return kept[1]
 
     def holds_values(self) -> bool:
         """Whether some master is in memory (NVMe-offloaded ones are swapped out between steps)."""
@@ -74,6 +94,16 @@ class MasterShards:
                 param_range=piece.param_range, master=master, grad_shard=grad_shards[piece.bucket][local.as_slice()],
                 local=Range(0, local.size)))
         return fragments
+
+
+def _view_key(tensor: torch.Tensor) -> tuple:
+    """What identifies a gradient shard's memory across its release and restore: the tensor it views (not the
+    address, which changes; held, so that no other tensor takes its ``id``), where in it, and how."""
+    return tensor if tensor._base is None else tensor._base, tensor.storage_offset(), tensor.numel(), tensor.dtype
+
+
+def _same_view(a: tuple, b: tuple) -> bool:
+    return a[0] is b[0] and a[1:] == b[1:]
 
 
 class TileEntry(NamedTuple):

@@ -10,12 +10,17 @@ where gradients live, and that is chosen here by ``full_grads``:
   launch, grad_reducer.py), and None outside backward. Except in the bucket reduced last, which works as stage
   1's: its slots stay its parameters' ``.grad``, and its gradient shard is lent (``lend_grad_shard``): this
   rank's slice of its kept staging buffer, reduced in place (last_bucket.py).
+
+Stage 2 gives each bucket's gradient shard a storage of its own, so that one bucket's memory can go while the
+others keep theirs: a lent bucket's own shard holds none while it is lent, and with ``offload_optimizer`` (device
+cpu) a bucket's shard gives its memory back once its copy to the host is under way (grads_to_host), as stage 3's
+units do (grad_memory.py).
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Optional, Sequence
+from typing import Any, Callable, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -60,8 +65,9 @@ class FlatParamGroup:
         # no gradient either: were it not stale, lend_grad_shard would take its zeros for a reduced gradient, and
         # give the lent slice's local gradients back as one when the reducer is replaced before the first step
         self._stale: set[int] = set() if full_grads else set(range(len(self._grad_shards)))
-        self._lent: dict[int, torch.Tensor] = {}  # bucket -> its own shard, while lend_grad_shard replaces it
+        self._lent: set[int] = set()  # buckets whose shard lend_grad_shard replaced (their own is _grad_own's)
         self._lent_reduced: set[int] = set()  # lent shards holding a reduced gradient (not local ones)
+        self._moved: dict[int, grad_memory.MovedToHost] = {}  # stage 2: buckets offload moved to the host
         if self.full_grads:
             for param, grad in zip(self.params, existing):
                 if grad is not None:
@@ -89,14 +95,14 @@ class FlatParamGroup:
                                 for param, slot in zip(self.params, self.layout.slots)]
             self._point_grads_at_views()
             return [self.flat_grad[b.shard_range(self.rank).as_slice()] for b in self.layout.buckets]
-        storage = self._grad_storage = torch.empty(self.layout.shard_numel, dtype=self.dtype, device=self.device)
-        offsets = self.layout.shard_offsets()
-        views = [storage[o : o + b.shard_size] for o, b in zip(offsets, self.layout.buckets)]
-        if grad_memory.releases(self.device):  # every bucket starts stale: the first reduction allocates it
-            grad_memory.release(storage)
-        else:
-            storage.zero_()
-        return views
+        # One storage per bucket: each bucket's memory can go and come back alone
+        self._grad_own = [torch.empty(b.shard_size, dtype=self.dtype, device=self.device) for b in self.layout.buckets]
+        for own in self._grad_own:
+            if grad_memory.releases(self.device):  # every bucket starts stale: its first reduction allocates it
+                grad_memory.release(own)
+            else:
+                own.zero_()
+        return list(self._grad_own)
 
     def _point_grads_at_views(self) -> None:
         for param, view in zip(self.params, self._grad_views):
@@ -120,36 +126,73 @@ class FlatParamGroup:
         return self.master_shards.fragments(self.names, shapes, self.dtype, self.grad_shards())
 
     # -- gradients -----------------------------------------------------------------------------------------
-    def grad_storage(self) -> torch.Tensor:
-        """The tensor that owns the gradient memory (stage 1's full buffer, stage 2's shards), as it is: empty
-        while released, and not restored or zeroed by this call."""
-        return self.flat_grad if self.full_grads else self._grad_storage
+    def grad_storages(self) -> list[torch.Tensor]:
+        """The tensors that own the gradient memory (stage 1's full buffer, stage 2's bucket shards), as they are:
+        empty while released, and not restored or zeroed by this call."""
+        return [self.flat_grad] if self.full_grads else list(self._grad_own)
 
     def grad_shard(self, bucket: int) -> torch.Tensor:
         """This rank's reduced gradient for ``bucket`` (scaled like the loss)."""
-        if self._stale:
-            self._zero_stale()
-        self._restore_full_grads()
-        return self._grad_shards[bucket]
+        return self.grad_shards()[bucket]
 
     def grad_shards(self) -> list[torch.Tensor]:
+        if self._stale:
+            self._zero_stale()
+        if self._moved:
+            self._bring_back(list(self._moved))
+        self._restore_full_grads()
+        return list(self._grad_shards)
+
+    def grad_view(self, bucket: int) -> torch.Tensor:
+        """``bucket``'s gradient shard as it is (it may hold no memory, or no gradient): for its dtype, size and
+        device, restoring nothing."""
+        return self._grad_shards[bucket]
+
+    def grad_views(self) -> list[torch.Tensor]:
+        """As :meth:`grad_shards`, except that a bucket offload moved to the host stays there (its view holds no
+        memory): for offload's own step, which reads the host copy."""
         if self._stale:
             self._zero_stale()
         self._restore_full_grads()
         return list(self._grad_shards)
 
-    def grad_views(self) -> list[torch.Tensor]:
-        """As :meth:`grad_shards`: at stages 1-2 no shard is moved to the host (stage 3's ParamUnit.grad_views)."""
-        return self.grad_shards()
+    def grads_to_host(self, copy_in: Callable[[list[torch.Tensor]], None], norm_types: Sequence[float],
+                      in_use: Optional[Any], bucket: Optional[int] = None) -> bool:
+        """Stage 2: offload copied ``bucket``'s reduced gradient shard to the host (``in_use``: on that CUDA stream,
+        still under way): give its memory back where shards do (grad_memory.releases), keeping its norms of
+        ``norm_types`` and its pieces' views (made while the memory is there). ``copy_in`` brings the values back
+        for a later reader. Not stage 1 (its buckets view one buffer), nor a lent bucket (a slice of the reducer's
+        staging). Whether it was given back."""
+        if self.full_grads or bucket is None or bucket in self._lent or not grad_memory.releases(self.device):
+            return False
+        own = self._grad_own[bucket]
+        if own.numel() == 0 or grad_memory.is_released(own) or bucket in self._stale:
+            return False
+        self.master_shards.keep_grad_pieces(bucket, own)
+        norms = {norm_type: [torch._foreach_norm([own], norm_type, dtype=torch.float32)[0]]
+                 for norm_type in norm_types}
+        if in_use is not None:
+            own.record_stream(in_use)  # its blocks are reused only once that copy is done
+        grad_memory.release(own)
+        self._moved[bucket] = grad_memory.MovedToHost(copy_in, norms)
+        return True
 
-    def grads_to_host(self, copy_in, norm_types, in_use) -> bool:
-        """Stages 1-2 keep their gradient shards until the step (a group's buckets share one storage, so none can
-        give its memory back alone): never."""
-        return False
+    def _bring_back(self, buckets: list[int]) -> None:
+        """The host's values of moved ``buckets`` copied back in (a reader needs them on the accelerator)."""
+        for bucket in buckets:
+            moved = self._moved.pop(bucket)
+            grad_memory.restore(self._grad_own[bucket])
+            moved.copy_in([self._grad_own[bucket]])
 
-    def grad_norm_inputs(self, norm_type: float) -> list[torch.Tensor]:
-        """What the gradient's norm is computed from: the shards themselves."""
-        return self.grad_shards()
+    def grad_norm_inputs(self, norm_type: float) -> list:
+        """What the gradient's norm is computed from, per bucket: the shard, or its norm taken before offload moved
+        it to the host (grad_memory.KnownNorm); a norm type offload did not take brings the shards back."""
+        if any(norm_type not in moved.norms for moved in self._moved.values()):
+            return self.grad_shards()
+        views = self.grad_views()
+        return [view if bucket not in self._moved else
+                grad_memory.KnownNorm(self._moved[bucket].norms[norm_type][0], view.device, view.dtype)
+                for bucket, view in enumerate(views)]
 
     def _restore_full_grads(self) -> None:
         """Stage 1: the full gradient buffer again, zeroed, if its memory was given back after the step (the
@@ -162,19 +205,25 @@ class FlatParamGroup:
         """Stage 2's last bucket: its gradient shard is ``shard`` (this rank's slice of its staging, reduced in
         place there) from now on; ``None`` gives its own back, with the lent one's reduced gradient if it holds
         one (else stale: the local gradients it held went back to ``param.grad``, last_bucket.py)."""
+        own = self._grad_own[bucket]
         if shard is not None:
-            own = self._lent[bucket] = self._grad_shards[bucket]
-            if bucket not in self._stale and not grad_memory.is_released(self._grad_storage):
+            if bucket in self._moved:
+                self._bring_back([bucket])
+            if bucket not in self._stale and not grad_memory.is_released(own):
                 shard.copy_(own)  # what it holds (a gradient reduced before a new reducer took over) goes along
                 self._lent_reduced.add(bucket)
+            self._lent.add(bucket)
             self._grad_shards[bucket] = shard
             self._stale.discard(bucket)
+            if grad_memory.releases(self.device) and not grad_memory.is_released(own):
+                grad_memory.release(own)  # unused while lent
             return
-        own, lent = self._lent.pop(bucket), self._grad_shards[bucket]
+        self._lent.discard(bucket)
+        lent = self._grad_shards[bucket]
         self._grad_shards[bucket] = own
         if bucket in self._lent_reduced:
             self._lent_reduced.discard(bucket)
-            self._restore_grads()
+            self._restore(bucket)
             self._stale.discard(bucket)
             own.copy_(lent)
         else:
@@ -191,22 +240,24 @@ class FlatParamGroup:
             self._lent_reduced.add(bucket)
             return self._grad_shards[bucket], False
         if bucket in self._stale:
-            self._restore_grads()
+            self._restore(bucket)
             self._stale.discard(bucket)
             return self._grad_shards[bucket], True
+        if bucket in self._moved:  # a second reduction before the step adds to what the first one left
+            self._bring_back([bucket])
         return self._grad_shards[bucket], False
 
     def _zero_stale(self) -> None:
-        self._restore_grads()
         for bucket in self._stale:
+            self._restore(bucket)
             self._grad_shards[bucket].zero_()
         self._stale.clear()
 
-    def _restore_grads(self) -> None:
-        """Stage 2: memory for the gradient shards again, if it was given back after the step (every bucket is
-        stale then, so each is overwritten or zeroed before it is read)."""
-        if grad_memory.is_released(self._grad_storage):
-            grad_memory.restore(self._grad_storage)
+    def _restore(self, bucket: int) -> None:
+        """Stage 2: memory for ``bucket``'s own gradient shard again, if it was given back (after the step it is
+        stale, so it is overwritten or zeroed before it is read)."""
+        if grad_memory.is_released(self._grad_own[bucket]):
+            grad_memory.restore(self._grad_own[bucket])
 
     def bucket_grad_input(self, bucket: BucketLayout) -> torch.Tensor:
         """Stage 1: the full local gradients of one bucket, gathered into the flat gradient buffer."""
@@ -241,8 +292,11 @@ class FlatParamGroup:
             # zeroed only if not overwritten first; a lent shard is zeroed with its staging (last_bucket.py)
             self._stale.update(b for b in range(len(self._grad_shards)) if b not in self._lent)
             self._lent_reduced.clear()
+            self._moved.clear()
             if grad_memory.releases(self.device):  # nothing to keep: the memory goes back until a reduction
-                grad_memory.release(self._grad_storage)
+                for own in self._grad_own:
+                    if not grad_memory.is_released(own):
+                        grad_memory.release(own)
             for param in self.params if cleared is None else cleared:
                 param.grad = None
 

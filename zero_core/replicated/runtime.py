@@ -238,7 +238,7 @@ class ReplicatedParamsRuntime:
 
     def grad_tensors(self) -> list[torch.Tensor]:
         """What holds gradient memory now (accounting: released memory counts nothing and stays released)."""
-        return [g.grad_storage() for g in self.parts]
+        return [storage for g in self.parts for storage in g.grad_storages()]
 
     # -- what differs by stage, asked by the engine instead of the stage number (contracts.Runtime) ----------
     @staticmethod

@@ -138,13 +138,19 @@ class ParamUnit:
         return [view if norm is None else grad_memory.KnownNorm(norm, view.device, view.dtype)
                 for view, norm in zip(self._grad_buckets, known)]
 
+    def grad_view(self, bucket: int) -> torch.Tensor:
+        """``bucket``'s gradient shard as it is (it may hold no memory): for its dtype, size and device."""
+        return self._grad_buckets[bucket]
+
     def grads_to_host(self, copy_in: Callable[[list[torch.Tensor]], None], norm_types: Sequence[float],
-                      in_use: Optional[torch.cuda.Stream]) -> bool:
-        """Offload copied the reduced gradient shard to the host (``in_use``: on that CUDA stream, still under way):
+                      in_use: Optional[torch.cuda.Stream], bucket: Optional[int] = None) -> bool:
+        """Offload copied the reduced gradient shard (every bucket: ``bucket`` is None at stage 3) to the host
+        (``in_use``: on that CUDA stream, still under way):
         give its memory back where shards do (grad_memory.releases), keeping the norms of ``norm_types``, and the
         piece views the offloaded step reads (made while the memory is there). ``copy_in`` brings the values back
         for a later reader. Whether it was given back."""
-        if self._grad_shard is None or self.grads_released() or not grad_memory.releases(self.device):
+        if (self._grad_shard is None or bucket is not None or self.grads_released()
+                or not grad_memory.releases(self.device)):
             return False
         shards = self.grad_shards()
         self.master_shards.grad_pieces(shards)  # cached views of the storage: valid while it is empty
