@@ -2,14 +2,17 @@
 *peak* resident anonymous memory (RssAnon) of a training process gives back.
 
 One rank (world size 1, gloo) trains a ``--layers`` x ``Linear(--width, --width)`` MLP (default 24 x 1024: 25.2M
-parameters, fp32, AdamW) for ``--steps`` steps in a fresh process per run, while a thread reads RssAnon from
+parameters, fp32, AdamW; with ``--vocab V`` an ``Embedding(V, --width)`` in front, fed token ids: one piece far
+bigger than the NVMe tile) for ``--steps`` steps in a fresh process per run, while a thread reads RssAnon from
 ``/proc/self/status`` every 5 ms and notes the phase the training thread is in (setup, forward, backward, step).
 Runs:
 
 - ``none``: stage 3 without offload;
 - ``nvme``: ``offload_optimizer`` and ``offload_param`` on NVMe (``max_in_cpu: 0``: every parameter shard in the
   file), ``nvme_path`` a temporary directory under ``--dir``; other fields at their defaults unless given
-  (``--sub-group-size``, ``--buffer-count``, ``--param-buffers``).
+  (``--sub-group-size``, ``--buffer-count``, ``--param-buffers``);
+- ``nvme_whole`` (with ``--whole-pieces``): the same, a piece bigger than the tile stepped whole, as before
+  pieces were stepped in slices (nvme_slices.py).
 
 What offload can take away is the parameter shard, the fp32 master (in fp32 training the parameter shard itself,
 counted once) and Adam's two moments: 12 bytes per parameter in fp32, 14 with ``--bf16`` (the engine's
@@ -89,7 +92,11 @@ def worker(args) -> None:
     config = {"stage": 3, "bf16": {"enabled": args.bf16}, **json.loads(args.zero)}
     if args.sub_group_size:
         config["sub_group_size"] = args.sub_group_size
-    if args.run == "nvme":
+    if args.run == "nvme_whole":
+        from zero_core.offload import nvme_slices
+
+        nvme_slices.sliced = lambda *unused: False
+    if args.run.startswith("nvme"):
         config["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path}
         config["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0}
         if args.buffer_count is not None:
@@ -98,12 +105,14 @@ def worker(args) -> None:
             config["offload_param"]["buffer_count"] = args.param_buffers
     with Sampler() as sampler:
         torch.manual_seed(0)
-        model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
+        head = [torch.nn.Embedding(args.vocab, args.width)] if args.vocab else []
+        model = torch.nn.Sequential(*head, *[torch.nn.Linear(args.width, args.width) for _ in range(args.layers)])
         numel = sum(p.numel() for p in model.parameters())
         engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-4), config)
         del model
         after_setup = rss_anon()
-        x = torch.randn(args.batch, args.width, dtype=torch.bfloat16 if args.bf16 else torch.float32)
+        x = (torch.randint(args.vocab, (args.batch,)) if args.vocab else
+             torch.randn(args.batch, args.width, dtype=torch.bfloat16 if args.bf16 else torch.float32))
         steps, forward_backward = [], []  # seconds, from the second step on (the first creates Adam's state)
         for index in range(args.steps):
             start = time.perf_counter()
@@ -135,10 +144,10 @@ def worker(args) -> None:
 def run_all(args) -> dict:
     runs = {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="offload_peak_") as nvme_path:
-        for run in ("none", "nvme"):
+        for run in ("none", "nvme") + (("nvme_whole",) if args.whole_pieces else ()):
             command = [sys.executable, "-m", "benchmarks.offload_peak", "--worker", run, "--nvme-path", nvme_path,
                        "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
-                       "--steps", str(args.steps), "--threads", str(args.threads),
+                       "--steps", str(args.steps), "--threads", str(args.threads), "--vocab", str(args.vocab),
                        "--sub-group-size", str(args.sub_group_size), "--zero", args.zero] + (
                            ["--bf16"] if args.bf16 else [])
             for flag, value in (("--buffer-count", args.buffer_count), ("--param-buffers", args.param_buffers)):
@@ -154,9 +163,12 @@ def run_all(args) -> dict:
     offloaded = base["fp32_master"] + base["optimizer_state"] + base["params"]
     out = {"runs": runs, "offloaded_bytes": offloaded, "load_average": os.getloadavg(),
            "mmap_threshold": args.mmap_threshold or None}
-    for kind in ("training_peak_bytes", "process_peak_bytes"):
-        drop = runs["none"][kind] - runs["nvme"][kind]
-        out[kind.replace("_bytes", "_drop_fraction")] = drop / offloaded
+    for name in runs:
+        for kind in ("training_peak_bytes", "process_peak_bytes"):
+            drop = runs["none"][kind] - runs[name][kind]
+            runs[name][kind.replace("_bytes", "_drop_fraction")] = drop / offloaded
+    for kind in ("training_peak_drop_fraction", "process_peak_drop_fraction"):
+        out[kind] = runs["nvme"][kind]
     return out
 
 
@@ -169,8 +181,8 @@ def table(result: dict, command: str) -> str:
              "| peak drop / offloaded (training, process) | step, fwd+bwd (s, best) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, run in runs.items():
-        drop = "" if name == "none" else (f"{result['training_peak_drop_fraction']:.0%}, "
-                                          f"{result['process_peak_drop_fraction']:.0%}")
+        drop = "" if name == "none" else (f"{run['training_peak_drop_fraction']:.0%}, "
+                                          f"{run['process_peak_drop_fraction']:.0%}")
         peaks, mib = run["peaks_bytes"], lambda n: f"{n / MiB:.0f} MiB"  # noqa: E731
         lines.append(f"| {name} | {mib(run['after_setup_bytes'])} | {mib(run['training_peak_bytes'])} "
                      f"({run['training_peak_phase']}) | {mib(peaks['step'])} | {mib(peaks['between'])} "
@@ -184,6 +196,9 @@ def main(argv=None) -> None:
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the temporary nvme_path is made")
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=24)
+    parser.add_argument("--vocab", type=int, default=0, help="an Embedding(vocab, width) in front (0: none)")
+    parser.add_argument("--whole-pieces", action="store_true",
+                        help="also run nvme with pieces bigger than the tile stepped whole (nvme_whole)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--threads", type=int, default=2)
@@ -195,7 +210,7 @@ def main(argv=None) -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 training (fp32 masters) instead of fp32")
     parser.add_argument("--mmap-threshold", type=int, default=0, help="MALLOC_MMAP_THRESHOLD_ (0: glibc's own)")
     parser.add_argument("--out", default=None, help="append the table (markdown) to this file")
-    parser.add_argument("--worker", choices=("none", "nvme"), default=None)
+    parser.add_argument("--worker", choices=("none", "nvme", "nvme_whole"), default=None)
     parser.add_argument("--nvme-path", default=None)
     args = parser.parse_args(argv)
     if args.worker:

@@ -24,7 +24,7 @@ from torch import nn
 
 from zero_core.optim.kernels import FUSED_CPU, fused_sgd_would_fail, only_params
 from zero_core.optim.master_shards import master_tiles, tile_runs, unscale_and_clip
-from zero_core.offload import compiled_adam
+from zero_core.offload import compiled_adam, nvme_slices
 from zero_core.offload.aio import AioPool, Transfer
 from zero_core.offload.chunked_step import (CHUNK_MAX, Span, chunk_numel, chunked_adam_step, grad_factor,
                                             steps_fused_adam)
@@ -103,6 +103,7 @@ class OptimizerOffload:
         # is cut by chunk_numel(), below this; the overlapped step (no copies per chunk) steps chunks of this size
         self.chunk_numel = CHUNK_MAX
         self.chunks_stepped = 0  # chunks stepped by the chunked Adam path so far (a counter)
+        self.slices_stepped = 0  # NVMe: slices of pieces bigger than a tile stepped so far (a counter)
         # The chunked Adam path: None, where the shards are on an accelerator; True / False: always / never
         self.chunked: Optional[bool] = None
         # offload_optimizer.host_kernel 'compiled' (compiled_adam.py): the host gradient buffers keep the gradients'
@@ -170,9 +171,12 @@ class OptimizerOffload:
                                                   own_copy=self.delayed is not None)
             self.parts.append(part)
 
-    def _store(self, piece: nn.Parameter) -> None:
-        """A new master piece goes to the swap file at once (HostMasterShards makes the next one after this)."""
-        self.swapper.swap_out([(piece, _MASTER, piece)]).wait()
+    def _store(self, source: torch.Tensor) -> nn.Parameter:
+        """The master piece of ``source`` (a 16-bit or fp32 piece of a shard), written to the swap file in fp32 a
+        slice at a time and swapped out: setup holds a slice, not the piece (nvme_slices.py)."""
+        piece = nn.Parameter(torch.empty(0, dtype=torch.float32))
+        nvme_slices.write_in_slices(self.swapper, piece, source, self.sub_group_size)
+        return piece
 
     def settle(self, reading: bool = True) -> None:
         """A delayed update in flight (``delayed_update_after``) lands: the masters and optimizer state are those
@@ -444,7 +448,13 @@ class OptimizerOffload:
         if swap is None and chunked and steps_fused_adam(optimizer) and self._step_chunked(optimizer, tiles,
                                                                                           inv_scale, clip):
             return
-        reading = swap.swap_in(self._swap_items(m for m, *_ in tiles[0])) if swap and tiles else None
+        # NVMe: a tile that is one piece bigger than the tile steps slice by slice (nvme_slices.py)
+        cut = [nvme_slices.sliced(optimizer, swap, tile, self.sub_group_size) for tile in tiles]
+
+        def items(index: int) -> list:  # what the tile loop swaps in and out for tile ``index``
+            return [] if cut[index] else list(self._swap_items(m for m, *_ in tiles[index]))
+
+        reading = swap.swap_in(items(0)) if swap and tiles else None
         writing: Optional[Transfer] = None
         pipe = _Pipeline(self._writer() if self._copy_thread(parts) else None) if swap is None else None
         threaded = pipe is not None and pipe.pool is not None
@@ -454,8 +464,16 @@ class OptimizerOffload:
                 arriving = None
                 if swap is not None:
                     reading.wait()
+                    if cut[index]:
+                        if writing is not None:  # the last tile's buffers go before the slices come in
+                            writing.wait()
+                            writing = None
+                        self._step_sliced(optimizer, tile[0], inv_scale, clip)
+                        if index + 1 < len(tiles):
+                            reading = swap.read_next(items(index + 1))
+                        continue
                     if index + 1 < len(tiles):  # read the next tile while this one steps
-                        reading = swap.read_next(self._swap_items(m for m, *_ in tiles[index + 1]))
+                        reading = swap.read_next(items(index + 1))
                 if not threaded:
                     grads = self._fetch_grads(tile, None)[0]  # just before the step (NVMe: only this tile's)
                 else:
@@ -477,7 +495,7 @@ class OptimizerOffload:
                         arriving.result()  # queued before this write-back: it does not wait for it
                     continue
                 write_back_pieces(tile)  # the write-back after the step skips swapped-out pieces
-                writing = swap.write_after(writing, self._swap_items(m for m, *_ in tile))
+                writing = swap.write_after(writing, items(index))
         finally:
             if pipe is not None:
                 pipe.wait()
@@ -486,6 +504,30 @@ class OptimizerOffload:
         if writing is not None:
             writing.wait()
         self._fresh.clear()  # the step consumed them (the engine zeroes the shards next)
+
+    def _step_sliced(self, optimizer: torch.optim.Optimizer, entry: tuple, inv_scale: float,
+                     clip: Optional[torch.Tensor]) -> None:
+        """NVMe: one piece bigger than the tile, read, stepped, written back and written out slice by slice, its
+        gradient copied to the host a slice at a time (nvme_slices.py)."""
+        piece, grad, part, index = entry
+        in_place = self._in_place(grad)
+        buffer = None if in_place else torch.empty(min(self.sub_group_size, grad.numel()), dtype=torch.float32)
+
+        def grad_slice(start: int, end: int) -> torch.Tensor:
+            if in_place:
+                return grad[start:end]  # fp32 in host memory: unscaled in place, as a tile's
+            host = buffer[: end - start]
+            _copy_all([(host, grad[start:end])], arrive=True)
+            return host
+
+        with part.shard_in_memory():
+            target = part.master_shards.piece_shard(part.param_shards(), index)
+
+            def write_back(start: int, end: int, master: torch.Tensor) -> None:
+                target[start:end].copy_(master)
+
+            self.slices_stepped += nvme_slices.step_in_slices(optimizer, self.swapper, piece, grad_slice, write_back,
+                                                              inv_scale, clip, self.sub_group_size)
 
     def _step_chunked(self, optimizer: torch.optim.Optimizer, tiles: list[list[tuple]], inv_scale: float,
                       clip: Optional[torch.Tensor]) -> bool:

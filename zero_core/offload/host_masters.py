@@ -8,9 +8,9 @@ parameters that got no gradient keep ``grad=None`` and are not stepped. Where th
   without offload: copying it would only cost time and memory (except with the delayed update, delayed_update.py,
   whose masters change while the next forward reads the shards).
 - ``device: nvme``: each piece is a tensor of its own, because the swap (nvme_swap.py) frees and re-reads tensors
-  one by one; a piece that is swapped out is empty, and the step wrote it back before swapping it out. Its first
-  copy, made here and swapped out at once, is in memory of the swap's own (``host_buffer``), so that it goes back
-  to the OS then rather than staying in the C allocator's heap.
+  one by one; a piece that is swapped out is empty, and the step wrote it back before swapping it out. Its fp32
+  values are written to the swap file slice by slice as it is made (``store``), so that setup never holds a whole
+  piece (an embedding at world size 1) in fp32.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import torch
 from torch import nn
 
 from zero_core.optim.master_shards import MasterShards
-from zero_core.offload.nvme_swap import host_buffer
 from zero_core.offload.placement import host_copy
 
 
@@ -29,30 +28,23 @@ def _host_fp32(tensor: torch.Tensor, pin: bool) -> bool:
     return tensor.device.type == "cpu" and tensor.dtype == torch.float32 and (tensor.is_pinned() or not pin)
 
 
-def _swappable_copy(tensor: torch.Tensor) -> torch.Tensor:
-    """An fp32 host copy of ``tensor`` whose memory is unmapped when the swap frees it (nvme_swap.host_buffer)."""
-    out = host_buffer(tensor.numel() * 4).view(torch.float32).view(tensor.shape)
-    out.copy_(tensor.detach())
-    return out
-
-
 class HostMasterShards(MasterShards):
     """fp32 master pieces of one part on the host: bucket views (cpu) or separate tensors (nvme)."""
 
     def __init__(self, source: MasterShards, pin: bool, separate: bool,
-                 store: Optional[Callable[[nn.Parameter], None]] = None, own_copy: bool = False) -> None:
-        """``store`` (nvme): called on each separate piece as soon as it is made (the swap writes it out), so that
-        one piece of the part is in memory at a time, not a copy of all of them. ``own_copy`` (cpu): never the
-        shard itself (the delayed update changes masters while the shards are read)."""
+                 store: Optional[Callable[[torch.Tensor], nn.Parameter]] = None, own_copy: bool = False) -> None:
+        """``store`` (nvme, with ``separate``): makes the master piece of each source piece, written to the swap
+        file (and swapped out), so that no more than a slice of the part is in memory at a time. ``own_copy``
+        (cpu): never the shard itself (the delayed update changes masters while the shards are read)."""
         self.pieces = list(source.pieces)
         self.separate = separate
         if separate:
             self.buckets = []
             self.params = []
+            if store is None:
+                raise ValueError("separate master pieces are made by the swap file's store (device 'nvme')")
             for p in source.params:
-                self.params.append(nn.Parameter(_swappable_copy(p)))
-                if store is not None:
-                    store(self.params[-1])
+                self.params.append(store(p.detach()))
         else:
             self.buckets = [b if _host_fp32(b, pin) and not own_copy else host_copy(b, torch.float32, pin)
                             for b in source.buckets]

@@ -115,6 +115,7 @@ class NvmeSwapper:
         # Regions read in and not released yet (bytes): what this swapper holds in memory of the file's contents,
         # now and at most since the last reset (tests and benchmarks: checkpoints stream tile by tile).
         self._read_in: dict[tuple[int, str], int] = {}
+        self._slice_bytes = 0  # of slices read in (read_slice, zero_slice) and not written out yet
         self.read_in_bytes = 0
         self.peak_read_in_bytes = 0
         # Removed when the engine is collected or the interpreter exits, whichever comes first.
@@ -170,11 +171,19 @@ class NvmeSwapper:
         self.read_in_bytes -= self._read_in.pop((id(master), key), 0)
         old = tensor.data
         tensor.data = torch.empty(0, dtype=tensor.dtype)
+        self._recycle(old)
+
+    def _holding(self) -> bool:
+        return bool(self._read_in) or self._slice_bytes > 0
+
+    def _recycle(self, old: torch.Tensor) -> None:
+        """Keep a freed buffer for the next read while anything is read in; once nothing is, give them all back."""
         nbytes = old.numel() * old.element_size()
-        if self._read_in and old.untyped_storage().nbytes() == nbytes and self._free_bytes + nbytes <= self.pool_bytes:
+        whole = old.untyped_storage().nbytes() == nbytes
+        if self._holding() and whole and self._free_bytes + nbytes <= self.pool_bytes:
             self._free.setdefault(nbytes, []).append(old.reshape(-1).view(torch.uint8))
             self._free_bytes += nbytes
-        elif not self._read_in:
+        elif not self._holding():
             self.trim()
 
     def trim(self) -> None:
@@ -223,6 +232,54 @@ class NvmeSwapper:
             self._read_in[region] = nbytes
             self.read_in_bytes += nbytes
         self.peak_read_in_bytes = max(self.peak_read_in_bytes, self.read_in_bytes)
+        return transfer
+
+    # -- slices of a region: a piece bigger than a tile steps slice by slice (nvme_slices.py) -------------------
+    def claim(self, master: torch.Tensor, key: str, shape: torch.Size, dtype: torch.dtype) -> None:
+        """A region of the file for (``master``, ``key``), a tensor of ``shape`` and ``dtype`` that is swapped out
+        without having been in memory: the caller writes all of it (:meth:`write_slices`) before it is read."""
+        self._shapes[(id(master), key)] = (shape, dtype)
+        self._offset(master, key, shape.numel() * dtype.itemsize)
+
+    def read_slice(self, transfer: Transfer, master: torch.Tensor, key: str, start: int, end: int) -> torch.Tensor:
+        """Elements ``[start, end)`` of (``master``, ``key``)'s region, read into a flat buffer as part of
+        ``transfer``; held until :meth:`write_slices` has written it out."""
+        _, dtype = self._shapes[(id(master), key)]
+        buffer = self._slice_buffer(dtype, end - start)
+        self.pool.read(transfer, self.fd, buffer, self._regions[(id(master), key)] + start * dtype.itemsize)
+        self.bytes_read += buffer.numel() * dtype.itemsize
+        return buffer
+
+    def new_slice(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A flat buffer (uninitialised) held as a slice read in, for :meth:`write_slices` to write."""
+        return self._slice_buffer(dtype, numel)
+
+    def _slice_buffer(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        nbytes = numel * dtype.itemsize
+        buffer = self._buffer(nbytes).view(dtype)
+        self._slice_bytes += nbytes
+        self.read_in_bytes += nbytes
+        self.peak_read_in_bytes = max(self.peak_read_in_bytes, self.read_in_bytes)
+        return buffer
+
+    def write_slices(self, master: torch.Tensor, start: int, items: list[tuple[str, torch.Tensor]]) -> Transfer:
+        """Write each (key, slice buffer) at element ``start`` of (``master``, key)'s region; the buffers are freed
+        when the transfer is waited (waited at once when ``aio.overlap_events`` is false)."""
+
+        def free() -> None:
+            for _, tensor in items:
+                nbytes = tensor.numel() * tensor.element_size()
+                self._slice_bytes -= nbytes
+                self.read_in_bytes -= nbytes
+                self._recycle(tensor)
+
+        transfer = Transfer(then=free)
+        for key, tensor in items:
+            offset = self._regions[(id(master), key)] + start * tensor.element_size()
+            self.pool.write(transfer, self.fd, tensor, offset)
+            self.bytes_written += tensor.numel() * tensor.element_size()
+        if not self.pool.overlap:
+            transfer.wait()
         return transfer
 
     def file_bytes(self) -> int:
