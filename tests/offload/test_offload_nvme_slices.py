@@ -4,10 +4,12 @@ holds a few slices of it, not the whole piece and its Adam moments (a first step
 Two ranks, the tile made 1000 elements so that each Linear weight's piece (2048 elements a rank at stage 3, more at
 stage 2) is several slices of 960. Each run trains against the same run with pieces stepped whole (as before
 slicing: ``optimizer.step()`` on the swapped-in piece, torch's fused kernel): weights bit for bit, for AdamW and
-Adam with amsgrad, bf16 and fp32, at stages 2 and 3 (also with ``offload_param: nvme``); the fp32 run also bit for
-bit the run without offload (tested against DDP elsewhere). Between steps the swap holds nothing; during the step
-at most three slices' buffers were read in, while the whole-piece run read a whole piece and its moments. The
-moments the slices wrote are what a checkpoint reads back: Adam's state after training is the whole-piece run's."""
+Adam with amsgrad, bf16, fp16 with a loss scale and clipping, and fp32, at stages 2 and 3 (also with
+``offload_param: nvme``, and with ``aio.overlap_events: false``: every transfer waited at once); the fp32 run also
+bit for bit the run without offload (tested against DDP elsewhere). Between steps the swap holds nothing; during
+the step at most three slices' buffers were read in, while the whole-piece run read a whole piece and its moments.
+The moments the slices wrote are what a checkpoint reads back: Adam's state after training is the whole-piece
+run's."""
 
 from __future__ import annotations
 
@@ -27,6 +29,10 @@ RUNS = {
     "stage 3, fp32, Adam amsgrad, offload_param nvme": ({"stage": 3, "offload_param": "nvme"}, "amsgrad"),
     "stage 2, bf16, AdamW": ({"stage": 2, "bf16": {"enabled": True}}, "adamw"),
     "stage 2, fp32, AdamW": ({"stage": 2}, "adamw"),
+    "stage 2, fp16, loss scale, clipping, AdamW": ({"stage": 2, "fp16": {"enabled": True, "initial_scale_power": 8},
+                                                    "gradient_clipping": 0.05}, "adamw"),
+    "stage 3, bf16, AdamW, aio waited at once": ({"stage": 3, "bf16": {"enabled": True},
+                                                  "aio": {"overlap_events": False}}, "adamw"),
 }
 
 
@@ -53,7 +59,7 @@ def _train(rank: int, config: dict, kind: str, nvme_path, whole: bool = False) -
         else:
             config.pop("offload_param", None)
         engine = zero_core.setup(model, _optimizer(kind, model.parameters()), config)
-        dtype = torch.bfloat16 if "bf16" in config else torch.float32
+        dtype = torch.bfloat16 if "bf16" in config else torch.float16 if "fp16" in config else torch.float32
         held, peaks = [], []
         swapper = engine._offload.swapper if nvme_path is not None else None
         for step in range(3):
