@@ -449,7 +449,7 @@ class OptimizerOffload:
                                                                                           inv_scale, clip):
             return
         # NVMe: a tile that is one piece bigger than the tile steps slice by slice (nvme_slices.py)
-        cut = [nvme_slices.sliced(optimizer, swap, tile, self.sub_group_size) for tile in tiles]
+        cut = [nvme_slices.sliced(optimizer, swap, tile, self.sub_group_size) for tile in tiles] if swap else []
 
         def items(index: int) -> list:  # what the tile loop swaps in and out for tile ``index``
             return [] if cut[index] else list(self._swap_items(m for m, *_ in tiles[index]))

@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from zero_core.offload.aio import Transfer
-from zero_core.offload.chunked_step import _ALIGN, piece_kernels, steps_fused_adam
+from zero_core.offload.chunked_step import _cuts, piece_kernels, steps_fused_adam
 from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper
 from zero_core.optim.kernels import only_params
 from zero_core.optim.master_shards import unscale_and_clip
@@ -36,14 +36,15 @@ def sliced(optimizer: torch.optim.Optimizer, swapper: Optional[NvmeSwapper], til
     is what ``optimizer.step()`` would run."""
     if swapper is None or len(tile) != 1:
         return False
-    shape = swapper.shape_of(tile[0].piece, _MASTER)
-    return shape is not None and shape[0].numel() > tile_numel and steps_fused_adam(optimizer)
+    known = swapper.shape_of(tile[0].piece, _MASTER)  # (shape, dtype) once written to the file
+    return known is not None and known[0].numel() > tile_numel and steps_fused_adam(optimizer)
 
 
 def slices(numel: int, tile_numel: int) -> list[tuple[int, int]]:
-    """[start, end) of each slice: ``tile_numel`` elements, rounded down to a multiple of 64."""
-    size = max(_ALIGN, tile_numel // _ALIGN * _ALIGN)
-    return [(start, min(start + size, numel)) for start in range(0, numel, size)]
+    """[start, end) of each slice: ``tile_numel`` elements, rounded down to a multiple of 64 (the chunked step's
+    cuts, of one piece)."""
+    cuts = _cuts([0], [numel], tile_numel)
+    return list(zip(cuts, cuts[1:]))
 
 
 def write_in_slices(swapper: NvmeSwapper, piece: torch.Tensor, source: torch.Tensor, tile_numel: int) -> None:

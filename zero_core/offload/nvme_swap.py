@@ -115,7 +115,7 @@ class NvmeSwapper:
         # Regions read in and not released yet (bytes): what this swapper holds in memory of the file's contents,
         # now and at most since the last reset (tests and benchmarks: checkpoints stream tile by tile).
         self._read_in: dict[tuple[int, str], int] = {}
-        self._slice_bytes = 0  # of slices read in (read_slice, zero_slice) and not written out yet
+        self._slice_bytes = 0  # of slices read in or made (read_slice, new_slice) and not written out yet
         self.read_in_bytes = 0
         self.peak_read_in_bytes = 0
         # Removed when the engine is collected or the interpreter exits, whichever comes first.
