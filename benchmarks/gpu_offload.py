@@ -269,7 +269,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             "tokens_per_s": config.batch_size * config.seq_len / statistics.median(times),
             "peak_gpu_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0,
             "setup_peak_gpu_gib": setup_peak,
-            "moved_to_host": getattr(ours, "moved_to_host", None),
+            "moved_to_host": ours.grads.moved_to_host if ours is not None else None,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20}
 
 

@@ -160,7 +160,7 @@ def bench_step(args) -> dict:
         offload.chunk_numel = args.chunk
     offload.chunked = {"auto": None, "on": True, "off": False}[args.chunks]
     optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
-    offload.bind([optimizer])
+    offload.swapped.bind([optimizer])
     used = [[True] * len(sizes)]
 
     def offloaded():
@@ -238,7 +238,7 @@ def bench_step_overlap(args) -> dict:
         offload = OptimizerOffload([group], config, rank=0)
         offload.copy_thread, offload.chunked = copy_thread, chunked
         optimizer = torch.optim.AdamW(group.masters, lr=1e-3)
-        offload.bind([optimizer])
+        offload.swapped.bind([optimizer])
 
         def step():
             offload.step(optimizer, [group], used, 1.0, None)

@@ -181,7 +181,7 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: b
     return {"losses": losses, "weights": {n: weights[n] for n, _ in model.named_parameters()},
             "overlapped": engine._offload.overlapped.overlapped_steps,
             "early": engine._offload.overlapped.parts_stepped_in_backward,
-            "grad_dtypes": sorted({str(b.dtype) for b in engine._offload._grads.values()})}
+            "grad_dtypes": sorted({str(b.dtype) for b in engine._offload.grads.buffers.values()})}
 
 
 def grads_on_host_run(device, stage: int, moved: bool, clip: float) -> dict:
@@ -191,11 +191,11 @@ def grads_on_host_run(device, stage: int, moved: bool, clip: float) -> dict:
     masters, the gradient held after each backward, a gradient read between backward and step, how many shards
     moved, and setup's peak against the fp32 model built on the GPU (no fp32 master is made there first)."""
     import zero_core
-    from zero_core.offload import cpu_optimizer
+    from zero_core.offload.host_grads import HostGrads
 
-    move = cpu_optimizer.OptimizerOffload._move_to_host
+    move = HostGrads._move_to_host
     if not moved:
-        cpu_optimizer.OptimizerOffload._move_to_host = lambda self, *args: None
+        HostGrads._move_to_host = lambda self, *args: None
     try:
         fresh_peak()
         torch.manual_seed(0)
@@ -218,11 +218,11 @@ def grads_on_host_run(device, stage: int, moved: bool, clip: float) -> dict:
             engine.step()
             losses.append(loss.item())
         masters = engine.full_state_dict(rank0_only=False)
-        return {"losses": losses, "held": held, "grads": grads, "moved": engine._offload.moved_to_host,
+        return {"losses": losses, "held": held, "grads": grads, "moved": engine._offload.grads.moved_to_host,
                 "masters": {n: masters[n] for n, _ in model.named_parameters()}, "setup_peak": setup_peak,
                 "fp32_bytes": fp32_bytes, "peak": torch.cuda.max_memory_allocated()}
     finally:
-        cpu_optimizer.OptimizerOffload._move_to_host = move
+        HostGrads._move_to_host = move
 
 
 def delayed_run(device, stage: int, waited: bool) -> dict:
@@ -309,7 +309,7 @@ def _host_tensors(engine) -> list:
     offload = engine._offload
     if offload is None:
         return []
-    return [b for part in offload.parts for b in part.master_shards.buckets] + list(offload._grads.values())
+    return [b for part in offload.parts for b in part.master_shards.buckets] + list(offload.grads.buffers.values())
 
 
 def main(out: str) -> None:

@@ -120,7 +120,7 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         # zero-estimate's host bytes against what this rank holds: masters, Adam state, host gradient buffers
         estimate = estimate_stage(model_info(build_model(case.model)), case.config(nvme_dir), engine.topology.world_size)
         host = memory["fp32_master"] + memory["optimizer_state"] - report["scalar_state_bytes"]
-        host += sum(g.numel() * g.element_size() for g in offload._grads.values())
+        host += sum(g.numel() * g.element_size() for g in offload.grads.buffers.values())
         # (on this CPU run fp32 gradient and parameter shards are already host memory: the gradients are used in
         # place, and the master is the parameter shard itself, as without offload)
         in_place = (HOST_GRAD_BYTES + MASTER_BYTES) * estimate.shard_numel
@@ -168,7 +168,7 @@ def mixed_precision_diffs(nvme_dir: str) -> list[float]:
                                           partial(make_batch, "transformer", dtype=dtype), config, STEPS, 2,
                                           CLIP["transformer"])
             runs.append(result.params)
-            if engine._offload is not None and device == "cpu" and engine._offload.copied_during_backward == 0:
+            if engine._offload is not None and device == "cpu" and engine._offload.grads.copied_during_backward == 0:
                 raise AssertionError(f"stage {stage} {precision}: no gradient was copied to the host during backward")
             engine.remove_offload_files()
         diffs.append(max((runs[0][n] - runs[1][n]).abs().max().item() for n in runs[0]))

@@ -93,7 +93,7 @@ def train(rank: int, config: dict, overlap: bool) -> dict:
     result = {"losses": losses, "params": full_params(engine.module),
               "masters": engine.full_state_dict(rank0_only=False), "chunks": offload.chunks_stepped,
               "overlapped": offload.overlapped.overlapped_steps, "early": offload.overlapped.parts_stepped_in_backward,
-              "grad_dtypes": sorted({str(buffer.dtype) for buffer in offload._grads.values()})}
+              "grad_dtypes": sorted({str(buffer.dtype) for buffer in offload.grads.buffers.values()})}
     engine.close()
     return result
 

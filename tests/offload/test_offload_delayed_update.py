@@ -151,7 +151,7 @@ def _offload(group: FlatParamGroup, after):
     config = ZeroConfig(stage=2, offload_optimizer={"device": "cpu", "delayed_update_after": after})
     offload = OptimizerOffload([group], config, rank=0)
     optimizer = torch.optim.AdamW(group.masters, lr=1e-2, weight_decay=0.1)
-    offload.bind([optimizer])
+    offload.swapped.bind([optimizer])
     return offload, optimizer
 
 

@@ -81,7 +81,7 @@ def train(rank: int, config: dict, moved: bool, micro: int = 1, overlap: bool = 
         engine.step()
         scheduler.step()
     result = {"losses": losses, "norms": norms, "held": held, "grads": grads, "params": full_params(engine.module),
-              "masters": engine.full_state_dict(rank0_only=False), "moved": engine._offload.moved_to_host}
+              "masters": engine.full_state_dict(rank0_only=False), "moved": engine._offload.grads.moved_to_host}
     engine.close()
     grad_memory.RELEASE_ON_CPU = False
     return result

@@ -36,7 +36,7 @@ def test_offloaded_step_equals_the_step_without_offload_with_or_without_the_copy
         offload = OptimizerOffload([group], config, rank=0)
         offload.copy_thread = copy_thread
         optimizer = torch.optim.AdamW(group.masters, lr=1e-2, weight_decay=0.1)
-        offload.bind([optimizer])
+        offload.swapped.bind([optimizer])
         runs.append((group, offload, optimizer, in_backward))
     before = reference.params[2].detach().clone()
     clip = torch.tensor(0.7)
@@ -86,7 +86,7 @@ def chunked_vs_reference(make_optimizer, mode: str, monkeypatch) -> None:
     offload.chunked = None if mode == "auto" else True
     offload.copy_thread, offload.chunk_numel = mode == "thread", 96
     optimizer = make_optimizer(group.masters)
-    offload.bind([optimizer])
+    offload.swapped.bind([optimizer])
     chunks: list[tuple[int, int]] = []  # (lo, hi) of each chunk stepped, in the step's sequence of pieces
     step_chunk = chunked_step._step_chunk
     monkeypatch.setattr(chunked_step, "_step_chunk",

@@ -59,7 +59,7 @@ class OffloadedMasters:
         self.offload = offload
 
     def bind(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        self.offload.bind(optimizers)  # the state it swaps with the masters
+        self.offload.swapped.bind(optimizers)  # the state it swaps with the masters
 
     def step(self, optimizer: torch.optim.Optimizer, units: list, used: list[list[bool]], inv_scale: float,
              clip_coef: Optional[torch.Tensor]) -> None:
@@ -86,7 +86,7 @@ class OffloadedMasters:
             yield [f for master in tile for f in of_master[id(master)]]
 
     def shape_in_memory(self, master: torch.Tensor, key=None) -> Optional[torch.Size]:
-        return self.offload.shape_in_memory(master, key)
+        return self.offload.swapped.shape_in_memory(master, key)
 
     def lands_delayed_update(self) -> bool:
         """Wait for a delayed update in flight (offload/delayed_update.py); whether the model's parameters lag

@@ -5,16 +5,17 @@ parameters got a gradient on some rank. Each part's master pieces were moved at 
 (host_masters.py), so the user's optimizer, whose param_groups hold those pieces, steps on the CPU. The pieces of
 parameters that got a gradient are stepped in tiles of at most ``sub_group_size`` elements (a bigger piece is a
 tile of its own); the others keep ``grad=None`` and are left alone, as without offload. Reduced gradient shards
-are copied (unscaled and clipped) into host buffers tile by tile; fp32 shards already in host memory are used in
-place. With ``device: nvme`` a tile's pieces and their state are read from the swap file before it steps (the
-next tile's read overlaps this tile's step), written back to the model's parameter shards, and written out
-again (overlapping the next tile's step).
+come from host buffers (host_grads.py: copied during backward, or tile by tile here), unscaled and clipped; fp32
+shards already in host memory are used in place. With ``device: nvme`` a tile's pieces and their state are read
+from the swap file before it steps (the next tile's read overlaps this tile's step), written back to the model's
+parameter shards, and written out again (overlapping the next tile's step); what is swapped, and reading it
+outside the step, is swapped_state.py's. The step overlapped with the forward or started during backward is
+overlapped_step.py's, the delayed update delayed_update.py's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Iterator, Optional
@@ -30,22 +31,15 @@ from zero_core.offload.chunked_step import (CHUNK_MAX, Span, chunk_numel, chunke
                                             steps_fused_adam)
 from zero_core.offload.delayed_update import DelayedUpdate
 from zero_core.offload.host_masters import HostMasterShards, write_back_pieces
-from zero_core.offload.nvme_swap import _MASTER, NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path, split_into_tiles
+from zero_core.offload.host_grads import HostGrads
+from zero_core.offload.nvme_swap import NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path
 from zero_core.offload.overlapped_step import OverlappedStep
 from zero_core.offload.params import offload_param_shards
-from zero_core.offload.placement import _copy_stream, copy_between, host_empty, pinning, wait_for_copies
+from zero_core.offload.placement import copy_all, pinning, wait_for_copies
+from zero_core.offload.swapped_state import SwappedState
 
 # Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
 _SWAP_BYTES_PER_ELEMENT = 4 * 3
-
-
-def _copy_all(copies: list[tuple], arrive: bool = False) -> None:
-    """``copies`` (dst, src) issued; with ``arrive``, also complete (gradients the step is about to read)."""
-    with torch.no_grad():
-        for dst, src in copies:
-            copy_between(dst, src)
-    if arrive and copies:
-        wait_for_copies([src for _, src in copies])
 
 
 class _Pipeline:
@@ -61,9 +55,9 @@ class _Pipeline:
 
     def submit(self, copies: list[tuple], arrive: bool = False) -> Optional[Future]:
         if not copies or self.pool is None:
-            _copy_all(copies, arrive)
+            copy_all(copies, arrive)
             return None
-        future = self.pool.submit(_copy_all, copies, arrive)
+        future = self.pool.submit(copy_all, copies, arrive)
         self.pending.append(future)
         return future
 
@@ -118,21 +112,9 @@ class OptimizerOffload:
         # Resizing storage (the swap) needs ordinary host memory, so pinning is for device 'cpu' only.
         self.pin = pinning(block.pin_memory) and not nvme
         self.parts: list = []
-        self._grads: dict[tuple, torch.Tensor] = {}  # (id(part), bucket) -> host gradient buffer (device 'cpu')
-        # Buckets whose host buffer holds the latest reduced gradient: with device 'cpu' each bucket is copied to
-        # the host as soon as it is reduced (during backward), so the step need not wait for the copy.
-        self._fresh: set[tuple] = set()
-        # Gradient buffers a delayed update read, free again (offload_optimizer.delayed_update_after): with the
-        # delay, one set is filled by backward while the update of the step before reads the other.
-        self._spare_grads: dict[tuple, torch.Tensor] = {}
-        self.copied_during_backward = 0  # buckets copied to the host as they were reduced (a counter)
-        self.moved_to_host = 0  # reduced gradient shards whose accelerator memory went after their copy (a counter)
-        # The norms a moved shard keeps (_move_to_host): clipping's 2-norm, and fp16's overflow check's max
-        self.norm_types = (2.0, math.inf) if config.fp16.enabled else (2.0,)
+        self.grads = HostGrads(self.pin, nvme, self.compiled, config.fp16.enabled)  # host_grads.py
         self._noted: set[type] = set()
         self.swapper: Optional[NvmeSwapper] = None
-        self._resident_depth = 0
-        self._optimizers: list[torch.optim.Optimizer] = []
         self._write_pool: Optional[ThreadPoolExecutor] = None
         # Device 'cpu': whether the copies around the step run on a thread (None: where they are transfers to and
         # from an accelerator, when aio.overlap_events allows; see _copy_thread).
@@ -141,6 +123,7 @@ class OptimizerOffload:
             # Freed tile buffers kept for reuse: buffer_count tiles of a master and Adam's two moments.
             pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, numel)
             self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio), pool_bytes)
+        self.swapped = SwappedState(self.swapper, self.sub_group_size)  # swapped_state.py
         after = block.delayed_update_after
         self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
         # The step overlapped with the next forward (overlapped_step.py): None, where the shards are on an
@@ -245,123 +228,16 @@ class OptimizerOffload:
                 stacklevel=5,
             )
 
-    def _host_dtype(self, grad: torch.Tensor) -> torch.dtype:
-        """The dtype the host step reads ``grad`` in: fp32 for torch's fused kernel, its own for the compiled one."""
-        return grad.dtype if self.compiled else torch.float32
-
-    def _in_place(self, grad: torch.Tensor) -> bool:
-        """Whether the step reads ``grad`` where it is (in host memory already, in the dtype the kernel takes)."""
-        return grad.device.type == "cpu" and grad.dtype == self._host_dtype(grad)
-
-    def _host_bucket(self, part, bucket: int, like: torch.Tensor) -> torch.Tensor:
-        """The host gradient buffer of one bucket shard ``like`` (device 'cpu': kept; 'nvme': only for this tile),
-        in the dtype the kernel takes (_host_dtype)."""
-        dtype = self._host_dtype(like)
-        if self.swapper is not None:  # only the tile's gradients are in memory
-            return torch.empty(like.numel(), dtype=dtype)
-        key = (id(part), bucket)
-        grad = self._grads.get(key)
-        if grad is None:
-            grad = self._spare_grads.pop(key, None)
-            if grad is None:
-                grad = host_empty(like.numel(), dtype, self.pin)
-            self._grads[key] = grad
-        return grad
-
-    def take_grads(self, entries: list) -> tuple[list[torch.Tensor], dict]:
-        """The delayed update's gradients: each entry's fp32 host gradient, in buffers handed over with them
-        (the next backward copies into others). What backward did not copy yet is copied now, one copy per run
-        of contiguous pieces; fp32 host shards too, since the next backward overwrites them."""
-        taken: dict[tuple, torch.Tensor] = {}
-        copies = []
-        for part, bucket, start, end, _ in tile_runs(entries):
-            key = (id(part), bucket)
-            whole = part.grad_view(bucket)
-            if key not in taken:
-                taken[key] = self._host_bucket(part, bucket, whole)
-                del self._grads[key]
-            if key not in self._fresh:
-                copies.append((taken[key][start:end], part.grad_shards()[bucket][start:end]))
-        _copy_all(copies, arrive=True)
-        self._fresh.difference_update(taken)
-        grads = []
-        for entry in entries:
-            fragment = entry.part.master_shards.pieces[entry.index]
-            grads.append(taken[(id(entry.part), fragment.bucket)][fragment.shard_range.as_slice()])
-        return grads, taken
-
-    def owned_grads(self, entries: list, consume: bool = True) -> list[torch.Tensor]:
-        """The overlapped step's gradients: each entry's fp32 host gradient in a buffer of the offload's own (the
-        step reads them after the step call returned and the engine zeroed the gradient shards). What backward
-        copied already is used as it is; the rest (fp32 host shards too) is copied now, one copy per run of
-        contiguous pieces. The next backward copies into the same buffers once the step has landed."""
-        copies, buffers = [], {}
-        for part, bucket, start, end, _ in tile_runs(entries):
-            key = (id(part), bucket)
-            whole = part.grad_view(bucket)
-            if key not in buffers:  # nvme: a buffer of its own per bucket (the gradients wait in host memory)
-                buffers[key] = self._host_bucket(part, bucket, whole)
-            if self.swapper is not None or key not in self._fresh:
-                copies.append((buffers[key][start:end], part.grad_shards()[bucket][start:end]))
-        _copy_all(copies, arrive=True)
-        if consume:
-            self._fresh.clear()  # consumed by this step (not by a part backward starts early: the rest follow)
-        grads = []
-        for entry in entries:
-            fragment = entry.part.master_shards.pieces[entry.index]
-            grads.append(buffers[(id(entry.part), fragment.bucket)][fragment.shard_range.as_slice()])
-        return grads
-
-    def return_grads(self, buffers: dict) -> None:
-        """Buffers a delayed update has finished reading: for the next backward's copies."""
-        self._spare_grads.update(buffers)
-
     def grad_reduced(self, part, bucket: Optional[int]) -> None:
-        """The reducer finished ``bucket`` of ``part`` (None: all of them): start its copy to the host now, so it
-        overlaps the rest of backward. Later reductions (accumulation) copy again; the last one is what steps."""
+        """The reducer finished ``bucket`` of ``part`` (None: all of them): its copy to the host starts now
+        (host_grads.py), and overlap_with_backward may start its step."""
         self.overlapped.settle_previous()  # the last step's update reads these buffers
-        # Only the buckets just reduced (a stage 2 group's others may hold no memory, and keep it that way)
-        indices = range(len(part.layout.buckets)) if bucket is None else (bucket,)
-        shards = [part.grad_view(index) for index in indices]
-        hosts: list[Optional[torch.Tensor]] = []
-        for index, grad in zip(indices, shards):
-            if self._in_place(grad) or grad.numel() == 0:
-                hosts.append(None)
-                continue  # used in place at the step
-            host = self._host_bucket(part, index, grad)
-            copy_between(host, grad)
-            hosts.append(host)
-            self._fresh.add((id(part), index))
-            self.copied_during_backward += 1
-        if any(host is not None for host in hosts) and all(
-                host is not None or grad.numel() == 0 for host, grad in zip(hosts, shards)):
-            self._move_to_host(part, shards, hosts, bucket)
-        self.overlapped.start_early(part, bucket)  # overlap_with_backward may start its step now
-
-    def _move_to_host(self, part, shards: list[torch.Tensor], hosts: list[Optional[torch.Tensor]],
-                      bucket: Optional[int]) -> None:
-        """``part``'s reduced gradient (``bucket``, or None: every bucket, stage 3) is on its way to the host: the
-        accelerator's copy gives its memory back (where gradient memory is released, grad_memory.py), keeping the
-        bucket norms that clipping and fp16's overflow check read. A reader that needs the shard again (an
-        accumulating reduction, the debugging API) gets the host's values copied back in."""
-        device = shards[0].device
-        in_use = _copy_stream(device, to_device=False) if device.type == "cuda" else None
-
-        def copy_in(views: list[torch.Tensor]) -> None:  # returns once the values are back (a rare read)
-            if in_use is not None:
-                in_use.synchronize()  # the copies to the host have landed
-            for view, host in zip(views, hosts):
-                if host is not None:
-                    copy_between(view, host)
-            if in_use is not None:
-                _copy_stream(device, to_device=True).synchronize()
-
-        if part.grads_to_host(copy_in, self.norm_types, in_use, bucket):
-            self.moved_to_host += 1
+        self.grads.copy_reduced(part, bucket)
+        self.overlapped.start_early(part, bucket)
 
     def forget_grads(self) -> None:
         """The gradient shards were zeroed (a step, zero_grad, a skipped fp16 step): no host copy is current."""
-        self._fresh.clear()
+        self.grads.forget()
         started = self.overlapped.started_in_backward()
         if started:
             self.overlapped.discard_early()
@@ -369,41 +245,6 @@ class OptimizerOffload:
                 f"offload_optimizer.overlap_with_backward started the step of {started} parts during backward, "
                 "and the gradients were zeroed without step(): those parts are updated. It needs step() after "
                 "every backward that reduces; set overlap_with_backward: false for a loop that skips steps")
-
-    def _host_grads(self, tile: list[tuple], copies: list) -> list[torch.Tensor]:
-        """Each tile entry's fp32 host gradient. What was not copied during backward is added to ``copies``
-        (host, device) for the caller to copy before the tile steps: the tile's own elements, one copy per run of
-        contiguous pieces, so that they are still in cache when the tile steps."""
-        out = []
-        for piece, grad, part, index in tile:
-            if self._in_place(grad):
-                out.append(grad)  # already in host memory, in the kernel's dtype: used in place, as without offload
-                continue
-            fragment = part.master_shards.pieces[index]
-            if self.swapper is not None:  # only the tile's gradients are in memory
-                host = self._host_bucket(part, fragment.bucket, grad)
-                copies.append((host, grad))
-                out.append(host)
-                continue
-            whole = part.grad_view(fragment.bucket)
-            out.append(self._host_bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
-        if self.swapper is None:
-            for part, bucket, start, end, _ in tile_runs(tile):
-                whole = part.grad_view(bucket)
-                if not self._in_place(whole) and (id(part), bucket) not in self._fresh:
-                    host = self._grads[(id(part), bucket)]
-                    copies.append((host[start:end], part.grad_shards()[bucket][start:end]))
-        return out
-
-    def _fetch_grads(self, tile: list[tuple],
-                     pipe: Optional[_Pipeline]) -> tuple[list[torch.Tensor], Optional[Future]]:
-        """The tile's host gradients, copied now (``pipe`` None) or queued on the copy thread (its future)."""
-        copies: list = []
-        grads = self._host_grads(tile, copies)
-        if pipe is None:
-            _copy_all(copies, arrive=True)
-            return grads, None
-        return grads, pipe.submit(copies, arrive=True)
 
     def step(self, optimizer: torch.optim.Optimizer, parts: list, used: list[list[bool]], inv_scale: float,
              clip_coef: Optional[torch.Tensor]) -> None:
@@ -452,13 +293,13 @@ class OptimizerOffload:
         cut = [nvme_slices.sliced(optimizer, swap, tile, self.sub_group_size) for tile in tiles] if swap else []
 
         def items(index: int) -> list:  # what the tile loop swaps in and out for tile ``index``
-            return [] if cut[index] else list(self._swap_items(m for m, *_ in tiles[index]))
+            return [] if cut[index] else list(self.swapped.items(m for m, *_ in tiles[index]))
 
         reading = swap.swap_in(items(0)) if swap and tiles else None
         writing: Optional[Transfer] = None
         pipe = _Pipeline(self._writer() if self._copy_thread(parts) else None) if swap is None else None
         threaded = pipe is not None and pipe.pool is not None
-        upcoming = self._fetch_grads(tiles[0], None)[0] if threaded and tiles else None
+        upcoming = self.grads.fetch(tiles[0], None)[0] if threaded and tiles else None
         try:
             for index, tile in enumerate(tiles):
                 arriving = None
@@ -475,11 +316,11 @@ class OptimizerOffload:
                     if index + 1 < len(tiles):  # read the next tile while this one steps
                         reading = swap.read_next(items(index + 1))
                 if not threaded:
-                    grads = self._fetch_grads(tile, None)[0]  # just before the step (NVMe: only this tile's)
+                    grads = self.grads.fetch(tile, None)[0]  # just before the step (NVMe: only this tile's)
                 else:
                     grads = upcoming
                     if index + 1 < len(tiles):  # the next tile's gradients come in while this one steps
-                        upcoming, arriving = self._fetch_grads(tiles[index + 1], pipe)
+                        upcoming, arriving = self.grads.fetch(tiles[index + 1], pipe)
                 if self.compiled:  # a first step (state created) or new pieces: torch's step takes fp32
                     grads = [grad.float() for grad in grads]
                 unscale_and_clip(grads, inv_scale, clip)  # the same arithmetic as step_in_tiles
@@ -503,21 +344,21 @@ class OptimizerOffload:
             pipe.finish()
         if writing is not None:
             writing.wait()
-        self._fresh.clear()  # the step consumed them (the engine zeroes the shards next)
+        self.grads.forget()  # the step consumed them (the engine zeroes the shards next)
 
     def _step_sliced(self, optimizer: torch.optim.Optimizer, entry: tuple, inv_scale: float,
                      clip: Optional[torch.Tensor]) -> None:
         """NVMe: one piece bigger than the tile, read, stepped, written back and written out slice by slice, its
         gradient copied to the host a slice at a time (nvme_slices.py)."""
         piece, grad, part, index = entry
-        in_place = self._in_place(grad)
+        in_place = self.grads.in_place(grad)
         buffer = None if in_place else torch.empty(min(self.sub_group_size, grad.numel()), dtype=torch.float32)
 
         def grad_slice(start: int, end: int) -> torch.Tensor:
             if in_place:
                 return grad[start:end]  # fp32 in host memory: unscaled in place, as a tile's
             host = buffer[: end - start]
-            _copy_all([(host, grad[start:end])], arrive=True)
+            copy_all([(host, grad[start:end])], arrive=True)
             return host
 
         with part.shard_in_memory():
@@ -536,19 +377,12 @@ class OptimizerOffload:
         (asynchronous from pinned memory, else on the copy thread; chunked_step.py). False where a piece has no
         state yet (first step)."""
         entries = [entry for tile in tiles for entry in tile]
-        grads, copies, writes, parts, offset = [], [], [], {}, 0
-        for piece, grad, part, index in entries:
-            if self._in_place(grad):
-                grads.append(grad)  # already in host memory, in the kernel's dtype: used in place, as without offload
-                continue
-            fragment = part.master_shards.pieces[index]
-            whole = part.grad_view(fragment.bucket)
-            grads.append(self._host_bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
+        grads = self.grads.pieces(entries)
+        copies, writes, parts, offset = [], [], {}, 0
         outs = self._direct_outs(entries) if self.compiled else None
         for part, bucket, start, end, _ in tile_runs(entries):
-            whole = part.grad_view(bucket)
-            if not self._in_place(whole) and (id(part), bucket) not in self._fresh:
-                copies.append(Span(offset, self._grads[(id(part), bucket)][start:end],
+            if self.grads.stale(part, bucket):
+                copies.append(Span(offset, self.grads.buffers[(id(part), bucket)][start:end],
                                    part.grad_shards()[bucket][start:end]))
             if part.swap is None:  # else the parameter shards are on NVMe: the part writes back after the step
                 parts[id(part)] = part
@@ -572,7 +406,7 @@ class OptimizerOffload:
         self.chunks_stepped += chunks
         for part in parts.values():
             part.master_shards.written_back = True  # the parts' own write-back after the step is skipped once
-        self._fresh.clear()
+        self.grads.forget()
         return True
 
     def _kernel_writes(self, shard: torch.Tensor) -> bool:
@@ -619,131 +453,20 @@ class OptimizerOffload:
             self._write_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zero-offload-writeback")
         return self._write_pool
 
-    # -- NVMe ----------------------------------------------------------------------------------------------
-    def _optimizers_state(self, master: nn.Parameter) -> dict:
-        for optimizer in self._optimizers:
-            if master in optimizer.state:
-                return optimizer.state[master]
-        return {}
-
-    def _swap_items(self, masters, state: bool = True) -> Iterator[tuple]:
-        """A master and (``state``) every optimizer state tensor shaped like it (scalars such as ``step`` stay in
-        memory)."""
-        for master in masters:
-            yield master, _MASTER, master
-            if not state:
-                continue
-            for key, value in self._optimizers_state(master).items():
-                # master.shape: both resident; (0,): swapped out (the master may already be back in)
-                if torch.is_tensor(value) and value.dim() > 0 and value.shape in (master.shape, torch.Size([0])):
-                    yield master, str(key), value
-
-    def bind(self, optimizers: list[torch.optim.Optimizer]) -> None:
-        """The inner optimizers whose state is swapped with the masters (set again by replace_optimizers)."""
-        self._optimizers = list(optimizers)
-
-    def numel_in_file(self, master: torch.Tensor) -> int:
-        """``master``'s elements, whether it is in memory or swapped out (then its tensor is empty)."""
-        return (self.shape_in_memory(master) or master.shape).numel()
-
-    def shape_in_memory(self, master: torch.Tensor, key=None) -> Optional[torch.Size]:
-        """The shape ``master`` (``key`` None) or its optimizer state ``key`` has in memory while it is swapped
-        out to NVMe; None while it is in memory (or nothing is swapped)."""
-        tensor = master if key is None else self._optimizers_state(master).get(key)
-        if self.swapper is None or not torch.is_tensor(tensor) or tensor.numel():
-            return None
-        found = self.swapper.shape_of(master, _MASTER if key is None else str(key))
-        return found[0] if found is not None else None
-
+    # -- the state outside the step (swapped_state.py) -----------------------------------------------------
     def stream(self, masters: list, write: bool = False) -> Iterator[list]:
-        """``masters`` (this offload's pieces, in order) in tiles of at most ``sub_group_size`` elements (a bigger
-        piece alone), each in memory with its optimizer state while the caller holds it (until it asks for the next
-        tile): with NVMe the next tile is read meanwhile, and a tile the caller is done with is dropped (``write``
-        False: it only read it, the file holds the same values) or written back into the model's parameter shards
-        and out to the file (``write``: it changed the masters or replaced their state), its write overlapping the
-        next tile. So a checkpoint holds a few tiles in memory, never the whole state. Without NVMe, or inside
-        :meth:`resident`, one tile of everything. A delayed update in flight lands first."""
+        """``masters`` a few tiles at a time, with their optimizer state (SwappedState.stream). A delayed update in
+        flight lands first."""
         self.settle()
-        swap = self.swapper
-        if swap is None or self._resident_depth:
-            yield list(masters)
-            return
-        tiles = split_into_tiles(masters, self.numel_in_file, self.sub_group_size)
-        where = {id(m): (part, index) for part in self.parts for index, m in enumerate(part.masters)}
-
-        def read(tile: list) -> tuple[list, Transfer]:
-            items = [item for item in self._swap_items(tile) if not item[2].numel()]  # swapped out: read in
-            return items, swap.swap_in(items)
-
-        def done(tile: list, items: list) -> Optional[Transfer]:
-            if not write:
-                swap.drop(items)
-                return None
-            write_back_pieces([(m, None, *where[id(m)]) for m in tile if id(m) in where])
-            return swap.swap_out(self._swap_items(tile))
-
-        reading = read(tiles[0]) if tiles else None
-        writing: Optional[Transfer] = None
-        current = None
-        try:
-            for index, tile in enumerate(tiles):
-                items, transfer = reading
-                reading = None
-                transfer.wait()
-                if index + 1 < len(tiles):
-                    reading = read(tiles[index + 1])
-                    if not swap.pool.overlap:
-                        reading[1].wait()
-                current = (tile, items)
-                yield tile
-                current = None
-                finished = done(tile, items)
-                if writing is not None:
-                    writing.wait()
-                writing = finished
-                if writing is not None and not swap.pool.overlap:
-                    writing.wait()
-        finally:  # also when the caller stopped early (an error): nothing in memory or in flight is left behind
-            if current is not None:
-                finished = done(*current)
-                if finished is not None:
-                    finished.wait()
-            if reading is not None:
-                reading[1].wait()
-                swap.drop(reading[0])
-            if writing is not None:
-                writing.wait()
+        yield from self.swapped.stream(masters, self.parts, write)
 
     @contextlib.contextmanager
     def resident(self, masters: Optional[list] = None, state: bool = True, write: bool = True) -> Iterator[None]:
-        """Everything in memory for the duration (GatheredParameters). Or only ``masters`` (of this offload),
-        with their optimizer state if ``state``: what the debugging API and full state dicts read for one
-        parameter at a time, so the swapped state never comes in all at once; afterwards written out again if
-        ``write`` (the caller changed it), else dropped (the file holds the same values). A delayed update in
+        """Everything, or only ``masters``, in memory for the duration (SwappedState.resident). A delayed update in
         flight lands first."""
         self.settle()
-        if self.swapper is None or self._resident_depth:
+        with self.swapped.resident(self.all_masters, masters, state, write):
             yield
-            return
-        if masters is not None:
-            items = [item for item in self._swap_items(masters, state) if not item[2].numel()]  # swapped out
-            self.swapper.swap_in(items).wait()
-            try:
-                yield
-            finally:
-                if write:
-                    self.swapper.swap_out(items).wait()
-                else:
-                    self.swapper.drop(items)
-            return
-        self.swapper.swap_in(self._swap_items(self.all_masters())).wait()
-        self._resident_depth += 1
-        try:
-            yield
-        finally:
-            self._resident_depth -= 1
-            if self._resident_depth == 0:
-                self.swapper.swap_out(self._swap_items(self.all_masters())).wait()
 
 
 def attach(runtime, config, rank: int) -> Optional[OptimizerOffload]:

@@ -128,7 +128,7 @@ class DelayedUpdate:
         entries = [entry for tile in master_tiles(parts, used, _WHOLE) for entry in tile]
         if not entries:
             return
-        grads, buffers = self.owner.take_grads(entries)
+        grads, buffers = self.owner.grads.take(entries)
         with only_params(optimizer, []):  # its hooks and patched counters (LR schedulers), once, here
             optimizer.step()
         shadow, step_fn, pairs, shadow_state = _stand_in_step(optimizer, entries, grads)
@@ -156,7 +156,7 @@ class DelayedUpdate:
         try:
             flight.future.result()
         finally:
-            self.owner.return_grads(flight.buffers)
+            self.owner.grads.give_back(flight.buffers)
         state = flight.optimizer.state
         for piece, double in flight.stand_ins:
             if piece not in state and flight.shadow_state.get(double):

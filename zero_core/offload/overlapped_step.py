@@ -230,7 +230,7 @@ class OverlappedStep:
         if queue is None:
             self.settle()
             queue = self._open(piece_kernels(optimizer, self.owner.compiled))
-        grads = self.owner.owned_grads(entries, consume=False)
+        grads = self.owner.grads.owned(entries, consume=False)
         arrived = None
         shard = part.grad_view(bucket or 0)
         if shard.is_cuda:
@@ -305,7 +305,7 @@ class OverlappedStep:
                               "between backward and step(); this step uses those of backward's time for every "
                               "part (the new ones apply from the next step)", stacklevel=4)
             kernels = queue.kernels
-        grads = self.owner.owned_grads(entries)  # in host memory, the offload's own buffers
+        grads = self.owner.grads.owned(entries)  # in host memory, the offload's own buffers
         if states:  # (backward may have started every part)
             torch._foreach_add_([state["step"] for state in states], 1)  # once per piece, as Adam's step does
         with only_params(optimizer, []):  # its hooks and patched counters (LR schedulers), once, here
@@ -386,20 +386,21 @@ class OverlappedStep:
         kernels, inv_scale, clip = queue.kernels, work.inv_scale, work.clip
         positions = list(range(len(entries)))
         # swapped out between steps, a piece's tensor is empty: its size is the file's
-        tiles = split_into_tiles(positions, lambda i: owner.numel_in_file(entries[i].piece), owner.sub_group_size)
+        in_file = owner.swapped.numel_in_file
+        tiles = split_into_tiles(positions, lambda i: in_file(entries[i].piece), owner.sub_group_size)
         masters = lambda tile: [entries[i].piece for i in tile]  # noqa: E731
-        reading = swap.swap_in(owner._swap_items(masters(tiles[0]))) if tiles else None
+        reading = swap.swap_in(owner.swapped.items(masters(tiles[0]))) if tiles else None
         writing = None
         try:
             for index, tile in enumerate(tiles):
                 reading.wait()
                 reading = None
                 if index + 1 < len(tiles):
-                    reading = swap.read_next(owner._swap_items(masters(tiles[index + 1])))
+                    reading = swap.read_next(owner.swapped.items(masters(tiles[index + 1])))
                 self._step_part([entries[i] for i in tile], [states[i] for i in tile], [grads[i] for i in tile],
                                 kernels, inv_scale, clip)
                 write_back_pieces([entries[i] for i in tile])
-                writing = swap.write_after(writing, owner._swap_items(masters(tile)))
+                writing = swap.write_after(writing, owner.swapped.items(masters(tile)))
         finally:
             if reading is not None:
                 reading.wait()

@@ -84,6 +84,15 @@ def copy_between(dst: torch.Tensor, src: torch.Tensor) -> None:
             dst[start : start + _SLICE].copy_(piece, non_blocking=asynchronous)
 
 
+def copy_all(copies: list[tuple], arrive: bool = False) -> None:
+    """``copies`` (dst, src) issued; with ``arrive``, also complete (gradients the step is about to read)."""
+    with torch.no_grad():
+        for dst, src in copies:
+            copy_between(dst, src)
+    if arrive and copies:
+        wait_for_copies([src for _, src in copies])
+
+
 def wait_for_copies(tensors: list[torch.Tensor]) -> None:
     """Complete the asynchronous copies to and from an accelerator: the host may then read what came in and
     write what went out, and the accelerator's compute stream sees what went in."""
