@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import os
+import shutil
 import sys
 import tempfile
 import traceback
@@ -184,18 +185,20 @@ def overlap_run(device, stage: int, overlap: bool, pin: bool = True, backward: b
             "grad_dtypes": sorted({str(b.dtype) for b in engine._offload.grads.buffers.values()})}
 
 
-def grads_on_host_run(device, stage: int, moved: bool, clip: float) -> dict:
-    """Stages 2-3 with ``offload_optimizer: cpu``: each reduced gradient shard (stage 2: each reduce bucket's, about
-    8 here) gives its GPU memory back once its copy to the host is under way (``moved``, the default), or keeps it
-    until the step (the move patched out). Losses,
+def grads_on_host_run(device, stage: int, moved: bool, clip: float, nvme: bool = False) -> dict:
+    """Stages 2-3 with ``offload_optimizer: cpu`` (``nvme``: written to the swap file, nvme_grads.py): each reduced
+    gradient shard (stage 2: each reduce bucket's, about 8 here) gives its GPU memory back once its copy to the host
+    is under way (``moved``, the default), or keeps it until the step (the move patched out). Losses,
     masters, the gradient held after each backward, a gradient read between backward and step, how many shards
     moved, and setup's peak against the fp32 model built on the GPU (no fp32 master is made there first)."""
     import zero_core
     from zero_core.offload.host_grads import HostGrads
 
-    move = HostGrads._move_to_host
+    move, write = HostGrads._move_to_host, HostGrads._write_reduced
     if not moved:
-        HostGrads._move_to_host = lambda self, *args: None
+        HostGrads._move_to_host = HostGrads._write_reduced = lambda self, *args: None
+    nvme_path = tempfile.mkdtemp() if nvme else None
+    offload = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True} if nvme else PINNED_CPU
     try:
         fresh_peak()
         torch.manual_seed(0)
@@ -205,7 +208,7 @@ def grads_on_host_run(device, stage: int, moved: bool, clip: float) -> dict:
         engine = zero_core.setup(model, optimizer, {"stage": stage, "bf16": {"enabled": True},
                                                     "gradient_clipping": clip, "reduce_bucket_size": 300_000,
                                                     "stage3_param_persistence_threshold": 0,
-                                                    "offload_optimizer": PINNED_CPU})
+                                                    "offload_optimizer": offload})
         setup_peak = torch.cuda.max_memory_allocated()
         torch.cuda.reset_peak_memory_stats()
         losses, held, grads = [], [], []
@@ -222,7 +225,9 @@ def grads_on_host_run(device, stage: int, moved: bool, clip: float) -> dict:
                 "masters": {n: masters[n] for n, _ in model.named_parameters()}, "setup_peak": setup_peak,
                 "fp32_bytes": fp32_bytes, "peak": torch.cuda.max_memory_allocated()}
     finally:
-        HostGrads._move_to_host = move
+        HostGrads._move_to_host, HostGrads._write_reduced = move, write
+        if nvme_path is not None:
+            shutil.rmtree(nvme_path, ignore_errors=True)
 
 
 def delayed_run(device, stage: int, waited: bool) -> dict:
@@ -340,6 +345,9 @@ def main(out: str) -> None:
             for moved in (True, False):
                 label = f"grads_zero{stage}_{'moved' if moved else 'kept'}_{clip}"
                 results[label] = grads_on_host_run(device, stage, moved, clip)
+        for moved in (True, False):  # nvme: written to the swap file during backward
+            results[f"grads_zero{stage}_nvme_{'moved' if moved else 'kept'}"] = grads_on_host_run(
+                device, stage, moved, 0.0, nvme=True)
     for stage in (2, 3):
         for waited in (True, False):
             results[f"delayed_zero{stage}_{waited}"] = delayed_run(device, stage, waited)

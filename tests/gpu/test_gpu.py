@@ -152,6 +152,23 @@ def test_gradients_leave_the_gpu_once_copied_to_the_host(gpu_runs, stage, clip):
 
 
 @pytest.mark.parametrize("stage", [2, 3])
+def test_gradients_written_to_nvme_leave_the_gpu(gpu_runs, stage):
+    """Stages 2-3 with offload_optimizer nvme: after backward no gradient shard holds GPU memory (each was staged
+    into pinned memory from the copy stream and written to the swap file on a thread, nvme_grads.py), and the run
+    is bit for bit the one that keeps them until the step; a gradient read between backward and step comes back
+    from the file."""
+    moved, kept = gpu_runs[f"grads_zero{stage}_nvme_moved"], gpu_runs[f"grads_zero{stage}_nvme_kept"]
+    assert moved["moved"] > 0 and kept["moved"] == 0, (moved["moved"], kept["moved"])
+    assert all(h == 0 for h in moved["held"]) and all(h > 0 for h in kept["held"]), (moved["held"], kept["held"])
+    assert moved["losses"] == kept["losses"], (moved["losses"], kept["losses"])
+    for name, value in kept["masters"].items():
+        assert torch.equal(moved["masters"][name], value), name
+    for a, b in zip(moved["grads"], kept["grads"]):
+        assert torch.equal(a, b)
+    print(f"stage {stage}, nvme: peak GPU bytes in training {moved['peak']} written out, {kept['peak']} kept")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
 def test_delayed_update_copies_into_the_model_without_a_host_wait(gpu_runs, stage):
     """offload_optimizer.delayed_update_after: the step call copies the landed masters into the model on the copy
     stream and returns; each part's gather waits for its copies (a stream wait) and the thread for all of them

@@ -129,6 +129,9 @@ def run_case(case: Case, nvme_dir: str) -> dict:
         # zero-estimate's NVMe bytes against what the swap file holds: each master and its two moments
         swapper = offload.swapper
         in_file = sum(shape.numel() * dtype.itemsize for shape, dtype in swapper._shapes.values())
+        if case.stage >= 2:  # and, on CUDA, each reduced gradient shard (nvme_grads.py; the CPU keeps them)
+            in_file += sum(part.grad_view(b).numel() * part.grad_view(b).element_size()
+                           for part in offload.parts for b in range(len(part.layout.buckets)))
         estimate = estimate_stage(model_info(build_model(case.model)), case.config(nvme_dir),
                                   engine.topology.world_size)
         report["nvme_estimate"] = (in_file, placement_bytes(estimate, case.config(nvme_dir)).nvme)
@@ -286,9 +289,11 @@ def test_estimate_by_place():
     estimate = estimate_stage(10_000, config, 4)
     place = placement_bytes(estimate, config)
     shard = 2500
-    assert place.nvme == shard * (4 + 8)  # fp32 master + Adam's two moments
+    # fp32 master + Adam's two moments, and the bf16 gradient shard written out during backward (nvme_grads.py)
+    assert place.nvme == shard * (4 + 8) + shard * 2
     assert place.host == shard * 2 + (3 + 2) * 1000 * 12 + 4 * 1000  # param shard, tiles, one tile's gradients
-    assert place.accelerator == estimate.total - estimate.fp32_master - estimate.optimizer_state - shard * 2
+    assert place.accelerator == (estimate.total - estimate.fp32_master - estimate.optimizer_state - shard * 2
+                                 - estimate.grads)  # the parameter shard and the gradient shard left
     # parameter shards in the file beyond max_in_cpu elements, read through buffer_count buffers
     config["offload_param"] = {"device": "nvme", "nvme_path": "/x", "max_in_cpu": 500, "buffer_count": 3,
                                "buffer_size": 100}

@@ -33,7 +33,7 @@ class DeviceMasters:
              clip_coef: Optional[torch.Tensor]) -> None:
         step_in_tiles(optimizer, units, used, inv_scale, clip_coef, planning.step_tile_numel(self.config))
 
-    def forget_grads(self) -> None:
+    def forget_grads(self, units: Optional[list] = None) -> None:
         pass
 
     def resident(self, fragments: Optional[list[Fragment]] = None, state: bool = True, write: bool = True):
@@ -65,8 +65,8 @@ class OffloadedMasters:
              clip_coef: Optional[torch.Tensor]) -> None:
         self.offload.step(optimizer, units, used, inv_scale, clip_coef)  # tiled, on the host masters
 
-    def forget_grads(self) -> None:
-        self.offload.forget_grads()  # host copies of the zeroed gradients are stale
+    def forget_grads(self, units: Optional[list] = None) -> None:
+        self.offload.forget_grads(units)  # host copies of the zeroed gradients are stale
 
     def resident(self, fragments: Optional[list[Fragment]] = None, state: bool = True, write: bool = True):
         if fragments is None:

@@ -155,8 +155,9 @@ class OptimizerStep:
 
     def zero(self, indices: list[int]) -> None:
         """Clear optimizers ``indices``' gradients (all of them: unmanaged parameters' ``.grad`` too)."""
-        self.runtime.zero_grads(self.binding.units(indices))
-        self.masters.forget_grads()
+        units = self.binding.units(indices)
+        self.runtime.zero_grads(units)
+        self.masters.forget_grads(units)
         if len(indices) == len(self.binding.inner_optimizers):
             for param in self.binding.unmanaged:
                 param.grad = None

@@ -32,14 +32,16 @@ from zero_core.offload.chunked_step import (CHUNK_MAX, Span, chunk_numel, chunke
 from zero_core.offload.delayed_update import DelayedUpdate
 from zero_core.offload.host_masters import HostMasterShards, write_back_pieces
 from zero_core.offload.host_grads import HostGrads
+from zero_core.offload.nvme_grads import NvmeGrads
 from zero_core.offload.nvme_swap import NVME_TILE_NUMEL, NvmeSwapper, check_nvme_path
 from zero_core.offload.overlapped_step import OverlappedStep
 from zero_core.offload.params import offload_param_shards
 from zero_core.offload.placement import copy_all, pinning, wait_for_copies
 from zero_core.offload.swapped_state import SwappedState
 
-# Bytes per master element a swap file needs, counting Adam's two moments: the pre-flight disk check.
-_SWAP_BYTES_PER_ELEMENT = 4 * 3
+# Bytes per master element a swap file needs, counting Adam's two moments and (at most fp32) the gradient written
+# out during backward (nvme_grads.py): the pre-flight disk check.
+_SWAP_BYTES_PER_ELEMENT = 4 * 3 + 4
 
 
 class _Pipeline:
@@ -112,7 +114,6 @@ class OptimizerOffload:
         # Resizing storage (the swap) needs ordinary host memory, so pinning is for device 'cpu' only.
         self.pin = pinning(block.pin_memory) and not nvme
         self.parts: list = []
-        self.grads = HostGrads(self.pin, nvme, self.compiled, config.fp16.enabled)  # host_grads.py
         self._noted: set[type] = set()
         self.swapper: Optional[NvmeSwapper] = None
         self._write_pool: Optional[ThreadPoolExecutor] = None
@@ -124,6 +125,11 @@ class OptimizerOffload:
             pool_bytes = block.buffer_count * 3 * 4 * min(self.sub_group_size, numel)
             self.swapper = NvmeSwapper(block.nvme_path, rank, AioPool.from_config(config.aio), pool_bytes)
         self.swapped = SwappedState(self.swapper, self.sub_group_size)  # swapped_state.py
+        # The reduced gradients: host buffers (cpu), or the swap file during backward (nvme; nvme_grads.py, with
+        # staging in flight bounded by the swap's pool of tile buffers)
+        written = None if self.swapper is None else NvmeGrads(self.swapper, pinning(block.pin_memory),
+                                                                 self.swapper.pool_bytes)
+        self.grads = HostGrads(self.pin, nvme, self.compiled, config.fp16.enabled, written)  # host_grads.py
         after = block.delayed_update_after
         self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
         # The step overlapped with the next forward (overlapped_step.py): None, where the shards are on an
@@ -145,8 +151,7 @@ class OptimizerOffload:
         if self.compiled:  # the kernel for these parts' gradient dtype, built now (compiled_adam.py)
             compiled_adam.warm_up(compiled_adam.FIELD, {part.dtype for part in parts})
         for part in parts:
-            if self.swapper is None:
-                part.on_grad_reduced = self.grad_reduced
+            part.on_grad_reduced = self.grad_reduced  # (nvme: written to the file where memory is given back)
             # With the delayed update a master is never the model's shard itself: the thread changes the masters
             # while the next forward reads the shards.
             store = None if self.swapper is None else self._store
@@ -191,6 +196,7 @@ class OptimizerOffload:
         self.overlapped.stop()
         if self.delayed is not None:
             self.delayed.stop()
+        self.grads.finish()
         if self.swapper is not None:
             self.swapper.close()
         self._stop_writer()
@@ -201,6 +207,7 @@ class OptimizerOffload:
         self.overlapped.stop()
         if self.delayed is not None:
             self.delayed.stop()
+        self.grads.finish()
         if self.swapper is not None:
             self.swapper.teardown()
         self._stop_writer()
@@ -235,9 +242,10 @@ class OptimizerOffload:
         self.grads.copy_reduced(part, bucket)
         self.overlapped.start_early(part, bucket)
 
-    def forget_grads(self) -> None:
-        """The gradient shards were zeroed (a step, zero_grad, a skipped fp16 step): no host copy is current."""
-        self.grads.forget()
+    def forget_grads(self, parts: Optional[list] = None) -> None:
+        """The gradient shards of ``parts`` (None: all) were zeroed (a step, zero_grad, a skipped fp16 step): no
+        host copy is current."""
+        self.grads.forget(parts)
         started = self.overlapped.started_in_backward()
         if started:
             self.overlapped.discard_early()
@@ -344,21 +352,25 @@ class OptimizerOffload:
             pipe.finish()
         if writing is not None:
             writing.wait()
-        self.grads.forget()  # the step consumed them (the engine zeroes the shards next)
+        self.grads.consumed()  # by the step (the engine zeroes the shards next, and forget_grads follows)
 
     def _step_sliced(self, optimizer: torch.optim.Optimizer, entry: tuple, inv_scale: float,
                      clip: Optional[torch.Tensor]) -> None:
         """NVMe: one piece bigger than the tile, read, stepped, written back and written out slice by slice, its
         gradient copied to the host a slice at a time (nvme_slices.py)."""
         piece, grad, part, index = entry
-        in_place = self.grads.in_place(grad)
+        in_file = self.grads.in_file(part, index)  # written out during backward (nvme_grads.py)
+        in_place = self.grads.in_place(grad) and not in_file
         buffer = None if in_place else torch.empty(min(self.sub_group_size, grad.numel()), dtype=torch.float32)
 
         def grad_slice(start: int, end: int) -> torch.Tensor:
             if in_place:
                 return grad[start:end]  # fp32 in host memory: unscaled in place, as a tile's
             host = buffer[: end - start]
-            copy_all([(host, grad[start:end])], arrive=True)
+            if in_file:
+                self.grads.read_piece(part, index, start, end, host)
+            else:
+                copy_all([(host, grad[start:end])], arrive=True)
             return host
 
         with part.shard_in_memory():
@@ -406,7 +418,7 @@ class OptimizerOffload:
         self.chunks_stepped += chunks
         for part in parts.values():
             part.master_shards.written_back = True  # the parts' own write-back after the step is skipped once
-        self.grads.forget()
+        self.grads.consumed()
         return True
 
     def _kernel_writes(self, shard: torch.Tensor) -> bool:

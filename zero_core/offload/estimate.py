@@ -31,16 +31,17 @@ def placement_bytes(estimate, config) -> Placement:
         # the step runs on the host: its fp32 tile (MemoryEstimate.step_tile) is the host gradient buffer below
         accelerator -= max(estimate.live_params, estimate.step_tile) - estimate.live_params
         moved = MASTER_BYTES * shard + estimate.optimizer_state  # master + state, per element (4 + K)
-        if optimizer == "cpu" and estimate.stage >= 2:
-            # a reduced gradient shard gives its accelerator memory back once its copy to the host is under way
-            # (grad_memory.MovedToHost, on CUDA): the one in flight is a unit's or a bucket's, and stage 2's bucket
-            # reduced last is the reducer's kept staging (counted in its buffers), not counted
+        if estimate.stage >= 2:
+            # a reduced gradient shard gives its accelerator memory back once its copy to the host (cpu) or to the
+            # swap file (nvme, nvme_grads.py) is under way (grad_memory.MovedToHost, on CUDA): the one in flight
+            # is a unit's or a bucket's, and stage 2's bucket reduced last is the reducer's kept staging (counted
+            # in its buffers), not counted
             accelerator -= estimate.grads
         if optimizer == "cpu":
             compiled = cfg.offload_optimizer.host_kernel == "compiled" and estimate.precision != "fp32"
             host += moved + (2 if compiled else HOST_GRAD_BYTES) * shard  # compiled: 16-bit buffers (compiled_adam.py)
         else:
-            nvme += moved
+            nvme += moved + (estimate.grads if estimate.stage >= 2 else 0)  # the gradients' regions of the file
             tile = min(cfg.sub_group_size, NVME_TILE_NUMEL, shard)
             per_element = moved / shard if shard else 0
             host += int((TILES_IN_FLIGHT + cfg.offload_optimizer.buffer_count) * tile * per_element)

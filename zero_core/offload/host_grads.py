@@ -1,11 +1,13 @@
 """The host gradient buffers of an offloaded step: one per reduce bucket shard, in the dtype the host kernel reads.
 
 With device ``cpu`` each bucket's reduced gradient shard is copied into its buffer as soon as the reducer is done
-with it (during backward), and the accelerator's copy then gives its memory back (grad_memory.py); what backward
-did not copy is copied when a step asks for it, one copy per run of contiguous pieces. With ``nvme`` only the
-stepping tile's gradients are in host memory, copied at the step. fp32 shards already in host memory (a CPU-only
-run) are read where they are. The step (cpu_optimizer.py), the overlapped step (overlapped_step.py) and the delayed
-update (delayed_update.py) read their gradients from here.
+with it (during backward), and the accelerator's copy then gives its memory back (grad_memory.py); what backward did
+not copy is copied when a step asks for it, one copy per run of contiguous pieces. With ``nvme`` only the stepping
+tile's gradients are in host memory: each bucket is written to the swap file as it is reduced, where the
+accelerator's copy is given back (nvme_grads.py), and read back by the step tile by tile; else copied from the
+accelerator at the step. fp32 shards already in host memory (a CPU-only run) are read where they are. The step
+(cpu_optimizer.py), the overlapped step (overlapped_step.py) and the delayed update (delayed_update.py) read their
+gradients from here.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Optional, Protocol
 
 import torch
 
+from zero_core import grad_memory
 from zero_core.optim.master_shards import tile_runs
+from zero_core.offload.nvme_grads import NvmeGrads
 from zero_core.offload.placement import _copy_stream, copy_all, copy_between, host_empty
 
 
@@ -29,9 +33,10 @@ class CopyQueue(Protocol):
 class HostGrads:
     """Host buffers of the reduced gradient shards, which of them hold the latest reduction, and their copies."""
 
-    def __init__(self, pin: bool, swapped: bool, compiled: bool, fp16: bool) -> None:
+    def __init__(self, pin: bool, swapped: bool, compiled: bool, fp16: bool, nvme: Optional[NvmeGrads] = None) -> None:
         self.pin = pin  # page-locked buffers (device 'cpu' with CUDA)
         self.swapped = swapped  # device 'nvme': only the stepping tile's gradients are in host memory
+        self.nvme = nvme  # device 'nvme': gradients written to the swap file during backward
         self.compiled = compiled  # host_kernel 'compiled': buffers keep the gradients' dtype (compiled_adam.py)
         self.buffers: dict[tuple, torch.Tensor] = {}  # (id(part), bucket) -> host gradient buffer (device 'cpu')
         # Buckets whose host buffer holds the latest reduced gradient: with device 'cpu' each bucket is copied to
@@ -57,9 +62,32 @@ class HostGrads:
         """Whether ``bucket`` of ``part`` must be copied before a step reads it (backward did not copy it)."""
         return not self.in_place(part.grad_view(bucket)) and (id(part), bucket) not in self.fresh
 
-    def forget(self) -> None:
-        """The gradient shards were zeroed or a step consumed them: no host copy is current."""
+    def consumed(self) -> None:
+        """A step read the host copies: the next one copies again (what the swap file holds stays readable until
+        the shards are zeroed: :meth:`forget`)."""
         self.fresh.clear()
+
+    def forget(self, parts: Optional[list] = None) -> None:
+        """The gradient shards were zeroed or a step consumed them: no host copy is current (of ``parts``'s in the
+        swap file; None: all)."""
+        self.fresh.clear()
+        if self.nvme is not None:
+            self.nvme.forget(parts)
+
+    def finish(self) -> None:
+        """Writes of gradients to the swap file still under way land, and their thread stops (teardown)."""
+        if self.nvme is not None:
+            self.nvme.finish()
+
+    def in_file(self, part, index: int) -> bool:
+        """Whether piece ``index`` of ``part`` has its gradient in the swap file (nvme_grads.py)."""
+        return self.nvme is not None and self.nvme.holds(part, part.master_shards.pieces[index].bucket)
+
+    def read_piece(self, part, index: int, start: int, end: int, out: torch.Tensor) -> None:
+        """Elements ``[start, end)`` of piece ``index``'s gradient, from the swap file, into ``out`` (cast)."""
+        fragment = part.master_shards.pieces[index]
+        self.nvme.read(part, fragment.bucket, fragment.shard_range.start + start, fragment.shard_range.start + end,
+                       out)
 
     def bucket(self, part, bucket: int, like: torch.Tensor) -> torch.Tensor:
         """The host gradient buffer of one bucket shard ``like`` (device 'cpu': kept; 'nvme': only for this tile),
@@ -105,7 +133,9 @@ class HostGrads:
             whole = part.grad_view(bucket)
             if key not in buffers:  # nvme: a buffer of its own per bucket (the gradients wait in host memory)
                 buffers[key] = self.bucket(part, bucket, whole)
-            if self.swapped or key not in self.fresh:
+            if self.nvme is not None and self.nvme.holds(part, bucket):
+                self.nvme.read(part, bucket, start, end, buffers[key][start:end])
+            elif self.swapped or key not in self.fresh:
                 copies.append((buffers[key][start:end], part.grad_shards()[bucket][start:end]))
         copy_all(copies, arrive=True)
         if consume:
@@ -131,6 +161,9 @@ class HostGrads:
         # Only the buckets just reduced (a stage 2 group's others may hold no memory, and keep it that way)
         indices = range(len(part.layout.buckets)) if bucket is None else (bucket,)
         shards = [part.grad_view(index) for index in indices]
+        if self.swapped:
+            self._write_reduced(part, list(indices), shards, bucket)
+            return
         hosts: list[Optional[torch.Tensor]] = []
         for index, grad in zip(indices, shards):
             if self.in_place(grad) or grad.numel() == 0:
@@ -144,6 +177,28 @@ class HostGrads:
         if any(host is not None for host in hosts) and all(
                 host is not None or grad.numel() == 0 for host, grad in zip(hosts, shards)):
             self._move_to_host(part, shards, hosts, bucket)
+
+    def _write_reduced(self, part, indices: list[int], shards: list[torch.Tensor], bucket: Optional[int]) -> None:
+        """nvme: the reduced shards written to the swap file and their accelerator memory given back, where
+        gradient memory is given back (else the step copies them tile by tile, as they are)."""
+        filled = [(index, shard) for index, shard in zip(indices, shards) if shard.numel()]
+        if self.nvme is None or not filled or not grad_memory.releases(filled[0][1].device):
+            return
+        for index, shard in filled:
+            self.nvme.put(part, index, shard)
+        device = filled[0][1].device
+        in_use = _copy_stream(device, to_device=False) if device.type == "cuda" else None
+        nvme = self.nvme
+
+        def copy_in(views: list[torch.Tensor]) -> None:  # returns once the values are back (a rare read)
+            pairs = [(index, view) for index, view in zip(indices, views) if view.numel()]
+            nvme.copy_in(part, [index for index, _ in pairs], [view for _, view in pairs])
+
+        if part.grads_to_host(copy_in, self.norm_types, in_use, bucket):
+            self.moved_to_host += 1
+        else:  # kept on the accelerator (a lent bucket, stage 1): read from there, not from the file
+            for index, _ in filled:
+                nvme.discard(part, index)
 
     def _move_to_host(self, part, shards: list[torch.Tensor], hosts: list[Optional[torch.Tensor]],
                       bucket: Optional[int]) -> None:
@@ -186,6 +241,11 @@ class HostGrads:
         if self.swapped:  # only the tile's gradients are in memory
             out = []
             for _, grad, part, index in tile:
+                if self.in_file(part, index):  # written out during backward: read back now
+                    host = torch.empty(grad.numel(), dtype=self.dtype(grad))
+                    self.read_piece(part, index, 0, grad.numel(), host)
+                    out.append(host)
+                    continue
                 if self.in_place(grad):
                     out.append(grad)
                     continue

@@ -77,7 +77,7 @@ def check_nvme_path(path: Optional[str], field: str, need_bytes: int) -> None:
     free = shutil.disk_usage(path).free
     if free < need_bytes:
         raise ValueError(f"{field}={path!r} has {free / 2**30:.2f} GiB free but this rank's swap file needs about "
-                         f"{need_bytes / 2**30:.2f} GiB (fp32 masters and optimizer state): free space or use "
+                         f"{need_bytes / 2**30:.2f} GiB: free space or use "
                          "another directory")
 
 
@@ -140,6 +140,11 @@ class NvmeSwapper:
             self._regions[region] = self._end
             self._end += -(-nbytes // align) * align
         return self._regions[region]
+
+    def region(self, owner: object, key: str, nbytes: int) -> int:
+        """The file offset of (``owner``, ``key``)'s region of ``nbytes``, made on first use: for what is swapped
+        without a master of its own (gradients, nvme_grads.py)."""
+        return self._offset(owner, key, nbytes)
 
     def swap_out(self, items: Iterable[tuple[torch.Tensor, str, torch.Tensor]]) -> Transfer:
         """Write each (master, key, tensor) to its region; the memory is released when the transfer is waited."""

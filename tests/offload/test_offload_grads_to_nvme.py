@@ -1,0 +1,135 @@
+"""Gradient shards written to the swap file during backward (stages 2-3, ``offload_optimizer: nvme``): once a unit's
+(stage 2: a reduce bucket's) reduced gradient is staged for its write, the accelerator's copy gives its memory back
+(grad_memory.MovedToHost; on CUDA, forced on here on the CPU with ``RELEASE_ON_CPU``), keeping its bucket norms for
+clipping and fp16's overflow check; the step reads each tile's gradients back from the file (nvme_grads.py). A
+reader that needs the shard again gets the file's values copied back in.
+
+Two ranks train the same steps twice in one process, with the shards written out and kept (the reference: the NVMe
+step as it was, which the other offload tests hold against DDP), at each stage: bf16 with clipping from the config,
+fp16 with a loss scale, fp32 (whose shards the step would otherwise read in place), a user's clip by the 1-norm (a
+norm not kept: the shards come back from the file), accumulation by reducing backwards (the second reduction adds to
+the values read back), two optimizers (the first one's step zeroes only its own gradients), every transfer waited at
+once (``aio.overlap_events: false``), and at stage 3 with ``offload_param: nvme``, with the step overlapped with the
+forward, and with a tile smaller than a piece (the piece's gradient is read slice by slice). Every loss, parameter
+and master is bit for bit the reference's, so are the clip norms and a gradient read with the debugging API between
+backward and step; after backward the shards hold no memory (and the reference's do), and the staging in flight
+stays within its bound."""
+
+from __future__ import annotations
+
+import tempfile
+
+import pytest
+import torch
+
+import zero_core
+from distributed import run_distributed
+from models import build_model, make_batch
+from reference import make_optimizer, make_scheduler
+from stage3_support import full_params
+
+from zero_core import grad_memory
+
+MODEL = "transformer"
+STEPS = 3
+SMALL = {"stage": 3, "reduce_bucket_size": 300, "allgather_bucket_size": 300, "param_persistence_threshold": 0}
+BF16 = {"bf16": {"enabled": True}}
+FP16 = {"fp16": {"enabled": True, "initial_scale_power": 8}}
+CLIP = {"gradient_clipping": 0.05}
+STAGE2 = {"stage": 2}  # several reduce buckets per group (reduce_bucket_size 300), each written on its own
+RUNS = {
+    "bf16, clipping": ({**BF16, **CLIP}, {}),
+    "fp16, loss scale, clipping": ({**FP16, **CLIP}, {}),
+    "fp32": ({}, {}),
+    "bf16, a user's 1-norm clip": (BF16, {"clip_norm_type": 1.0}),
+    "bf16, accumulation by reducing backwards": (BF16, {"micro": 2}),
+    "bf16, offload_param nvme, clipping": ({**BF16, **CLIP, "offload_param": {"device": "nvme"}}, {}),
+    "bf16, overlapped with the forward": (BF16, {"overlap": True}),
+    "bf16, a tile smaller than a piece": ({**BF16, **CLIP}, {"tile": 64}),
+    "bf16, two optimizers": (BF16, {"two": True}),
+    "bf16, aio.overlap_events false, clipping": ({**BF16, **CLIP, "aio": {"overlap_events": False}}, {}),
+    "stage 2, bf16, clipping": ({**STAGE2, **BF16, **CLIP}, {}),
+    "stage 2, fp16, loss scale, clipping": ({**STAGE2, **FP16, **CLIP}, {}),
+    "stage 2, fp32": (STAGE2, {}),
+    "stage 2, bf16, accumulation by reducing backwards": ({**STAGE2, **BF16}, {"micro": 2}),
+    "stage 2, bf16, two optimizers": ({**STAGE2, **BF16}, {"two": True}),
+}
+
+
+def train(rank: int, config: dict, moved: bool, nvme_path: str, micro: int = 1, overlap: bool = False,
+          clip_norm_type: float = 0.0, tile: int = 0, two: bool = False) -> dict:
+    from zero_core.offload import cpu_optimizer
+
+    grad_memory.RELEASE_ON_CPU = moved  # this process only; the engine reads it as it sets up and steps
+    default_tile = cpu_optimizer.NVME_TILE_NUMEL
+    if tile:
+        cpu_optimizer.NVME_TILE_NUMEL = tile
+    model = build_model(MODEL)
+    optimizer = make_optimizer(model)
+    scheduler = make_scheduler(optimizer)
+    if two:  # the first optimizer's step zeroes its gradients only: the second's stay in the file until its own
+        params = list(model.parameters())
+        optimizer = [torch.optim.AdamW(params[: len(params) // 2], lr=1e-3),
+                     torch.optim.SGD(params[len(params) // 2:], lr=1e-2, momentum=0.9)]
+        scheduler = make_scheduler(optimizer[0])
+    block = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}
+    if "offload_param" in config:
+        config = {**config, "offload_param": {**config["offload_param"], "nvme_path": nvme_path}}
+    engine = zero_core.setup(model, optimizer, {**block, **SMALL, **config})
+    cpu_optimizer.NVME_TILE_NUMEL = default_tile
+    engine._offload.overlap = True if overlap else None
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(next((k for k in ("fp16", "bf16") if k in config), ""),
+                                                                 torch.float32)
+    first = next(p for p in engine.module.parameters() if p.dim() == 2)
+    losses, norms, held, grads = [], [], [], []
+    for step in range(STEPS):
+        for m in range(micro):
+            loss = engine.module(*make_batch(MODEL, rank, step, m, dtype=dtype))
+            engine.backward(loss)
+            losses.append(loss.float().item())
+        held.append(engine.memory_stats()["grads"])
+        if clip_norm_type:
+            norms.append(float(engine.clip_grad_norm_(0.05, norm_type=clip_norm_type)))
+        if step == STEPS - 1:
+            grads.append(zero_core.safe_get_full_grad(first))
+        engine.step()
+        scheduler.step()
+    written = engine._offload.grads.nvme
+    result = {"losses": losses, "norms": norms, "held": held, "grads": grads, "params": full_params(engine.module),
+              "masters": engine.full_state_dict(rank0_only=False), "moved": engine._offload.grads.moved_to_host,
+              "written": written.buckets_written, "staging": written.peak_staging_bytes,
+              "bound": written.staging_bytes, "slices": engine._offload.slices_stepped}
+    engine.close()
+    grad_memory.RELEASE_ON_CPU = False
+    return result
+
+
+def equivalence_worker(rank, world_size):
+    with tempfile.TemporaryDirectory() as nvme_path:
+        return {label: (train(rank, config, False, nvme_path, **options), train(rank, config, True, nvme_path,
+                                                                                 **options))
+                for label, (config, options) in RUNS.items()}
+
+
+@pytest.mark.timeout(400)
+def test_gradients_written_to_nvme_train_bit_for_bit_as_kept_ones():
+    for rank, results in enumerate(run_distributed(equivalence_worker, 2, timeout=360)):
+        for label, (kept, moved) in results.items():
+            where = f"rank {rank}, {label}"
+            assert kept["losses"] == moved["losses"], (where, kept["losses"], moved["losses"])
+            assert kept["norms"] == moved["norms"], (where, kept["norms"], moved["norms"])
+            for key in ("params", "masters"):
+                for name, value in kept[key].items():
+                    assert torch.equal(value, moved[key][name]), f"{where}: {key} {name} differs"
+            for a, b in zip(kept["grads"], moved["grads"]):
+                assert torch.equal(a, b), f"{where}: the gradient read between backward and step differs"
+            assert kept["moved"] == 0 and kept["written"] == 0, where
+            assert all(held > 0 for held in kept["held"]), (where, kept["held"])
+            assert moved["moved"] > 0 and moved["written"] >= moved["moved"], where
+            assert all(held == 0 for held in moved["held"]), (where, moved["held"])  # no shard kept its memory
+            assert 0 < moved["staging"] <= moved["bound"], (where, moved["staging"], moved["bound"])
+            if "tile smaller" in label:
+                assert moved["slices"] > 0 and kept["slices"] > 0, (where, moved["slices"])
+            start = build_model(MODEL).state_dict()
+            assert any(not torch.equal(v.float(), start[n].float()) for n, v in kept["params"].items()
+                       if n in start), f"{where}: the reference run did not train"
