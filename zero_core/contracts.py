@@ -97,6 +97,9 @@ class Part(Protocol):
     def grad_norm_inputs(self, norm_type: float) -> list:
         """Per bucket: the gradient shard, or its norm (grad_memory.KnownNorm) where offload moved it to the host."""
 
+    def releases_grad(self, bucket: Optional[int] = None) -> bool:
+        """Whether :meth:`grads_to_host` would give ``bucket``'s (None: every bucket's) memory back now."""
+
     def grads_to_host(self, copy_in: Callable, norm_types: Sequence[float], in_use: Optional[Any],
                       bucket: Optional[int] = None) -> bool:
         """Offload copied the reduced gradient of ``bucket`` (None: every bucket) to the host: give the accelerator

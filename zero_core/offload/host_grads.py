@@ -18,7 +18,6 @@ from typing import Optional, Protocol
 
 import torch
 
-from zero_core import grad_memory
 from zero_core.optim.master_shards import tile_runs
 from zero_core.offload.nvme_grads import NvmeGrads
 from zero_core.offload.placement import _copy_stream, copy_all, copy_between, host_empty
@@ -182,8 +181,8 @@ class HostGrads:
         """nvme: the reduced shards written to the swap file and their accelerator memory given back, where
         gradient memory is given back (else the step copies them tile by tile, as they are)."""
         filled = [(index, shard) for index, shard in zip(indices, shards) if shard.numel()]
-        if self.nvme is None or not filled or not grad_memory.releases(filled[0][1].device):
-            return
+        if self.nvme is None or not filled or not part.releases_grad(bucket):
+            return  # (stage 2's lent bucket, a CPU-only run): the step copies it from the shard
         for index, shard in filled:
             self.nvme.put(part, index, shard)
         device = filled[0][1].device

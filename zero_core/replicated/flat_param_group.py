@@ -156,6 +156,14 @@ class FlatParamGroup:
         self._restore_full_grads()
         return list(self._grad_shards)
 
+    def releases_grad(self, bucket: Optional[int] = None) -> bool:
+        """Whether :meth:`grads_to_host` would give ``bucket``'s memory back now: stage 2, a bucket of its own
+        (not lent) holding a reduced gradient, where shards are released."""
+        if self.full_grads or bucket is None or bucket in self._lent or not grad_memory.releases(self.device):
+            return False
+        own = self._grad_own[bucket]
+        return not (own.numel() == 0 or grad_memory.is_released(own) or bucket in self._stale)
+
     def grads_to_host(self, copy_in: Callable[[list[torch.Tensor]], None], norm_types: Sequence[float],
                       in_use: Optional[Any], bucket: Optional[int] = None) -> bool:
         """Stage 2: offload copied ``bucket``'s reduced gradient shard to the host (``in_use``: on that CUDA stream,
@@ -163,11 +171,9 @@ class FlatParamGroup:
         ``norm_types`` and its pieces' views (made while the memory is there). ``copy_in`` brings the values back
         for a later reader. Not stage 1 (its buckets view one buffer), nor a lent bucket (a slice of the reducer's
         staging). Whether it was given back."""
-        if self.full_grads or bucket is None or bucket in self._lent or not grad_memory.releases(self.device):
+        if not self.releases_grad(bucket):
             return False
         own = self._grad_own[bucket]
-        if own.numel() == 0 or grad_memory.is_released(own) or bucket in self._stale:
-            return False
         self.master_shards.keep_grad_pieces(bucket, own)
         norms = {norm_type: [torch._foreach_norm([own], norm_type, dtype=torch.float32)[0]]
                  for norm_type in norm_types}

@@ -142,6 +142,12 @@ class ParamUnit:
         """``bucket``'s gradient shard as it is (it may hold no memory): for its dtype, size and device."""
         return self._grad_buckets[bucket]
 
+    def releases_grad(self, bucket: Optional[int] = None) -> bool:
+        """Whether :meth:`grads_to_host` would give the shard's memory back now (``bucket`` None: the whole unit's,
+        holding a reduced gradient, where shards are released)."""
+        return not (self._grad_shard is None or bucket is not None or self.grads_released()
+                    or not grad_memory.releases(self.device))
+
     def grads_to_host(self, copy_in: Callable[[list[torch.Tensor]], None], norm_types: Sequence[float],
                       in_use: Optional[torch.cuda.Stream], bucket: Optional[int] = None) -> bool:
         """Offload copied the reduced gradient shard (every bucket: ``bucket`` is None at stage 3) to the host
@@ -149,8 +155,7 @@ class ParamUnit:
         give its memory back where shards do (grad_memory.releases), keeping the norms of ``norm_types``, and the
         piece views the offloaded step reads (made while the memory is there). ``copy_in`` brings the values back
         for a later reader. Whether it was given back."""
-        if (self._grad_shard is None or bucket is not None or self.grads_released()
-                or not grad_memory.releases(self.device)):
+        if not self.releases_grad(bucket):
             return False
         shards = self.grad_shards()
         self.master_shards.grad_pieces(shards)  # cached views of the storage: valid while it is empty
