@@ -12,7 +12,13 @@ Runs:
   file), ``nvme_path`` a temporary directory under ``--dir``; other fields at their defaults unless given
   (``--sub-group-size``, ``--buffer-count``, ``--param-buffers``);
 - ``nvme_whole`` (with ``--whole-pieces``): the same, a piece bigger than the tile stepped whole, as before
-  pieces were stepped in slices (nvme_slices.py).
+  pieces were stepped in slices (nvme_slices.py);
+- ``nvme_kept_grads`` (with ``--release-grads``): ``nvme``, with the reduced gradient shards kept until the step
+  instead of written to the swap file during backward (nvme_grads.py), as before.
+
+``--release-grads`` gives gradient shards' memory back in every run as on CUDA (grad_memory.RELEASE_ON_CPU), where
+this CPU run's host memory stands in for the accelerator's: the ``nvme`` run's shards then leave memory during
+backward, and ``nvme_kept_grads`` shows what they held.
 
 What offload can take away is the parameter shard, the fp32 master (in fp32 training the parameter shard itself,
 counted once) and Adam's two moments: 12 bytes per parameter in fp32, 14 with ``--bf16`` (the engine's
@@ -87,6 +93,14 @@ def worker(args) -> None:
     import zero_core
 
     torch.set_num_threads(args.threads)
+    if args.release_grads:
+        from zero_core import grad_memory
+
+        grad_memory.RELEASE_ON_CPU = True  # as on CUDA: host memory stands in for the accelerator's
+    if args.run == "nvme_kept_grads":
+        from zero_core.offload.host_grads import HostGrads
+
+        HostGrads._write_reduced = lambda self, *unused: None  # kept until the step, as before nvme_grads.py
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     baseline = rss_anon()
     config = {"stage": 3, "bf16": {"enabled": args.bf16}, **json.loads(args.zero)}
@@ -144,12 +158,13 @@ def worker(args) -> None:
 def run_all(args) -> dict:
     runs = {}
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="offload_peak_") as nvme_path:
-        for run in ("none", "nvme") + (("nvme_whole",) if args.whole_pieces else ()):
+        extra = (("nvme_whole",) if args.whole_pieces else ()) + (("nvme_kept_grads",) if args.release_grads else ())
+        for run in ("none", "nvme") + extra:
             command = [sys.executable, "-m", "benchmarks.offload_peak", "--worker", run, "--nvme-path", nvme_path,
                        "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
                        "--steps", str(args.steps), "--threads", str(args.threads), "--vocab", str(args.vocab),
                        "--sub-group-size", str(args.sub_group_size), "--zero", args.zero] + (
-                           ["--bf16"] if args.bf16 else [])
+                           ["--bf16"] if args.bf16 else []) + (["--release-grads"] if args.release_grads else [])
             for flag, value in (("--buffer-count", args.buffer_count), ("--param-buffers", args.param_buffers)):
                 if value is not None:
                     command += [flag, str(value)]
@@ -177,15 +192,16 @@ def table(result: dict, command: str) -> str:
     lines = [f"`{command}` (load average {result['load_average'][0]:.1f}; offloaded bytes "
              f"{offloaded / MiB:.0f} MiB: the parameter shard, the fp32 master (in fp32 training the shard itself) and "
              "Adam's moments)", "",
-             "| run | after setup | training peak (phase) | step peak | between steps | process peak "
+             "| run | after setup | training peak (phase) | backward peak | step peak | between steps | process peak "
              "| peak drop / offloaded (training, process) | step, fwd+bwd (s, best) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for name, run in runs.items():
         drop = "" if name == "none" else (f"{run['training_peak_drop_fraction']:.0%}, "
                                           f"{run['process_peak_drop_fraction']:.0%}")
         peaks, mib = run["peaks_bytes"], lambda n: f"{n / MiB:.0f} MiB"  # noqa: E731
         lines.append(f"| {name} | {mib(run['after_setup_bytes'])} | {mib(run['training_peak_bytes'])} "
-                     f"({run['training_peak_phase']}) | {mib(peaks['step'])} | {mib(peaks['between'])} "
+                     f"({run['training_peak_phase']}) | {mib(peaks['backward'])} | {mib(peaks['step'])} "
+                     f"| {mib(peaks['between'])} "
                      f"| {mib(run['process_peak_bytes'])} | {drop} | {run['step_s']:.3f}, "
                      f"{run['forward_backward_s']:.3f} |")
     return "\n".join(lines) + "\n"
@@ -210,7 +226,9 @@ def main(argv=None) -> None:
     parser.add_argument("--bf16", action="store_true", help="bf16 training (fp32 masters) instead of fp32")
     parser.add_argument("--mmap-threshold", type=int, default=0, help="MALLOC_MMAP_THRESHOLD_ (0: glibc's own)")
     parser.add_argument("--out", default=None, help="append the table (markdown) to this file")
-    parser.add_argument("--worker", choices=("none", "nvme", "nvme_whole"), default=None)
+    parser.add_argument("--release-grads", action="store_true",
+                        help="give gradient shards' memory back as on CUDA; adds the nvme_kept_grads run")
+    parser.add_argument("--worker", choices=("none", "nvme", "nvme_whole", "nvme_kept_grads"), default=None)
     parser.add_argument("--nvme-path", default=None)
     args = parser.parse_args(argv)
     if args.worker:

@@ -291,7 +291,8 @@ def test_estimate_by_place():
     shard = 2500
     # fp32 master + Adam's two moments, and the bf16 gradient shard written out during backward (nvme_grads.py)
     assert place.nvme == shard * (4 + 8) + shard * 2
-    assert place.host == shard * 2 + (3 + 2) * 1000 * 12 + 4 * 1000  # param shard, tiles, one tile's gradients
+    # the param shard, tiles, the tile's gradients and the next one's read ahead
+    assert place.host == shard * 2 + (3 + 2) * 1000 * 12 + 2 * 4 * 1000
     assert place.accelerator == (estimate.total - estimate.fp32_master - estimate.optimizer_state - shard * 2
                                  - estimate.grads)  # the parameter shard and the gradient shard left
     # parameter shards in the file beyond max_in_cpu elements, read through buffer_count buffers

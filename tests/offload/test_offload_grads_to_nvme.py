@@ -98,7 +98,8 @@ def train(rank: int, config: dict, moved: bool, nvme_path: str, micro: int = 1, 
     result = {"losses": losses, "norms": norms, "held": held, "grads": grads, "params": full_params(engine.module),
               "masters": engine.full_state_dict(rank0_only=False), "moved": engine._offload.grads.moved_to_host,
               "written": written.buckets_written, "staging": written.peak_staging_bytes,
-              "bound": written.staging_bytes, "slices": engine._offload.slices_stepped}
+              "bound": written.staging_bytes, "slices": engine._offload.slices_stepped,
+              "ahead": engine._offload.grads.read_ahead_pieces}
     engine.close()
     grad_memory.RELEASE_ON_CPU = False
     return result
@@ -130,6 +131,11 @@ def test_gradients_written_to_nvme_train_bit_for_bit_as_kept_ones():
                 assert moved["written"] == moved["moved"], (where, moved["written"], moved["moved"])
             assert all(held == 0 for held in moved["held"]), (where, moved["held"])  # no shard kept its memory
             assert 0 < moved["staging"] <= moved["bound"], (where, moved["staging"], moved["bound"])
+            # read beside the tile's masters, ahead of its step (not when every transfer is waited at once; the
+            # 1-norm clip brought every shard back from the file before the step)
+            if "overlapped" not in label:  # (its thread reads whole parts' gradients; its first step is inline)
+                expect_ahead = not any(word in label for word in ("overlap_events", "1-norm"))
+                assert (moved["ahead"] > 0) == expect_ahead, (where, moved["ahead"])
             if "tile smaller" in label:
                 assert moved["slices"] > 0 and kept["slices"] > 0, (where, moved["slices"])
             start = build_model(MODEL).state_dict()

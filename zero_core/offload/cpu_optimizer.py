@@ -303,7 +303,11 @@ class OptimizerOffload:
         def items(index: int) -> list:  # what the tile loop swaps in and out for tile ``index``
             return [] if cut[index] else list(self.swapped.items(m for m, *_ in tiles[index]))
 
+        def grads_ahead(index: int):  # tile ``index``'s gradients in the file, read beside its masters
+            return None if cut[index] else self.grads.read_ahead(tiles[index])
+
         reading = swap.swap_in(items(0)) if swap and tiles else None
+        ahead = grads_ahead(0) if swap and tiles else None
         writing: Optional[Transfer] = None
         pipe = _Pipeline(self._writer() if self._copy_thread(parts) else None) if swap is None else None
         threaded = pipe is not None and pipe.pool is not None
@@ -320,11 +324,14 @@ class OptimizerOffload:
                         self._step_sliced(optimizer, tile[0], inv_scale, clip)
                         if index + 1 < len(tiles):
                             reading = swap.read_next(items(index + 1))
+                            ahead = grads_ahead(index + 1)
                         continue
+                    current, ahead = ahead, None
                     if index + 1 < len(tiles):  # read the next tile while this one steps
                         reading = swap.read_next(items(index + 1))
-                if not threaded:
-                    grads = self.grads.fetch(tile, None)[0]  # just before the step (NVMe: only this tile's)
+                        ahead = grads_ahead(index + 1)
+                if not threaded:  # just before the step (NVMe: only this tile's, read ahead from the file)
+                    grads = self.grads.fetch(tile, None, current if swap is not None else None)[0]
                 else:
                     grads = upcoming
                     if index + 1 < len(tiles):  # the next tile's gradients come in while this one steps

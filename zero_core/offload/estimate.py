@@ -45,7 +45,7 @@ def placement_bytes(estimate, config) -> Placement:
             tile = min(cfg.sub_group_size, NVME_TILE_NUMEL, shard)
             per_element = moved / shard if shard else 0
             host += int((TILES_IN_FLIGHT + cfg.offload_optimizer.buffer_count) * tile * per_element)
-            host += HOST_GRAD_BYTES * tile
+            host += 2 * HOST_GRAD_BYTES * tile  # the tile's gradients, and the next tile's read ahead from the file
     param_device = cfg.offload_param.device if cfg.offload_param else "none"
     if estimate.stage == 3 and param_device != "none":
         param_shard = _param_shard_bytes(estimate)

@@ -19,6 +19,7 @@ from typing import Optional, Protocol
 import torch
 
 from zero_core.optim.master_shards import tile_runs
+from zero_core.offload.aio import Transfer
 from zero_core.offload.nvme_grads import NvmeGrads
 from zero_core.offload.placement import _copy_stream, copy_all, copy_between, host_empty
 
@@ -46,6 +47,7 @@ class HostGrads:
         self.spare: dict[tuple, torch.Tensor] = {}
         self.copied_during_backward = 0  # buckets copied to the host as they were reduced (a counter)
         self.moved_to_host = 0  # reduced gradient shards whose accelerator memory went after their copy (a counter)
+        self.read_ahead_pieces = 0  # nvme: pieces whose gradient was read from the file ahead of its tile (a counter)
         # The norms a moved shard keeps (_move_to_host): clipping's 2-norm, and fp16's overflow check's max
         self.norm_types = (2.0, math.inf) if fp16 else (2.0,)
 
@@ -233,16 +235,45 @@ class HostGrads:
             out.append(self.bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
         return out
 
-    def for_tile(self, tile: list[tuple], copies: list) -> list[torch.Tensor]:
+    def read_ahead(self, tile: list[tuple]) -> Optional[tuple[dict, Transfer]]:
+        """nvme: start reading the tile's gradients that backward wrote to the swap file (position in the tile ->
+        buffer in the gradient's dtype, and the transfer to wait for), so that the reads overlap the step before
+        (cpu_optimizer._step); None where there are none, or transfers are waited at once."""
+        if self.nvme is None or not self.nvme.swapper.pool.overlap:
+            return None
+        transfer, reads = Transfer(), {}
+        for position, (_, _, part, index) in enumerate(tile):
+            if self.in_file(part, index):
+                fragment = part.master_shards.pieces[index]
+                reads[position] = self.nvme.start_read(part, fragment.bucket, fragment.shard_range.start,
+                                                       fragment.shard_range.end, transfer)
+                self.read_ahead_pieces += 1
+        return (reads, transfer) if reads else None
+
+    def for_tile(self, tile: list[tuple], copies: list,
+                 ahead: Optional[tuple[dict, Transfer]] = None) -> list[torch.Tensor]:
         """Each tile entry's host gradient. What was not copied during backward is added to ``copies`` (host,
         device) for the caller to copy before the tile steps: the tile's own elements, one copy per run of
-        contiguous pieces, so that they are still in cache when the tile steps."""
+        contiguous pieces, so that they are still in cache when the tile steps. ``ahead``: the tile's reads from
+        the swap file started by :meth:`read_ahead`."""
         if self.swapped:  # only the tile's gradients are in memory
+            reads = {}
+            if ahead is not None:
+                reads, transfer = ahead
+                transfer.wait()
             out = []
-            for _, grad, part, index in tile:
-                if self.in_file(part, index):  # written out during backward: read back now
-                    host = torch.empty(grad.numel(), dtype=self.dtype(grad))
-                    self.read_piece(part, index, 0, grad.numel(), host)
+            for position, (_, grad, part, index) in enumerate(tile):
+                if self.in_file(part, index):  # written out during backward: read back (ahead, or now)
+                    dtype = self.dtype(grad)
+                    read = reads.get(position)
+                    if read is not None and read.dtype == dtype:
+                        out.append(read)
+                        continue
+                    host = torch.empty(grad.numel(), dtype=dtype)
+                    if read is not None:
+                        host.copy_(read)
+                    else:
+                        self.read_piece(part, index, 0, grad.numel(), host)
                     out.append(host)
                     continue
                 if self.in_place(grad):
@@ -258,10 +289,11 @@ class HostGrads:
                 copies.append((self.buffers[(id(part), bucket)][start:end], part.grad_shards()[bucket][start:end]))
         return out
 
-    def fetch(self, tile: list[tuple], queue: Optional[CopyQueue]) -> tuple[list[torch.Tensor], Optional[Future]]:
+    def fetch(self, tile: list[tuple], queue: Optional[CopyQueue],
+              ahead: Optional[tuple[dict, Transfer]] = None) -> tuple[list[torch.Tensor], Optional[Future]]:
         """The tile's host gradients, copied now (``queue`` None) or queued on the copy thread (its future)."""
         copies: list = []
-        grads = self.for_tile(tile, copies)
+        grads = self.for_tile(tile, copies, ahead)
         if queue is None:
             copy_all(copies, arrive=True)
             return grads, None

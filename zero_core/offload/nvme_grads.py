@@ -77,22 +77,29 @@ class NvmeGrads:
         self.swapper.bytes_written += nbytes
         self.buckets_written += 1
 
-    def read(self, part, bucket: int, start: int, end: int, out: torch.Tensor) -> None:
-        """Elements ``[start, end)`` of ``bucket``'s gradient into ``out`` (host memory, any float dtype: cast
-        on the CPU if it is not the gradient's)."""
+    def start_read(self, part, bucket: int, start: int, end: int, transfer: Transfer) -> torch.Tensor:
+        """Elements ``[start, end)`` of ``bucket``'s gradient read into a new host buffer of its dtype, as part of
+        ``transfer`` (the caller waits for it): a read ahead of the step that needs it."""
         key = (id(part), bucket)
         _, numel, dtype = self._in_file[key]
-        if not 0 <= start <= end <= numel or out.numel() != end - start:
-            raise ValueError(f"gradient read [{start}, {end}) of a {numel}-element bucket into {out.numel()}")
-        self._wait(lambda k: k == key)
-        target = out if out.dtype == dtype and out.is_contiguous() else torch.empty(end - start, dtype=dtype)
-        transfer = Transfer()
+        if not 0 <= start <= end <= numel:
+            raise ValueError(f"gradient read [{start}, {end}) of a {numel}-element bucket")
+        self._wait(lambda k: k == key)  # its write has landed
+        target = torch.empty(end - start, dtype=dtype)
         base = self.swapper.region(part, f"{_KEY}{bucket}", numel * dtype.itemsize)
         self.swapper.pool.read(transfer, self.swapper.fd, target, base + start * dtype.itemsize)
-        transfer.wait()
         self.swapper.bytes_read += (end - start) * dtype.itemsize
-        if target is not out:
-            out.copy_(target)
+        return target
+
+    def read(self, part, bucket: int, start: int, end: int, out: torch.Tensor) -> None:
+        """Elements ``[start, end)`` of ``bucket``'s gradient into ``out`` (host memory, any float dtype: cast
+        on the CPU if it is not the gradient's), now."""
+        if out.numel() != end - start:
+            raise ValueError(f"gradient read [{start}, {end}) into {out.numel()} elements")
+        transfer = Transfer()
+        target = self.start_read(part, bucket, start, end, transfer)
+        transfer.wait()
+        out.copy_(target)
 
     def copy_in(self, part, buckets: list[int], views: list[torch.Tensor]) -> None:
         """``buckets``' gradients back into ``views`` (their shards, allocated again, on the accelerator or the CPU):
