@@ -141,3 +141,44 @@ def test_gradients_written_to_nvme_train_bit_for_bit_as_kept_ones():
             start = build_model(MODEL).state_dict()
             assert any(not torch.equal(v.float(), start[n].float()) for n, v in kept["params"].items()
                        if n in start), f"{where}: the reference run did not train"
+
+
+def full_disk_worker(rank, world_size):
+    """One rank: a step, then the disk fills while backward writes the gradients."""
+    import errno
+    import os
+
+    grad_memory.RELEASE_ON_CPU = True
+    with tempfile.TemporaryDirectory() as nvme_path:
+        model = build_model(MODEL)
+        engine = zero_core.setup(model, make_optimizer(model), {
+            **SMALL, **BF16, "offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}})
+        batch = make_batch(MODEL, rank, 0, 0, dtype=torch.bfloat16)
+        engine.backward(engine.module(*batch))
+        engine.step()
+        write = os.pwritev
+
+        def full(fd, views, offset):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        os.pwritev = full
+        try:
+            engine.backward(engine.module(*batch))
+            engine.step()
+            error = None
+        except OSError as raised:
+            error = str(raised)
+        finally:
+            os.pwritev = write
+        engine.close()  # does not raise again, nor hang
+        left = os.listdir(nvme_path)
+    grad_memory.RELEASE_ON_CPU = False
+    return {"error": error, "left": left}
+
+
+@pytest.mark.timeout(120)
+def test_a_disk_that_fills_while_gradients_are_written_is_an_error_naming_the_path():
+    (result,) = run_distributed(full_disk_worker, 1, timeout=100)
+    assert result["error"] is not None and "filled its disk" in result["error"], result
+    assert "offload_optimizer.nvme_path" in result["error"], result
+    assert result["left"] == [], result  # the swap file is gone after close()

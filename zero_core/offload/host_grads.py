@@ -76,9 +76,10 @@ class HostGrads:
             self.nvme.forget(parts)
 
     def finish(self) -> None:
-        """Writes of gradients to the swap file still under way land, and their thread stops (teardown)."""
+        """Writes of gradients to the swap file still under way land, and their thread stops (teardown: a write
+        that failed was raised at its reader already, or will not be read)."""
         if self.nvme is not None:
-            self.nvme.finish()
+            self.nvme.finish(raise_errors=False)
 
     def in_file(self, part, index: int) -> bool:
         """Whether piece ``index`` of ``part`` has its gradient in the swap file (nvme_grads.py)."""

@@ -124,10 +124,16 @@ class NvmeGrads:
         gone = {id(part) for part in parts}
         self._in_file = {key: value for key, value in self._in_file.items() if key[0] not in gone}
 
-    def finish(self) -> None:
-        """Every write landed (errors raised here); the thread stops."""
+    def finish(self, raise_errors: bool = True) -> None:
+        """Every write landed (a failed one raises here, unless not ``raise_errors``: at teardown the gradients
+        will not be read); the thread stops."""
         try:
-            self._wait(lambda k: True)
+            while self._writes:
+                try:
+                    self._wait_oldest()
+                except OSError:
+                    if raise_errors:
+                        raise
         finally:
             if self._thread is not None:
                 self._thread.shutdown()
