@@ -21,9 +21,9 @@ import torch
 
 import zero_core
 from distributed import run_distributed
-from models import build_model, make_batch
+from grads_moved import assert_trained_alike, train_steps
+from models import build_model
 from reference import make_optimizer, make_scheduler
-from stage3_support import full_params
 
 from zero_core import grad_memory
 
@@ -66,22 +66,9 @@ def train(rank: int, config: dict, moved: bool, micro: int = 1, overlap: bool = 
     engine = zero_core.setup(model, optimizer, {"offload_optimizer": {"device": "cpu"}, **SMALL, **config})
     engine._offload.overlap = True if overlap else None
     dtype = torch.float16 if "fp16" in config else torch.bfloat16
-    first = next(p for p in engine.module.parameters() if p.dim() == 2)
-    losses, norms, held, grads = [], [], [], []
-    for step in range(STEPS):
-        for m in range(micro):
-            loss = engine.module(*make_batch(MODEL, rank, step, m, dtype=dtype))
-            engine.backward(loss)
-            losses.append(loss.float().item())
-        held.append(engine.memory_stats()["grads"])
-        if clip_norm_type:
-            norms.append(float(engine.clip_grad_norm_(0.05, norm_type=clip_norm_type)))
-        if step == STEPS - 1 and "overlap_with_backward" not in str(config):
-            grads.append(zero_core.safe_get_full_grad(first))  # (between backward and step: the thread refuses)
-        engine.step()
-        scheduler.step()
-    result = {"losses": losses, "norms": norms, "held": held, "grads": grads, "params": full_params(engine.module),
-              "masters": engine.full_state_dict(rank0_only=False), "moved": engine._offload.grads.moved_to_host}
+    # (a read between backward and step: the thread started during backward refuses it)
+    result = train_steps(engine, MODEL, rank, STEPS, micro, dtype, scheduler, clip_norm_type,
+                         read_grad="overlap_with_backward" not in str(config))
     engine.close()
     grad_memory.RELEASE_ON_CPU = False
     return result
@@ -97,19 +84,7 @@ def test_gradients_moved_to_the_host_train_bit_for_bit_as_kept_ones():
     for rank, results in enumerate(run_distributed(equivalence_worker, 2, timeout=360)):
         for label, (kept, moved) in results.items():
             where = f"rank {rank}, {label}"
-            assert kept["losses"] == moved["losses"], (where, kept["losses"], moved["losses"])
-            assert kept["norms"] == moved["norms"], (where, kept["norms"], moved["norms"])
-            for key in ("params", "masters"):
-                for name, value in kept[key].items():
-                    assert torch.equal(value, moved[key][name]), f"{where}: {key} {name} differs"
-            for a, b in zip(kept["grads"], moved["grads"]):
-                assert torch.equal(a, b), f"{where}: the gradient read between backward and step differs"
-            assert kept["moved"] == 0 and all(held > 0 for held in kept["held"]), (where, kept["held"])
-            assert moved["moved"] > 0, where
-            assert all(held == 0 for held in moved["held"]), (where, moved["held"])  # no shard kept its memory
-            start = build_model(MODEL).state_dict()
-            assert any(not torch.equal(v.float(), start[n].float()) for n, v in kept["params"].items()
-                       if n in start), f"{where}: the reference run did not train"
+            assert_trained_alike(kept, moved, where, MODEL)
 
 
 def setup_worker(rank, world_size):
