@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from concurrent.futures import Future
-from typing import Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
 import torch
 
@@ -28,6 +28,14 @@ class CopyQueue(Protocol):
     """Where a tile's gradient copies run: on the step's copy thread (cpu_optimizer._Pipeline)."""
 
     def submit(self, copies: list[tuple], arrive: bool = False) -> Optional[Future]: ...
+
+
+class ReadAhead(NamedTuple):
+    """A tile's gradients being read from the swap file (nvme): by position in the tile, a buffer in the
+    gradient's dtype, filled once ``transfer`` is waited."""
+
+    reads: dict[int, torch.Tensor]
+    transfer: Transfer
 
 
 class HostGrads:
@@ -69,8 +77,8 @@ class HostGrads:
         self.fresh.clear()
 
     def forget(self, parts: Optional[list] = None) -> None:
-        """The gradient shards were zeroed or a step consumed them: no host copy is current (of ``parts``'s in the
-        swap file; None: all)."""
+        """The gradient shards were zeroed: no host copy is current, nor is what the swap file holds of ``parts``'s
+        (None: all; another optimizer's parts keep theirs)."""
         self.fresh.clear()
         if self.nvme is not None:
             self.nvme.forget(parts)
@@ -236,7 +244,7 @@ class HostGrads:
             out.append(self.bucket(part, fragment.bucket, whole)[fragment.shard_range.as_slice()])
         return out
 
-    def read_ahead(self, tile: list[tuple]) -> Optional[tuple[dict, Transfer]]:
+    def read_ahead(self, tile: list[tuple]) -> Optional[ReadAhead]:
         """nvme: start reading the tile's gradients that backward wrote to the swap file (position in the tile ->
         buffer in the gradient's dtype, and the transfer to wait for), so that the reads overlap the step before
         (cpu_optimizer._step); None where there are none, or transfers are waited at once."""
@@ -249,10 +257,10 @@ class HostGrads:
                 reads[position] = self.nvme.start_read(part, fragment.bucket, fragment.shard_range.start,
                                                        fragment.shard_range.end, transfer)
                 self.read_ahead_pieces += 1
-        return (reads, transfer) if reads else None
+        return ReadAhead(reads, transfer) if reads else None
 
     def for_tile(self, tile: list[tuple], copies: list,
-                 ahead: Optional[tuple[dict, Transfer]] = None) -> list[torch.Tensor]:
+                 ahead: Optional[ReadAhead] = None) -> list[torch.Tensor]:
         """Each tile entry's host gradient. What was not copied during backward is added to ``copies`` (host,
         device) for the caller to copy before the tile steps: the tile's own elements, one copy per run of
         contiguous pieces, so that they are still in cache when the tile steps. ``ahead``: the tile's reads from
@@ -260,8 +268,8 @@ class HostGrads:
         if self.swapped:  # only the tile's gradients are in memory
             reads = {}
             if ahead is not None:
-                reads, transfer = ahead
-                transfer.wait()
+                ahead.transfer.wait()
+                reads = ahead.reads
             out = []
             for position, (_, grad, part, index) in enumerate(tile):
                 if self.in_file(part, index):  # written out during backward: read back (ahead, or now)
@@ -291,7 +299,7 @@ class HostGrads:
         return out
 
     def fetch(self, tile: list[tuple], queue: Optional[CopyQueue],
-              ahead: Optional[tuple[dict, Transfer]] = None) -> tuple[list[torch.Tensor], Optional[Future]]:
+              ahead: Optional[ReadAhead] = None) -> tuple[list[torch.Tensor], Optional[Future]]:
         """The tile's host gradients, copied now (``queue`` None) or queued on the copy thread (its future)."""
         copies: list = []
         grads = self.for_tile(tile, copies, ahead)
