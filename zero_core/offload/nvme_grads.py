@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -116,8 +116,8 @@ class NvmeGrads:
         self._in_file.pop((id(part), bucket), None)
 
     def forget(self, parts: Optional[list] = None) -> None:
-        """``parts``' gradients (None: all) were stepped or zeroed: what the file holds of them is not current
-        (another optimizer's parts keep theirs). Writes still under way finish."""
+        """``parts``' gradients (None: all) were zeroed: what the file holds of them is not current (another
+        optimizer's parts keep theirs). Writes still under way finish."""
         if parts is None:
             self._in_file.clear()
             return
@@ -156,7 +156,7 @@ class NvmeGrads:
         if held + nbytes <= self.staging_bytes:  # kept for the next bucket of its size: pinning is not free
             self._free.setdefault((staging.numel(), staging.dtype), []).append(staging)
 
-    def _wait(self, which) -> None:
+    def _wait(self, which: Callable[[tuple], bool]) -> None:
         """Wait for every write in flight up to the last one ``which`` selects (writes land in order)."""
         last = max((i for i, (key, _, _) in enumerate(self._writes) if which(key)), default=-1)
         for _ in range(last + 1):
