@@ -364,18 +364,21 @@ class OptimizerOffload:
     def _step_sliced(self, optimizer: torch.optim.Optimizer, entry: tuple, inv_scale: float,
                      clip: Optional[torch.Tensor]) -> None:
         """NVMe: one piece bigger than the tile, read, stepped, written back and written out slice by slice, its
-        gradient copied to the host a slice at a time (nvme_slices.py)."""
+        gradient copied to the host (or read from the swap file) a slice at a time (nvme_slices.py)."""
         piece, grad, part, index = entry
         in_file = self.grads.in_file(part, index)  # written out during backward (nvme_grads.py)
         in_place = self.grads.in_place(grad) and not in_file
         buffer = None if in_place else torch.empty(min(self.sub_group_size, grad.numel()), dtype=torch.float32)
+        # the gradient's slices from the file, each read while the slice before steps
+        from_file = self.grads.piece_slices(part, index, nvme_slices.slices(grad.numel(), self.sub_group_size)
+                                            ) if in_file else None
 
         def grad_slice(start: int, end: int) -> torch.Tensor:
             if in_place:
                 return grad[start:end]  # fp32 in host memory: unscaled in place, as a tile's
             host = buffer[: end - start]
-            if in_file:
-                self.grads.read_piece(part, index, start, end, host)
+            if from_file is not None:
+                from_file.into(start, end, host)
             else:
                 copy_all([(host, grad[start:end])], arrive=True)
             return host

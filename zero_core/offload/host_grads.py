@@ -99,6 +99,11 @@ class HostGrads:
         self.nvme.read(part, fragment.bucket, fragment.shard_range.start + start, fragment.shard_range.start + end,
                        out)
 
+    def piece_slices(self, part, index: int, cuts: list[tuple[int, int]]) -> "PieceSlices":
+        """nvme: piece ``index``'s gradient from the swap file in the slices ``cuts`` of a sliced step, the next
+        slice read while the caller steps one (nvme_slices.py)."""
+        return PieceSlices(self, part, index, cuts)
+
     def bucket(self, part, bucket: int, like: torch.Tensor) -> torch.Tensor:
         """The host gradient buffer of one bucket shard ``like`` (device 'cpu': kept; 'nvme': only for this tile),
         in the dtype the kernel takes (:meth:`dtype`)."""
@@ -307,3 +312,36 @@ class HostGrads:
             copy_all(copies, arrive=True)
             return grads, None
         return grads, queue.submit(copies, arrive=True)
+
+
+class PieceSlices:
+    """A piece's gradient read from the swap file slice by slice (``cuts``, in order): asking for one starts
+    the read of the next (unless every transfer is waited at once), so it arrives while the caller steps."""
+
+    def __init__(self, grads: HostGrads, part, index: int, cuts: list[tuple[int, int]]) -> None:
+        self.grads, self.part, self.cuts = grads, part, cuts
+        fragment = part.master_shards.pieces[index]
+        self.bucket, self.offset = fragment.bucket, fragment.shard_range.start
+        self.ahead = grads.nvme.swapper.pool.overlap
+        self.pending: dict[int, tuple[torch.Tensor, Transfer]] = {}  # slice start -> (its buffer, its read)
+        if self.ahead and cuts:
+            self._start(0)
+
+    def _start(self, position: int) -> None:
+        start, end = self.cuts[position]
+        transfer = Transfer()
+        raw = self.grads.nvme.start_read(self.part, self.bucket, self.offset + start, self.offset + end, transfer)
+        self.pending[start] = (raw, transfer)
+        self.grads.read_ahead_pieces += 1
+
+    def into(self, start: int, end: int, out: torch.Tensor) -> None:
+        """Elements ``[start, end)`` of the piece's gradient into ``out`` (cast), and the next slice's read started."""
+        read = self.pending.pop(start, None)
+        if read is None:
+            self.grads.nvme.read(self.part, self.bucket, self.offset + start, self.offset + end, out)
+        else:
+            read[1].wait()
+            out.copy_(read[0])
+        position = next((i for i, cut in enumerate(self.cuts) if cut[0] == start), None)
+        if self.ahead and position is not None and position + 1 < len(self.cuts):
+            self._start(position + 1)
