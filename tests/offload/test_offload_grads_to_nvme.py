@@ -48,6 +48,8 @@ RUNS = {
     "bf16, a tile smaller than a piece": ({**BF16, **CLIP}, {"tile": 64}),
     "bf16, two optimizers": (BF16, {"two": True}),
     "bf16, aio.overlap_events false, clipping": ({**BF16, **CLIP, "aio": {"overlap_events": False}}, {}),
+    "bf16, buckets bigger than the staging bound": ({**BF16, **CLIP, "offload_optimizer": {"buffer_count": 1}},
+                                                   {"tile": 16}),
     "stage 2, bf16, clipping": ({**STAGE2, **BF16, **CLIP}, {}),
     "stage 2, fp16, loss scale, clipping": ({**STAGE2, **FP16, **CLIP}, {}),
     "stage 2, fp32": (STAGE2, {}),
@@ -72,7 +74,8 @@ def train(rank: int, config: dict, moved: bool, nvme_path: str, micro: int = 1, 
         optimizer = [torch.optim.AdamW(params[: len(params) // 2], lr=1e-3),
                      torch.optim.SGD(params[len(params) // 2:], lr=1e-2, momentum=0.9)]
         scheduler = make_scheduler(optimizer[0])
-    block = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path}}
+    block = {"offload_optimizer": {"device": "nvme", "nvme_path": nvme_path, **config.get("offload_optimizer", {})}}
+    config = {k: v for k, v in config.items() if k != "offload_optimizer"}
     if "offload_param" in config:
         config = {**config, "offload_param": {**config["offload_param"], "nvme_path": nvme_path}}
     engine = zero_core.setup(model, optimizer, {**block, **SMALL, **config})
@@ -82,7 +85,8 @@ def train(rank: int, config: dict, moved: bool, nvme_path: str, micro: int = 1, 
                                                                  torch.float32)
     result = train_steps(engine, MODEL, rank, STEPS, micro, dtype, scheduler, clip_norm_type)
     written = engine._offload.grads.nvme
-    result.update({"written": written.buckets_written, "staging": written.peak_staging_bytes,
+    result.update({"written": written.buckets_written, "staged": written.pieces_staged,
+                   "staging": written.peak_staging_bytes,
                    "bound": written.staging_bytes, "slices": engine._offload.slices_stepped,
                    "ahead": engine._offload.grads.read_ahead_pieces})
     engine.close()
@@ -112,6 +116,8 @@ def test_gradients_written_to_nvme_train_bit_for_bit_as_kept_ones():
             if "overlapped" not in label:  # (its thread reads whole parts' gradients; its first step is inline)
                 expect_ahead = not any(word in label for word in ("overlap_events", "1-norm"))
                 assert (moved["ahead"] > 0) == expect_ahead, (where, moved["ahead"])
+            if "staging bound" in label:  # (12 bytes x 1 buffer x a 16-element tile: 96 bf16 elements a piece)
+                assert moved["staged"] > moved["written"], (where, moved["staged"], moved["written"])
             if "tile smaller" in label:
                 assert moved["slices"] > 0 and kept["slices"] > 0, (where, moved["slices"])
 

@@ -368,10 +368,11 @@ class OptimizerOffload:
         piece, grad, part, index = entry
         in_file = self.grads.in_file(part, index)  # written out during backward (nvme_grads.py)
         in_place = self.grads.in_place(grad) and not in_file
-        buffer = None if in_place else torch.empty(min(self.sub_group_size, grad.numel()), dtype=torch.float32)
+        cuts = nvme_slices.slices(grad.numel(), self.sub_group_size)  # (64-element multiples: maybe over the tile)
+        longest = max(end - start for start, end in cuts)
+        buffer = None if in_place else torch.empty(longest, dtype=torch.float32)
         # the gradient's slices from the file, each read while the slice before steps
-        from_file = self.grads.piece_slices(part, index, nvme_slices.slices(grad.numel(), self.sub_group_size)
-                                            ) if in_file else None
+        from_file = self.grads.piece_slices(part, index, cuts) if in_file else None
 
         def grad_slice(start: int, end: int) -> torch.Tensor:
             if in_place:

@@ -5,8 +5,9 @@ each reduced gradient partition out to NVMe (``swap_out_gradients``) and the ste
 and moments. Here each bucket shard the reducer finishes is copied into a host staging buffer (in the gradient's
 own dtype; on CUDA from its copy stream, into pinned memory where ``pin_memory`` asks), written to its region of
 the rank's swap file on a thread, and its accelerator memory is given back (grad_memory.py). The step then reads
-each tile's pieces from the file (host_grads.py). Staging buffers in flight are bounded: when they would pass the
-bound, backward waits for the oldest write, so host memory holds a few buckets, not the gradients.
+each tile's pieces from the file (host_grads.py). Staging buffers in flight are bounded (a bigger bucket goes in
+pieces of the bound): when they would pass it, backward waits for the oldest write, so host memory holds a
+constant, not the gradients.
 
 Only where gradient memory is given back (CUDA; tests force it on the CPU): on a CPU-only run the shards are host
 memory already and stay where they are.
@@ -33,12 +34,13 @@ class NvmeGrads:
     def __init__(self, swapper: NvmeSwapper, pin: bool, staging_bytes: int) -> None:
         self.swapper = swapper
         self.pin = pin
-        self.staging_bytes = staging_bytes  # staging in flight, at most (or one bucket, if bigger)
+        self.staging_bytes = staging_bytes  # staging in flight, at most (a bigger bucket is written in pieces)
         self._in_file: dict[tuple, tuple[object, int, torch.dtype]] = {}  # (id(part), bucket) -> (part, numel, dtype)
         self._writes: deque[tuple[tuple, Future, int]] = deque()  # (key, its write, staging bytes), oldest first
         self._free: dict[tuple, list[torch.Tensor]] = {}  # (numel, dtype) -> staging buffers for reuse
         self._thread: Optional[ThreadPoolExecutor] = None
         self.buckets_written = 0  # a counter (tests)
+        self.pieces_staged = 0  # staging buffers written, a bucket bigger than the bound in several (a counter)
         self.peak_staging_bytes = 0
 
     def holds(self, part, bucket: int) -> bool:
@@ -46,20 +48,35 @@ class NvmeGrads:
         return (id(part), bucket) in self._in_file
 
     def put(self, part, bucket: int, grad: torch.Tensor) -> None:
-        """Start writing ``grad`` (``bucket``'s reduced shard) to the file: copied into a staging buffer now (on
-        CUDA, queued on the copy stream), written on the thread. The caller then gives the shard's memory back."""
+        """Start writing ``grad`` (``bucket``'s reduced shard) to the file: copied into staging buffers now (on
+        CUDA, queued on the copy stream), in pieces of at most the staging bound, each written on the thread. The
+        caller then gives the shard's memory back."""
         key = (id(part), bucket)
         self._wait(lambda k: k == key)  # an earlier reduction's write of the same region (accumulation)
         nbytes = grad.numel() * grad.element_size()
+        base = self.swapper.region(part, f"{_KEY}{bucket}", nbytes)
+        flat = grad.view(-1)
+        step = max(1, self.staging_bytes // grad.element_size())  # elements per staging buffer
+        for start in range(0, flat.numel(), step):
+            self._stage(key, flat[start : start + step], base + start * grad.element_size())
+        if not self.swapper.pool.overlap:  # aio.overlap_events false: every transfer is waited at once
+            self._wait(lambda k: k == key)
+        self._in_file[key] = (part, grad.numel(), grad.dtype)
+        self.swapper.bytes_written += nbytes
+        self.buckets_written += 1
+
+    def _stage(self, key: tuple, piece: torch.Tensor, offset: int) -> None:
+        """``piece`` of a gradient copied into a staging buffer and written at ``offset`` on the thread, once the
+        staging in flight leaves room for it."""
+        nbytes = piece.numel() * piece.element_size()
         while self._writes and self._staging() + nbytes > self.staging_bytes:
             self._wait_oldest()
-        staging = self._staging_buffer(grad.numel(), grad.dtype)
-        copy_between(staging, grad)
+        staging = self._staging_buffer(piece.numel(), piece.dtype)
+        copy_between(staging, piece)
         event = None
-        if grad.is_cuda:
+        if piece.is_cuda:
             event = torch.cuda.Event()
-            event.record(_copy_stream(grad.device, to_device=False))
-        offset = self.swapper.region(part, f"{_KEY}{bucket}", nbytes)
+            event.record(_copy_stream(piece.device, to_device=False))
 
         def write() -> torch.Tensor:
             if event is not None:
@@ -70,12 +87,8 @@ class NvmeGrads:
             return staging
 
         self._writes.append((key, self._writer().submit(write), nbytes))
+        self.pieces_staged += 1
         self.peak_staging_bytes = max(self.peak_staging_bytes, self._staging())
-        if not self.swapper.pool.overlap:  # aio.overlap_events false: every transfer is waited at once
-            self._wait(lambda k: k == key)
-        self._in_file[key] = (part, grad.numel(), grad.dtype)
-        self.swapper.bytes_written += nbytes
-        self.buckets_written += 1
 
     def start_read(self, part, bucket: int, start: int, end: int, transfer: Transfer) -> torch.Tensor:
         """Elements ``[start, end)`` of ``bucket``'s gradient read into a new host buffer of its dtype, as part of
