@@ -129,7 +129,7 @@ class OptimizerOffload:
         # staging in flight bounded by the swap's pool of tile buffers)
         written = None if self.swapper is None else NvmeGrads(self.swapper, pinning(block.pin_memory),
                                                                  self.swapper.pool_bytes)
-        self.grads = HostGrads(self.pin, nvme, self.compiled, config.fp16.enabled, written)  # host_grads.py
+        self.grads = HostGrads(self.pin, self.compiled, config.fp16.enabled, written)  # host_grads.py
         after = block.delayed_update_after
         self.delayed: Optional[DelayedUpdate] = None if after is None else DelayedUpdate(self, after)
         # The step overlapped with the next forward (overlapped_step.py): None, where the shards are on an

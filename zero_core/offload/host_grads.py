@@ -41,10 +41,11 @@ class ReadAhead(NamedTuple):
 class HostGrads:
     """Host buffers of the reduced gradient shards, which of them hold the latest reduction, and their copies."""
 
-    def __init__(self, pin: bool, swapped: bool, compiled: bool, fp16: bool, nvme: Optional[NvmeGrads] = None) -> None:
+    def __init__(self, pin: bool, compiled: bool, fp16: bool, nvme: Optional[NvmeGrads] = None) -> None:
         self.pin = pin  # page-locked buffers (device 'cpu' with CUDA)
-        self.swapped = swapped  # device 'nvme': only the stepping tile's gradients are in host memory
-        self.nvme = nvme  # device 'nvme': gradients written to the swap file during backward
+        # device 'nvme': only the stepping tile's gradients are in host memory, and backward writes them to the
+        # swap file where gradient memory is given back
+        self.nvme = nvme
         self.compiled = compiled  # host_kernel 'compiled': buffers keep the gradients' dtype (compiled_adam.py)
         self.buffers: dict[tuple, torch.Tensor] = {}  # (id(part), bucket) -> host gradient buffer (device 'cpu')
         # Buckets whose host buffer holds the latest reduced gradient: with device 'cpu' each bucket is copied to
@@ -58,6 +59,11 @@ class HostGrads:
         self.read_ahead_pieces = 0  # nvme: pieces whose gradient was read from the file ahead of its tile (a counter)
         # The norms a moved shard keeps (_move_to_host): clipping's 2-norm, and fp16's overflow check's max
         self.norm_types = (2.0, math.inf) if fp16 else (2.0,)
+
+    @property
+    def swapped(self) -> bool:
+        """Device 'nvme': only the stepping tile's gradients are in host memory."""
+        return self.nvme is not None
 
     def dtype(self, grad: torch.Tensor) -> torch.dtype:
         """The dtype the host step reads ``grad`` in: fp32 for torch's fused kernel, its own for the compiled one."""
@@ -197,7 +203,7 @@ class HostGrads:
         """nvme: the reduced shards written to the swap file and their accelerator memory given back, where
         gradient memory is given back (else the step copies them tile by tile, as they are)."""
         filled = [(index, shard) for index, shard in zip(indices, shards) if shard.numel()]
-        if self.nvme is None or not filled or not part.releases_grad(bucket):
+        if not filled or not part.releases_grad(bucket):
             return  # (stage 2's lent bucket, a CPU-only run): the step copies it from the shard
         for index, shard in filled:
             self.nvme.put(part, index, shard)
@@ -209,11 +215,8 @@ class HostGrads:
             pairs = [(index, view) for index, view in zip(indices, views) if view.numel()]
             nvme.copy_in(part, [index for index, _ in pairs], [view for _, view in pairs])
 
-        if part.grads_to_host(copy_in, self.norm_types, in_use, bucket):
-            self.moved_to_host += 1
-        else:  # kept on the accelerator (a lent bucket, stage 1): read from there, not from the file
-            for index, _ in filled:
-                nvme.discard(part, index)
+        part.grads_to_host(copy_in, self.norm_types, in_use, bucket)  # (releases_grad said it gives it back)
+        self.moved_to_host += 1
 
     def _move_to_host(self, part, shards: list[torch.Tensor], hosts: list[Optional[torch.Tensor]],
                       bucket: Optional[int]) -> None:

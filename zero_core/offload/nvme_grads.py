@@ -35,7 +35,8 @@ class NvmeGrads:
         self.swapper = swapper
         self.pin = pin
         self.staging_bytes = staging_bytes  # staging in flight, at most (a bigger bucket is written in pieces)
-        self._in_file: dict[tuple, tuple[object, int, torch.dtype]] = {}  # (id(part), bucket) -> (part, numel, dtype)
+        # (id(part), bucket) -> (part, numel, dtype); the part is held so that its id is not another's meanwhile
+        self._in_file: dict[tuple, tuple[object, int, torch.dtype]] = {}
         self._writes: deque[tuple[tuple, Future, int]] = deque()  # (key, its write, staging bytes), oldest first
         self._free: dict[tuple, list[torch.Tensor]] = {}  # (numel, dtype) -> staging buffers for reuse
         self._thread: Optional[ThreadPoolExecutor] = None
@@ -123,10 +124,6 @@ class NvmeGrads:
             copy_between(view.view(-1), host)
             wait_for_copies([view])
             self._in_file.pop((id(part), bucket), None)
-
-    def discard(self, part, bucket: int) -> None:
-        """``bucket``'s gradient stays where it is: the file's copy is not read (its write still lands)."""
-        self._in_file.pop((id(part), bucket), None)
 
     def forget(self, parts: Optional[list] = None) -> None:
         """``parts``' gradients (None: all) were zeroed: what the file holds of them is not current (another
