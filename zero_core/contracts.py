@@ -24,6 +24,7 @@ if TYPE_CHECKING:  # annotations only: these modules import this one's users
     from zero_core.layout import FlatLayout
     from zero_core.optim.loss_scaler import LossScaler
     from zero_core.optim.master_shards import MasterShards
+    from zero_core.optim.weights_ema import WeightsEMA
 
 
 class UpdateHandle(Protocol):
@@ -62,6 +63,23 @@ def update_landed(part: "Part") -> bool:
     such a part to its own gather rather than hold up the forward for it)."""
     handle = part.update_in_flight
     return handle is None or handle.ready()
+
+
+@runtime_checkable
+class PieceSlices(Protocol):
+    """An NVMe-swapped master piece bigger than a tile, read and written a slice at a time outside the step
+    (zero_core/offload/piece_in_file.py): what a checkpoint streams instead of reading the piece whole."""
+
+    def read(self, key: Optional[str], start: int, end: int) -> Iterator[torch.Tensor]:
+        """Elements ``[start, end)`` of the master (``key`` None) or of its state ``key``, as flat slices, each
+        valid until the next is asked for."""
+
+    def claim(self, key: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A file region for new optimizer state ``key``; returns its (empty) tensor in memory."""
+
+    def write(self, key: Optional[str], start: int, end: int,
+              fill: Callable[[int, int, torch.Tensor], None]) -> None:
+        """Elements ``[start, end)`` of the master (also into the model) or of state ``key``, made by ``fill``."""
 
 
 @runtime_checkable
@@ -270,6 +288,10 @@ class CheckpointedEngine(Protocol):
 
     def offload_tiles(self, fragments: list["Fragment"], write: bool = False) -> Iterator[list["Fragment"]]:
         """Groups of ``fragments`` whose masters and state are in memory while held (NVMe: a few tiles)."""
+
+    def offload_in_file(self, fragment: "Fragment") -> Optional[PieceSlices]:
+        """While :meth:`offload_tiles` holds ``fragment``: its master left in the NVMe file, to read and write a
+        slice at a time (a piece bigger than a tile); None where it is in memory."""
 
     def offload_resident(self, fragments: Optional[list["Fragment"]] = None, state: bool = True,
                          write: bool = True) -> ContextManager:

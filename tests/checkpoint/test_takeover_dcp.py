@@ -56,7 +56,9 @@ def _difference(params: dict, reference: dict) -> float:
 
 def test_fixtures_hold_the_reference_after_four_steps():
     """The fixtures are what one plain process gets after 4 AdamW steps (the reference is right), in both
-    layouts: weights, the buffer, both moments, the step, and the hyper-parameters."""
+    layouts: weights, the buffer, both moments, the step, and the hyper-parameters. Within TOLERANCE, not
+    exactly: FSDP2 wrote them at 2 ranks, and the reference is recomputed on the CPU running the test (its vector
+    width changes the float reductions: one machine here differed by 1.01e-6)."""
     from zero_core.checkpoint.foreign import ForeignSource, detect
     from zero_core.checkpoint.foreign.dcp import DCPSource
     from zero_core.layout import Range
@@ -70,10 +72,10 @@ def test_fixtures_hold_the_reference_after_four_steps():
         assert torch.equal(source.read_whole("shift"), dcp_model.build().shift)
         for name, state in zip(model_names, states):
             numel = weights[name].numel()
-            assert (source.read_whole(name) - weights[name]).abs().max() <= 1e-6, (layout, name)
+            assert (source.read_whole(name) - weights[name]).abs().max() <= TOLERANCE, (layout, name)
             for key in ("exp_avg", "exp_avg_sq"):
                 stored = source.read_state(name, Range(0, numel), key).view_as(state[key])
-                assert (stored - state[key]).abs().max() <= 1e-6, (layout, name, key)
+                assert (stored - state[key]).abs().max() <= TOLERANCE, (layout, name, key)
             assert source.scalars(name, torch.device("cpu"))["step"].item() == 4.0
         assert source.hyperparameters()[0]["lr"] == dcp_model.ADAMW["lr"]
         assert source.hyperparameters()[0]["betas"] == dcp_model.ADAMW["betas"]

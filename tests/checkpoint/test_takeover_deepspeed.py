@@ -21,9 +21,13 @@ from distributed import run_distributed
 FIXTURES = Path(__file__).parent / "fixtures" / "deepspeed"
 ALL = ("stage1-fp32", "stage2-fp32", "stage3-fp32", "stage2-bf16", "stage3-bf16", "stage2-frozen", "stage3-frozen")
 TOLERANCE = 1e-5
+# Our stage 3 with the optimizer on NVMe and tiles of 100 elements: the Linear weights' pieces are bigger than a
+# tile, so the load fills them in the swap file a slice at a time (offload/piece_in_file.py)
+NVME = "3, optimizer on nvme"
 # (fixture, our stage): DeepSpeed's stage 2 and 3 runs, each continued under our stage 2 and 3.
 CONTINUE = [(f"stage{ds}-fp32", ours) for ds in (2, 3) for ours in (2, 3)] + [("stage1-fp32", 1)] + [
-    ("stage2-frozen", 3), ("stage3-frozen", 2)]  # with a frozen middle layer (DeepSpeed's frozen_param_fragments)
+    ("stage2-frozen", 3), ("stage3-frozen", 2),  # with a frozen middle layer (DeepSpeed's frozen_param_fragments)
+    ("stage2-fp32", NVME)]
 KINDS = ("fp32", "exp_avg", "exp_avg_sq")
 
 
@@ -77,6 +81,15 @@ def test_reader_gives_what_deepspeed_holds(fixture):
         assert source.loss_scaler() is None and source.skipped_steps() == 0
 
 
+def _config(stage) -> dict:
+    if stage != NVME:
+        return {"stage": stage}
+    import tempfile
+
+    return {"stage": 3, "sub_group_size": 100,
+            "offload_optimizer": {"device": "nvme", "nvme_path": tempfile.mkdtemp(prefix="takeover-nvme-")}}
+
+
 def continue_worker(rank: int, world: int, cases: list, exact: list) -> dict:
     """``cases``: (checkpoint directory, our stage), continued 4 steps; ``exact``: (fixture, our stage), compared
     with DeepSpeed's own values right after loading."""
@@ -91,7 +104,7 @@ def continue_worker(rank: int, world: int, cases: list, exact: list) -> dict:
         model = tm.TakeoverMLP(seed=7, frozen=frozen)  # other weights: only the load can make them right
         optimizer = tm.make_optimizer(model)
         scheduler = tm.make_scheduler(optimizer)
-        engine = zero_core.setup(model, optimizer, {"stage": stage})
+        engine = zero_core.setup(model, optimizer, _config(stage))
         client = engine.load_checkpoint(str(FIXTURES / fixture))  # an absolute path stays as it is
         scheduler.load_state_dict(client["lr_scheduler"])
         for step in range(client["global_steps"], client["global_steps"] + tm.STEPS_AFTER):
@@ -103,11 +116,14 @@ def continue_worker(rank: int, world: int, cases: list, exact: list) -> dict:
             scheduler.step()
         params = {n: p.detach().float() for n, p in engine.module.named_parameters()}
         results[f"{fixture} -> stage {stage}"] = max((params[n] - p).abs().max().item() for n, p in reference.items())
+        engine.close()
     for fixture, stage in exact:
         model = tm.TakeoverMLP(seed=7)
-        engine = zero_core.setup(model, tm.make_optimizer(model), {"stage": stage})
+        engine = zero_core.setup(model, tm.make_optimizer(model), _config(stage))
         engine.load_checkpoint(str(FIXTURES / fixture))
-        results[f"{fixture} loaded exactly at stage {stage}"] = _exact_difference(engine, expected(fixture))
+        with engine.offload_resident():  # NVMe: everything read in, to compare
+            results[f"{fixture} loaded exactly at stage {stage}"] = _exact_difference(engine, expected(fixture))
+        engine.close()
     return results
 
 
@@ -135,6 +151,7 @@ def test_take_over_and_continue(world, tmp_path):
     converted = write_zero_checkpoint(FIXTURES / "stage3-fp32", tmp_path / "converted", progress=False)
     cases = CONTINUE + [(str(converted), 2 if world == 3 else 3)]
     exact = [("stage2-bf16", 3), ("stage3-bf16", 2)] if world == 3 else [("stage3-bf16", 3)]
+    exact.append(("stage3-fp32", NVME))
     per_rank = run_distributed(continue_worker, world, cases, exact, timeout=200)
     problems = [f"world {world}, rank {rank}: {case} differs by {d:.3g}"
                 for rank, results in enumerate(per_rank) for case, d in results.items()

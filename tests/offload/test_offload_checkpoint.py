@@ -2,8 +2,8 @@
 into an engine without offload (and the other way round, into CPU and NVMe placements, at another stage, and
 from 2 ranks into 1 and from 1 into 2), and training continues exactly as the engine that saved them would have.
 With NVMe the state passes through memory a few tiles at a time, on save and on load (the swapper's peak of
-bytes read in stays within two tiles); saves and loads go through the module-level functions Lightning's and
-Accelerate's checkpoint IO call.
+bytes read in stays within two tiles, pieces bigger than a tile streamed in slices); saves and loads go through the
+module-level functions Lightning's and Accelerate's checkpoint IO call.
 """
 
 from __future__ import annotations
@@ -70,10 +70,9 @@ def _measured(engine, action, released: bool = True):
     action()
     assert swapper.read_in_bytes == 0 or not released, swapper.read_in_bytes  # everything released again
     total = sum(shape.numel() * dtype.itemsize for shape, dtype in swapper._shapes.values())
-    largest = max(shape.numel() for (_, key), (shape, _) in swapper._shapes.items() if key == "__master__")
     bytes_per_element = 4 * 3  # fp32 master and Adam's two moments
     tile = engine.config.sub_group_size
-    return swapper.peak_read_in_bytes, total, 2 * max(tile, largest) * bytes_per_element
+    return swapper.peak_read_in_bytes, total, 2 * tile * bytes_per_element
 
 
 def checkpoint_worker(rank, world_size, pairs):
@@ -168,8 +167,9 @@ def test_offloaded_checkpoints_load_into_other_placements(saved):
 def test_nvme_checkpoints_stream_tile_by_tile(saved):
     """Saving reads each tile of masters and state from the swap file, writes it, and drops it; loading reads a
     tile's masters, fills them and the state, and writes the tile out: at most two tiles (the one in use and
-    the one read ahead) are in memory, where holding everything resident reads all of the file in. (This
-    model's largest pieces are a quarter of a rank's state; test_streamed_checkpoint_of_many_tiles has many.)"""
+    the one read ahead) are in memory, where holding everything resident reads all of the file in. This
+    model's largest pieces are bigger than the 120-element tile and a quarter of a rank's state: they pass
+    through a slice at a time (piece_in_file.py). test_streamed_checkpoint_of_many_tiles has many tiles."""
     counts = {"save": 0, "load": 0}
     for rank, (*_, peaks) in enumerate(saved):
         for (saver, loader), peak in zip(PAIRS, peaks, strict=True):
@@ -196,9 +196,9 @@ class _Stack(nn.Module):
         return self.layers(x).pow(2).mean()
 
 
-def _stack_engine(stage: int, nvme_dir: str, seed: int):
+def _stack_engine(stage: int, nvme_dir: str, seed: int, tile: int = 300):
     model = _Stack(seed)
-    config = {"stage": stage, "sub_group_size": 300, "param_persistence_threshold": 0,
+    config = {"stage": stage, "sub_group_size": tile, "param_persistence_threshold": 0,
               "offload_optimizer": {"device": "nvme", "nvme_path": nvme_dir}}
     return zero_core.setup(model, make_optimizer(model), config)
 
@@ -262,3 +262,66 @@ def test_load_from_one_rank_into_two_with_everything_on_nvme(tmp_path):
     for rank, (diff, state, leftovers) in enumerate(
             run_distributed(other_world_size_worker, 2, str(tmp_path), "alone", (3, "nvme+params"), timeout=120)):
         assert diff == 0.0 and state > 0 and leftovers == [], (rank, diff, state, leftovers)
+
+
+def interrupted_worker(rank, world_size, root):
+    """A save and a load that fail in the middle of a piece streamed a slice at a time (piece_in_file.py): the
+    slices are given back, nothing is left read in, and the engine saves, loads and trains on as if they had not
+    been tried."""
+    from zero_core.checkpoint import files, sources
+
+    nvme_dir = tempfile.mkdtemp(prefix="zero-offload-interrupted-")
+    # tiles of 100 elements: each Linear weight's piece (256) is three slices
+    source, target = (_stack_engine(3, nvme_dir, seed, tile=100) for seed in (0, 1))
+    _stack_steps(source, 0, 2)
+    swapper = _swapper(source)
+    path = os.path.join(root, "interrupted")
+    real_bytes, calls = files.tensor_bytes, []
+
+    def failing_bytes(tensor):
+        calls.append(tensor.numel())
+        if len(calls) == 2:  # the second slice of the first piece's master
+            raise OSError("disk full (injected)")
+        return real_bytes(tensor)
+
+    files.tensor_bytes = failing_bytes
+    try:
+        with pytest.raises(OSError, match="injected"):
+            zero_core.save_checkpoint(source, path)
+    finally:
+        files.tensor_bytes = real_bytes
+    out = {"save_left": swapper.read_in_bytes, "slices_written": calls, "exists": os.path.exists(path)}
+    zero_core.save_checkpoint(source, path)
+    real_read, reads = sources.ShardedSource.read, []
+
+    def failing_read(self, name, rng, kind="master"):
+        reads.append(rng.size)
+        if len(reads) == 2:
+            raise OSError("read error (injected)")
+        return real_read(self, name, rng, kind)
+
+    sources.ShardedSource.read = failing_read
+    try:
+        with pytest.raises(OSError, match="injected"):
+            zero_core.load_checkpoint(target, path)
+    finally:
+        sources.ShardedSource.read = real_read
+    out["load_left"], out["slices_read"] = _swapper(target).read_in_bytes, reads
+    zero_core.load_checkpoint(target, path)
+    out["weights"] = max_abs_diff(full_params(target.module), full_params(source.module))
+    _stack_steps(source, 2, 2)
+    _stack_steps(target, 2, 2)
+    out["trained"] = max_abs_diff(full_params(target.module), full_params(source.module))
+    out["sliced"] = source._offload.slices_stepped > 0
+    for engine in (source, target):
+        engine.remove_offload_files()
+    return out
+
+
+@pytest.mark.timeout(200)
+def test_interrupted_save_and_load_of_a_sliced_piece_leave_nothing_behind(tmp_path):
+    out, = run_distributed(interrupted_worker, 1, str(tmp_path), timeout=180)
+    assert out["slices_written"] == [100, 100], out  # the first piece's first slice, and the one that failed
+    assert out["slices_read"] == [100, 100], out
+    assert out["save_left"] == 0 and not out["exists"] and out["load_left"] == 0, out
+    assert out["weights"] == 0.0 and out["trained"] == 0.0 and out["sliced"], out

@@ -47,7 +47,8 @@ def write_safetensors(path: Path, entries: Sequence[tuple[str, Union[torch.Tenso
 
     An entry given as :class:`Pending` takes its tensor from ``data``, which yields (key, tensor) for those
     entries in the same order, each when it is written (a stream: e.g. NVMe-swapped optimizer state read one tile
-    at a time, zero_core/checkpoint/save.py)."""
+    at a time, zero_core/checkpoint/save.py), or several consecutive flat parts of it under the same key (a piece
+    bigger than a tile, a slice at a time); a part may be reused once the next one is asked for."""
     header, offset = {}, 0
     if metadata:
         header["__metadata__"] = dict(metadata)
@@ -66,25 +67,36 @@ def write_safetensors(path: Path, entries: Sequence[tuple[str, Union[torch.Tenso
             digest.update(chunk)
             size += len(chunk)
         for key, tensor in entries:
-            if isinstance(tensor, Pending):
-                tensor = _next_pending(stream, key, tensor)
-            raw_data = tensor_bytes(tensor)  # one tensor at a time: a GPU tensor is copied to the CPU alone
-            f.write(raw_data)
-            digest.update(raw_data)
-            crcs[key] = zlib.crc32(raw_data)
-            size += len(raw_data)
+            crc = 0
+            for part in _pending_parts(stream, key, tensor) if isinstance(tensor, Pending) else [tensor]:
+                raw_data = tensor_bytes(part)  # one tensor at a time: a GPU tensor is copied to the CPU alone
+                f.write(raw_data)
+                digest.update(raw_data)
+                crc = zlib.crc32(raw_data, crc)
+                size += len(raw_data)
+            crcs[key] = crc
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": size, "sha256": digest.hexdigest(), "crc32": crcs}
 
 
-def _next_pending(stream: Iterator[tuple[str, torch.Tensor]], key: str, spec: Pending) -> torch.Tensor:
-    got, tensor = next(stream, (None, None))
-    if got != key or tensor.dtype != spec.dtype or tuple(tensor.shape) != tuple(spec.shape):
-        found = "nothing" if got is None else f"{got!r} {tensor.dtype} {tuple(tensor.shape)}"
-        raise CheckpointError(f"the stream of tensors to write gave {found} where {key!r} {spec.dtype} "
-                              f"{tuple(spec.shape)} was announced (a bug in the saving code; please report it)")
-    return tensor
+def _pending_parts(stream: Iterator[tuple[str, torch.Tensor]], key: str, spec: Pending) -> Iterator[torch.Tensor]:
+    """The tensor of a Pending entry: one from the stream, or consecutive flat parts of it under the same key
+    (a piece streamed a slice at a time from NVMe, offload/piece_in_file.py), until its elements are complete."""
+    total, done = math.prod(spec.shape), 0
+    while True:
+        got, tensor = next(stream, (None, None))
+        whole = done == 0 and tensor is not None and tuple(tensor.shape) == tuple(spec.shape)
+        if got != key or tensor.dtype != spec.dtype or not (whole or tensor.dim() == 1) \
+                or done + tensor.numel() > total:
+            found = "nothing" if got is None else f"{got!r} {tensor.dtype} {tuple(tensor.shape)}"
+            raise CheckpointError(f"the stream of tensors to write gave {found} where {key!r} {spec.dtype} "
+                                  f"{tuple(spec.shape)} was announced ({done} of its {total} elements written; a "
+                                  "bug in the saving code; please report it)")
+        yield tensor
+        done += tensor.numel()
+        if done == total:
+            return
 
 
 def sha256_file(path: Path) -> str:

@@ -24,6 +24,7 @@ from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, fil
 from zero_core.checkpoint.sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
 from zero_core.checkpoint.values import load_client_state
 from zero_core.checkpoint.verify import verify_files
+from zero_core.layout import Range
 from zero_core.optim.weights_ema import EMA_KIND
 
 Verify = Literal["checksum", "size"]
@@ -208,6 +209,10 @@ def _load_fragments(engine, source, optimizer, names: dict, strict: bool) -> Non
     ema, saved_ema = engine.weights_ema, getattr(source, "has_weights_ema", lambda: False)()
     for tile in engine.offload_tiles(engine.fragments(), write=True):
         for fragment in tile:
+            in_file = engine.offload_in_file(fragment)
+            if in_file is not None:  # a piece bigger than a tile: filled a slice at a time in the swap file
+                _load_in_slices(in_file, fragment, source, names.get(fragment.name), round_to_16bit, state_of)
+                continue
             if fragment.name in names:
                 values = source.read(names[fragment.name], fragment.param_range, MASTER_KIND)
                 if round_to_16bit:  # DeepSpeed's load_from_fp32_weights=False: start from the 16-bit model weights
@@ -223,6 +228,22 @@ def _load_fragments(engine, source, optimizer, names: dict, strict: bool) -> Non
         inners = engine.inner_optimizers
         _load_hyperparameters([g for inner in inners for g in inner.param_groups], optimizer.hyperparameters(),
                               strict)
+
+
+def _load_in_slices(in_file, fragment, source, name: Optional[str], round_to_16bit: bool, state_of) -> None:
+    """:func:`_load_fragments` for a master piece left in the NVMe swap file (engine.offload_in_file): its
+    master values (also into the model) and then its optimizer state, a slice at a time. A fragment the source
+    lacks keeps its values (a non-strict load)."""
+    first = fragment.param_range.start - fragment.local.start  # piece index -> element of the parameter
+
+    def fill(start: int, end: int, out: torch.Tensor) -> None:
+        values = source.read(name, Range(first + start, first + end), MASTER_KIND)
+        out.copy_(values.to(fragment.dtype) if round_to_16bit else values)
+
+    if name is not None:
+        in_file.write(None, fragment.local.start, fragment.local.end, fill)
+    if state_of is not None:
+        state_of(fragment, in_file)
 
 
 def _load_replicated(engine, source, wanted: list[str], names: dict) -> None:
@@ -264,7 +285,9 @@ def _optimizer_loader(engine, source):
     owner_of = {id(m): (g, inner) for inner in inners for g in inner.param_groups for m in g["params"]}
     keys = source.state_keys()
 
-    def load(fragment) -> None:
+    def load(fragment, in_file=None) -> None:
+        """``in_file``: the master piece is left in the NVMe swap file (engine.offload_in_file), and so is the
+        state made for it, written a slice at a time."""
         name = fragment.name
         if not source.has_state(name):
             return
@@ -273,12 +296,23 @@ def _optimizer_loader(engine, source):
         on_device = group.get("capturable") or group.get("fused")  # else scalars stay on the CPU, as in torch
         state = inner.state[master]
         if not state:
-            state.update({key: torch.zeros_like(master.detach()) for key in keys})
+            state.update({key: torch.zeros_like(master.detach()) if in_file is None else in_file.claim(key)
+                          for key in keys})
         state.update(source.scalars(name, master.device if on_device else torch.device("cpu")))
+        local = fragment.local
         for key in keys:
-            values = source.read_state(name, fragment.param_range, key)
-            if values is not None:
-                state[key][fragment.local.as_slice()] = values
+            if in_file is None:
+                values = source.read_state(name, fragment.param_range, key)
+                if values is not None:
+                    state[key][local.as_slice()] = values
+                continue
+            first = fragment.param_range.start - local.start
+
+            def fill(start: int, end: int, out: torch.Tensor, key=key) -> None:
+                values = source.read_state(name, Range(first + start, first + end), key)
+                out.copy_(values) if values is not None else out.zero_()  # (zeros: as made above)
+
+            in_file.write(key, local.start, local.end, fill)
 
     return load
 

@@ -116,10 +116,17 @@ def _fragment_entries(engine, file: str) -> tuple[list, list, list]:
 
 def _fragment_tensors(engine, plan: list) -> Iterator[tuple[str, torch.Tensor]]:
     """(key, tensor view) in the plan's order, each fragment's master and state in memory while it is written: with
-    NVMe offload a few tiles at a time, read ahead and dropped once written (engine.offload_tiles)."""
+    NVMe offload a few tiles at a time, read ahead and dropped once written (engine.offload_tiles); a piece bigger
+    than a tile stays in the swap file and is written a slice at a time (engine.offload_in_file)."""
     keys_of = {id(fragment): keys for fragment, keys in plan}
     for tile in engine.offload_tiles([fragment for fragment, _ in plan]):
         for fragment in tile:
+            in_file = engine.offload_in_file(fragment)
+            if in_file is not None:  # (EMA does not combine with NVMe: every key is in the file)
+                local = fragment.local
+                for key, state_key in keys_of[id(fragment)]:
+                    yield from ((key, values) for values in in_file.read(state_key, local.start, local.end))
+                continue
             state = engine.optimizer_state_of(fragment.master)
             for key, state_key in keys_of[id(fragment)]:
                 if state_key == EMA_KIND:

@@ -25,6 +25,7 @@ from zero_core.checkpoint import shard_identity
 from zero_core.comm.communicator import CommOptions, Communicator
 from zero_core.comm.topology import Topology
 from zero_core.config import ZeroConfig
+from zero_core.contracts import PieceSlices
 from zero_core.engine import statistics
 from zero_core.engine.binding import OptimizerBinding, OptimizerRef, as_optimizer_list
 from zero_core.engine.masters import masters_for
@@ -444,6 +445,12 @@ class ZeroEngine:
         one group.
         Checkpoints save and load through it, so that NVMe state passes through memory a few tiles at a time."""
         return self._masters.tiles(fragments, write)
+
+    def offload_in_file(self, fragment: Fragment) -> Optional[PieceSlices]:
+        """While :meth:`offload_tiles` holds ``fragment``: with NVMe offload, its master piece when it is bigger
+        than a tile, left in the swap file for the caller to read and write a slice at a time
+        (offload/piece_in_file.py); None where the tile brought it into memory."""
+        return self._masters.in_file(fragment)
 
     def shape_in_memory(self, master: torch.Tensor, key=None) -> torch.Size:
         """The shape of ``master`` (``key`` None) or of its optimizer state ``key`` as in memory, also while it is

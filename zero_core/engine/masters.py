@@ -42,6 +42,9 @@ class DeviceMasters:
     def tiles(self, fragments: list[Fragment], write: bool = False) -> Iterator[list[Fragment]]:
         yield list(fragments)
 
+    def in_file(self, fragment: Fragment) -> None:
+        return None
+
     def shape_in_memory(self, master: torch.Tensor, key=None) -> Optional[torch.Size]:
         return None
 
@@ -84,6 +87,9 @@ class OffloadedMasters:
             of_master[id(fragment.master)].append(fragment)
         for tile in self.offload.stream(masters, write):
             yield [f for master in tile for f in of_master[id(master)]]
+
+    def in_file(self, fragment: Fragment):
+        return self.offload.swapped.in_file(fragment.master, self.offload.parts)
 
     def shape_in_memory(self, master: torch.Tensor, key=None) -> Optional[torch.Size]:
         return self.offload.swapped.shape_in_memory(master, key)

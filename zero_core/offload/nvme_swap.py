@@ -248,7 +248,7 @@ class NvmeSwapper:
 
     def read_slice(self, transfer: Transfer, master: torch.Tensor, key: str, start: int, end: int) -> torch.Tensor:
         """Elements ``[start, end)`` of (``master``, ``key``)'s region, read into a flat buffer as part of
-        ``transfer``; held until :meth:`write_slices` has written it out."""
+        ``transfer``; held until :meth:`write_slices` has written it out (or :meth:`release_slice` gave it back)."""
         _, dtype = self._shapes[(id(master), key)]
         buffer = self._slice_buffer(dtype, end - start)
         self.pool.read(transfer, self.fd, buffer, self._regions[(id(master), key)] + start * dtype.itemsize)
@@ -267,18 +267,18 @@ class NvmeSwapper:
         self.peak_read_in_bytes = max(self.peak_read_in_bytes, self.read_in_bytes)
         return buffer
 
+    def release_slice(self, buffer: torch.Tensor) -> None:
+        """Give back a slice buffer (read_slice, new_slice) without writing it: the file holds its values."""
+        nbytes = buffer.numel() * buffer.element_size()
+        self._slice_bytes -= nbytes
+        self.read_in_bytes -= nbytes
+        self._recycle(buffer)
+
     def write_slices(self, master: torch.Tensor, start: int, items: list[tuple[str, torch.Tensor]]) -> Transfer:
         """Write each (key, slice buffer) at element ``start`` of (``master``, key)'s region; the buffers are freed
         when the transfer is waited (waited at once when ``aio.overlap_events`` is false)."""
 
-        def free() -> None:
-            for _, tensor in items:
-                nbytes = tensor.numel() * tensor.element_size()
-                self._slice_bytes -= nbytes
-                self.read_in_bytes -= nbytes
-                self._recycle(tensor)
-
-        transfer = Transfer(then=free)
+        transfer = Transfer(then=lambda: [self.release_slice(tensor) for _, tensor in items])
         for key, tensor in items:
             offset = self._regions[(id(master), key)] + start * tensor.element_size()
             self.pool.write(transfer, self.fd, tensor, offset)

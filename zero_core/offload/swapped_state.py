@@ -18,6 +18,7 @@ from torch import nn
 from zero_core.offload.aio import Transfer
 from zero_core.offload.host_masters import write_back_pieces
 from zero_core.offload.nvme_swap import _MASTER, NvmeSwapper, split_into_tiles
+from zero_core.offload.piece_in_file import PieceInFile
 
 
 class SwappedState:
@@ -70,8 +71,10 @@ class SwappedState:
         tile): the next tile is read meanwhile, and a tile the caller is done with is dropped (``write`` False: it
         only read it, the file holds the same values) or written back into the model's parameter shards and out to
         the file (``write``: it changed the masters or replaced their state), its write overlapping the next tile.
-        So a checkpoint holds a few tiles in memory, never the whole state. Without a swap file, or inside
-        :meth:`resident`, one tile of everything."""
+        So a checkpoint holds a few tiles in memory, never the whole state. A swapped-out piece bigger than a tile
+        (:meth:`in_slices`) is a tile of its own that stays in the file: the caller reads and writes it a slice
+        at a time through :meth:`in_file`. Without a swap file, or inside :meth:`resident`, one tile of
+        everything."""
         swap = self.swapper
         if swap is None or self._resident_depth:
             yield list(masters)
@@ -79,11 +82,15 @@ class SwappedState:
         tiles = split_into_tiles(masters, self.numel_in_file, self.sub_group_size)
         where = {id(m): (part, index) for part in parts for index, m in enumerate(part.masters)}
 
-        def read(tile: list) -> tuple[list, Transfer]:
+        def read(tile: list) -> tuple[Optional[list], Transfer]:
+            if self.in_slices(tile[0]):
+                return None, Transfer()  # left in the file: the caller reads it in slices (in_file)
             items = [item for item in self.items(tile) if not item[2].numel()]  # swapped out: read in
             return items, swap.swap_in(items)
 
-        def done(tile: list, items: list) -> Optional[Transfer]:
+        def done(tile: list, items: Optional[list]) -> Optional[Transfer]:
+            if items is None:
+                return None  # in slices: the caller wrote what it changed (PieceInFile.write)
             if not write:
                 swap.drop(items)
                 return None
@@ -121,6 +128,23 @@ class SwappedState:
                 swap.drop(reading[0])
             if writing is not None:
                 writing.wait()
+
+    def in_slices(self, master: torch.Tensor) -> bool:
+        """Whether ``master`` is swapped out and bigger than a tile: :meth:`stream` leaves it in the file."""
+        return (self.swapper is not None and not self._resident_depth and not master.numel()
+                and self.numel_in_file(master) > self.sub_group_size)
+
+    def in_file(self, master: torch.Tensor, parts: list) -> Optional[PieceInFile]:
+        """``master`` (a piece of one of ``parts``) to read and write a slice at a time where :meth:`in_slices`;
+        else None (:meth:`stream` brings it in whole)."""
+        if not self.in_slices(master):
+            return None
+        for part in parts:
+            for index, piece in enumerate(part.masters):
+                if piece is master:
+                    return PieceInFile(self.swapper, master, self.sub_group_size, part.shard_in_memory,
+                                       lambda: part.master_shards.piece_shard(part.param_shards(), index))
+        raise KeyError("this master piece belongs to no offloaded part (a bug in the engine: please report it)")
 
     @contextlib.contextmanager
     def resident(self, every_master: Callable[[], list], masters: Optional[list] = None, state: bool = True,
