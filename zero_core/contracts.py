@@ -195,6 +195,10 @@ class Runtime(Protocol):
 
     def commit_params(self, params, opened: list, modified: bool) -> None: ...
 
+    def rewritten_fragments(self, params) -> list["Fragment"]:
+        """The fragments whose masters :meth:`commit_params` (and :meth:`refresh_param`) rewrite after ``params``
+        changed: what NVMe offload reads in for it, instead of everything."""
+
     def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None: ...
 
     def param_shards(self) -> list[torch.Tensor]: ...

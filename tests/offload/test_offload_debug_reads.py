@@ -1,7 +1,8 @@
 """With NVMe offload, ``full_state_dict`` and the ``safe_get_full_*`` functions read the swapped masters (and
 optimizer state) of one parameter at a time, not all of it: the swapper's peak of bytes read in stays within the
 largest parameter's share, and the values are those of the same training without offload (2 ranks, stages 2 and
-3). ``safe_set_full_fp32_param`` writes its parameter's master back to the swap file."""
+3). ``safe_set_full_fp32_param`` and ``GatheredParameters`` with a modifier write the parameter's master back to
+the swap file, reading in only the masters they rewrite (at stage 3 those of the parameter's unit)."""
 
 from __future__ import annotations
 
@@ -49,8 +50,21 @@ def _reads(engine) -> dict:
            "fp32": zero_core.safe_get_full_fp32_param(params[first]),
            "exp_avg_sq": zero_core.safe_get_full_optimizer_state(params[first], "exp_avg_sq"),
            "peak": swapper.peak_read_in_bytes if swapper is not None else None}
+    if swapper is not None:
+        swapper.peak_read_in_bytes = swapper.read_in_bytes
     zero_core.safe_set_full_fp32_param(params[first], out["fp32"] * 2)  # written back to the swap file
+    out["set_peak"] = swapper.peak_read_in_bytes if swapper is not None else None
     out["doubled"] = zero_core.safe_get_full_fp32_param(params[first])
+    if swapper is not None:
+        swapper.peak_read_in_bytes = swapper.read_in_bytes
+    with zero_core.GatheredParameters([params[first]], modifier_rank=0):  # halved again, on rank 0
+        if dist.get_rank() == 0:
+            params[first].data.mul_(0.5)
+    out["gathered_peak"] = swapper.peak_read_in_bytes if swapper is not None else None
+    out["halved"] = zero_core.safe_get_full_fp32_param(params[first])
+    # what those two read in: the masters they rewrite (stage 3: the parameter's whole unit), 4 bytes each
+    out["rewritten"] = sum(swapper.shape_of(f.master, "__master__")[0].numel() * 4
+                           for f in engine.rewritten_fragments([params[first]])) if swapper is not None else None
     return out
 
 
@@ -72,6 +86,9 @@ def _worker(rank: int, world_size: int) -> dict:
                 "fp32": torch.allclose(swapped["fp32"], plain["fp32"], rtol=0, atol=1e-6),
                 "exp_avg_sq": torch.allclose(swapped["exp_avg_sq"], plain["exp_avg_sq"], rtol=1e-5, atol=0),
                 "doubled": torch.equal(swapped["doubled"], swapped["fp32"] * 2),
+                "halved": torch.equal(swapped["halved"], swapped["fp32"]),
+                "set_peak": swapped["set_peak"], "gathered_peak": swapped["gathered_peak"],
+                "rewritten": swapped["rewritten"],
             }
             del engine, swapper
     return results
@@ -83,7 +100,11 @@ def test_nvme_state_is_read_one_parameter_at_a_time():
         for stage, r in result.items():
             # the same values as without offload, which steps whole bucket shards (flat_step.py: within fp32 rounding)
             assert r["max_diff"] <= 1e-6, (rank, stage, r)
-            assert r["fp32"] and r["exp_avg_sq"] and r["doubled"], (rank, stage, r)
+            assert r["fp32"] and r["exp_avg_sq"] and r["doubled"] and r["halved"], (rank, stage, r)
             assert r["left"] == 0, (rank, stage, r)  # nothing stays read in
             # at most one parameter's master and two moments at once, a small part of the file
             assert 0 < r["peak"] <= r["bound"] < r["file"], (rank, stage, r)
+            # writing one parameter (safe_set_full_fp32_param, GatheredParameters with a modifier) reads in only
+            # the masters it rewrites, not the file (what it did before: everything resident)
+            for what in ("set_peak", "gathered_peak"):
+                assert 0 < r[what] <= r["rewritten"] < r["file"] / 3, (rank, stage, what, r)

@@ -486,6 +486,11 @@ class ZeroEngine:
         """Write a new full value into the model's own copy of ``param`` (value given on every rank)."""
         self.runtime.refresh_param(param, value)
 
+    def rewritten_fragments(self, params) -> list[Fragment]:
+        """The fragments whose masters a change of ``params`` rewrites (Runtime.rewritten_fragments): what to hold
+        resident (``offload_resident``) around :meth:`refresh_param`."""
+        return self.runtime.rewritten_fragments(params)
+
     def describe(self, param: torch.Tensor) -> str:
         return self._names.get(param, "<unknown>")
 
@@ -525,7 +530,8 @@ class ZeroEngine:
 
     def commit_params(self, params, opened: list, modified: bool) -> None:
         """GatheredParameters' exit: keep modified values (masters included), release what was gathered."""
-        with self.offload_resident():
+        rewritten = self.runtime.rewritten_fragments(params) if modified else []
+        with self.offload_resident(rewritten, state=False):  # NVMe: only the masters it rewrites, read in
             self.runtime.commit_params(params, opened, modified)
 
     def empty_partition_cache(self) -> None:

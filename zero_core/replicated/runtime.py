@@ -14,6 +14,7 @@ from torch import nn
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
+from zero_core.fragments import Fragment
 from zero_core.contracts import wait_for_update
 from zero_core.grad_notes import GradNotes
 from zero_core.replicated.flat_param_group import FlatParamGroup
@@ -225,6 +226,11 @@ class ReplicatedParamsRuntime:
             for fragment in part.fragments():
                 if fragment.name in values:
                     fragment.master_values()[...] = values[fragment.name][fragment.param_range.as_slice()]
+
+    def rewritten_fragments(self, params) -> list[Fragment]:
+        """The fragments of ``params`` (commit_params copies each changed parameter into its own)."""
+        names = {self.names[p] for p in params if p in self.names}
+        return [fragment for part in self.parts for fragment in part.fragments() if fragment.name in names]
 
     def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
         with torch.no_grad():

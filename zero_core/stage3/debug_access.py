@@ -74,7 +74,8 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     with engine.offload_resident(fragments, state=False):
         for fragment in fragments:
             fragment.master_values()[...] = flat[fragment.param_range.as_slice()]
-    with engine.offload_resident():  # stage 3 reads the masters of the whole unit back from its shards
+    # NVMe: the masters it rewrites read in (stage 3 reads the whole unit's back from its shards), not everything
+    with engine.offload_resident(engine.rewritten_fragments([param]), state=False):
         engine.refresh_param(param, value)
 
 

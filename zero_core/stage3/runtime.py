@@ -19,6 +19,7 @@ from torch import nn
 from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
+from zero_core.fragments import Fragment
 from zero_core.contracts import update_landed, update_pending
 from zero_core.planning import PARTITIONED_IN_FLIGHT
 from zero_core.reduction import BackwardSession, ReductionQueue
@@ -511,6 +512,12 @@ class PartitionedParamsRuntime(UnitSetup, GradientReduction):
                 unit.write_full_into_shard()
         for unit in opened:
             self._release(unit)
+
+    def rewritten_fragments(self, params) -> list[Fragment]:
+        """Every fragment of the units holding ``params``: commit_params reads the whole unit's masters back from
+        its shards."""
+        units = dict.fromkeys(self.unit_of[p] for p in params if p in self.unit_of)
+        return [fragment for unit in units for fragment in unit.fragments()]
 
     def refresh_param(self, param: torch.Tensor, value: torch.Tensor) -> None:
         opened = self.gather_params([param])
