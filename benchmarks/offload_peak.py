@@ -12,9 +12,13 @@ Runs:
   file), ``nvme_path`` a temporary directory under ``--dir``; other fields at their defaults unless given
   (``--sub-group-size``, ``--buffer-count``, ``--param-buffers``);
 - ``nvme_whole`` (with ``--whole-pieces``): the same, a piece bigger than the tile stepped whole, as before
-  pieces were stepped in slices (nvme_slices.py);
+  pieces were stepped in slices (nvme_slices.py), and read whole by checkpoints, as before they streamed it in
+  slices (piece_in_file.py);
 - ``nvme_kept_grads`` (with ``--release-grads``): ``nvme``, with the reduced gradient shards kept until the step
   instead of written to the swap file during backward (nvme_grads.py), as before.
+
+``--checkpoint``: after training each run saves a checkpoint (under ``--dir``) and loads it back, in phases
+``save`` and ``load`` of their own.
 
 ``--release-grads`` gives gradient shards' memory back in every run as on CUDA (grad_memory.RELEASE_ON_CPU), where
 this CPU run's host memory stands in for the accelerator's: the ``nvme`` run's shards then leave memory during
@@ -36,6 +40,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -110,6 +115,9 @@ def worker(args) -> None:
         from zero_core.offload import nvme_slices
 
         nvme_slices.sliced = lambda *unused: False
+        from zero_core.offload.swapped_state import SwappedState
+
+        SwappedState.in_slices = lambda *unused: False
     if args.run.startswith("nvme"):
         config["offload_optimizer"] = {"device": "nvme", "nvme_path": args.nvme_path}
         config["offload_param"] = {"device": "nvme", "nvme_path": args.nvme_path, "max_in_cpu": 0}
@@ -141,18 +149,34 @@ def worker(args) -> None:
             if index:
                 forward_backward.append(middle - start)
                 steps.append(time.perf_counter() - middle)
+        sampler.take()  # the last "between" sample, as the sampler's exit takes it without a checkpoint
         end = rss_anon()
-    stats = engine.memory_stats()
+        stats = engine.memory_stats()
+        timings = {}
+        if args.checkpoint:  # (after the training phases: the peaks above are training's alone)
+            path = tempfile.mkdtemp(dir=os.path.dirname(args.nvme_path), prefix=f"checkpoint_{args.run}_")
+            swapper = engine._offload.swapper if engine._offload is not None else None
+            for phase, action in (("save", engine.save_checkpoint), ("load", engine.load_checkpoint)):
+                sampler.phase = phase
+                if swapper is not None:
+                    swapper.peak_read_in_bytes = swapper.read_in_bytes
+                start = time.perf_counter()
+                action(path)
+                timings[f"{phase}_s"] = time.perf_counter() - start
+                if swapper is not None:  # what it held of the swap file's contents at most (exact, not sampled)
+                    timings[f"{phase}_read_in_bytes"] = swapper.peak_read_in_bytes
+            sampler.phase = "done"
+            shutil.rmtree(path)
     engine.remove_offload_files()
     dist.destroy_process_group()
-    training = {k: v for k, v in sampler.peaks.items() if k != "setup"}
+    training = {k: v for k, v in sampler.peaks.items() if k in ("forward", "backward", "step", "between")}
     print(json.dumps({"run": args.run, "params": numel, "baseline_bytes": baseline, "after_setup_bytes": after_setup,
                       "end_bytes": end, "peaks_bytes": sampler.peaks,
                       "training_peak_bytes": max(training.values()),
                       "training_peak_phase": max(training, key=training.get),
                       "process_peak_bytes": max(sampler.peaks.values()), "samples": sampler.samples,
                       "step_s": min(steps, default=None), "forward_backward_s": min(forward_backward, default=None),
-                      "memory_stats": stats, "config": config}))
+                      "memory_stats": stats, "config": config, **timings}))
 
 
 def run_all(args) -> dict:
@@ -164,7 +188,8 @@ def run_all(args) -> dict:
                        "--width", str(args.width), "--layers", str(args.layers), "--batch", str(args.batch),
                        "--steps", str(args.steps), "--threads", str(args.threads), "--vocab", str(args.vocab),
                        "--sub-group-size", str(args.sub_group_size), "--zero", args.zero] + (
-                           ["--bf16"] if args.bf16 else []) + (["--release-grads"] if args.release_grads else [])
+                           ["--bf16"] if args.bf16 else []) + (["--release-grads"] if args.release_grads else []) + (
+                           ["--checkpoint"] if args.checkpoint else [])
             for flag, value in (("--buffer-count", args.buffer_count), ("--param-buffers", args.param_buffers)):
                 if value is not None:
                     command += [flag, str(value)]
@@ -204,6 +229,16 @@ def table(result: dict, command: str) -> str:
                      f"| {mib(peaks['between'])} "
                      f"| {mib(run['process_peak_bytes'])} | {drop} | {run['step_s']:.3f}, "
                      f"{run['forward_backward_s']:.3f} |")
+    if "save_s" in next(iter(runs.values())):
+        lines += ["", "| run | checkpoint save: process peak, swap file read in at most, s | load: the same |",
+                  "| --- | --- | --- |"]
+        for name, run in runs.items():
+            peaks = run["peaks_bytes"]
+            held = {k: f"{run[k] / MiB:.1f} MiB" if k in run else "-" for k in ("save_read_in_bytes",
+                                                                                  "load_read_in_bytes")}
+            lines.append(f"| {name} | {peaks['save'] / MiB:.0f} MiB, {held['save_read_in_bytes']}, "
+                         f"{run['save_s']:.2f} | {peaks['load'] / MiB:.0f} MiB, {held['load_read_in_bytes']}, "
+                         f"{run['load_s']:.2f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -228,6 +263,8 @@ def main(argv=None) -> None:
     parser.add_argument("--out", default=None, help="append the table (markdown) to this file")
     parser.add_argument("--release-grads", action="store_true",
                         help="give gradient shards' memory back as on CUDA; adds the nvme_kept_grads run")
+    parser.add_argument("--checkpoint", action="store_true",
+                        help="after training, save a checkpoint and load it back (phases save, load)")
     parser.add_argument("--worker", choices=("none", "nvme", "nvme_whole", "nvme_kept_grads"), default=None)
     parser.add_argument("--nvme-path", default=None)
     args = parser.parse_args(argv)
