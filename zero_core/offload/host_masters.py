@@ -20,7 +20,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from zero_core.optim.master_shards import MasterShards
+from zero_core.optim.master_shards import MasterShards, take_changed_values
 from zero_core.offload.placement import host_copy
 
 
@@ -81,7 +81,7 @@ class HostMasterShards(MasterShards):
             super().read_from(param_shards)
             return
         for index, master in enumerate(self.params):  # the caller holds the pieces resident
-            master.detach().copy_(self.piece_shard(param_shards, index))
+            take_changed_values(master.detach(), self.piece_shard(param_shards, index))
 
 
 def write_back_pieces(tile: list[tuple]) -> None:

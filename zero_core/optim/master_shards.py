@@ -79,10 +79,10 @@ class MasterShards:
                 shard.copy_(master)
 
     def read_from(self, param_shards: Sequence[torch.Tensor]) -> None:
-        """The shards were changed in place (GatheredParameters with a modifier): take their values."""
+        """The shards were changed in place (GatheredParameters with a modifier): take their changed values."""
         for shard, master in zip(param_shards, self.buckets):
             if shard.data_ptr() != master.data_ptr():
-                master.copy_(shard)
+                take_changed_values(master, shard)
 
     def fragments(self, names, shapes, dtype: torch.dtype, grad_shards: Sequence[torch.Tensor]) -> list[Fragment]:
         """One Fragment per piece; ``master`` is the piece the optimizer steps (its state has its shape)."""
@@ -94,6 +94,19 @@ class MasterShards:
                 param_range=piece.param_range, master=master, grad_shard=grad_shards[piece.bucket][local.as_slice()],
                 local=Range(0, local.size)))
         return fragments
+
+
+def take_changed_values(master: torch.Tensor, value: torch.Tensor) -> None:
+    """``master`` takes the elements of ``value`` (the model's copy, maybe 16-bit) that differ from ``master``
+    rounded to ``value``'s dtype: what a ``GatheredParameters`` modifier or ``safe_set_full_fp32_param`` changed.
+    Every other element keeps its fp32 value, where copying the whole 16-bit copy would round it (a change to one
+    parameter of a stage 3 unit rounded the masters of the whole unit)."""
+    with torch.no_grad():
+        if value.dtype == master.dtype:
+            master.copy_(value)
+            return
+        changed = master.to(value.dtype) != value
+        master.copy_(torch.where(changed, value.to(master.dtype), master))
 
 
 def _view_key(tensor: torch.Tensor) -> tuple:

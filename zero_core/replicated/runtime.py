@@ -15,6 +15,7 @@ from zero_core.buffer_pool import BufferPool
 from zero_core.comm.communicator import Communicator
 from zero_core.config import ZeroConfig
 from zero_core.fragments import Fragment
+from zero_core.optim.master_shards import take_changed_values
 from zero_core.contracts import wait_for_update
 from zero_core.grad_notes import GradNotes
 from zero_core.replicated.flat_param_group import FlatParamGroup
@@ -224,8 +225,9 @@ class ReplicatedParamsRuntime:
         values = {self.names[p]: p.detach().reshape(-1) for p in params if p in self.names}
         for part in self.parts:
             for fragment in part.fragments():
-                if fragment.name in values:
-                    fragment.master_values()[...] = values[fragment.name][fragment.param_range.as_slice()]
+                if fragment.name in values:  # (the elements it changed: the rest keep their fp32 values)
+                    value = values[fragment.name][fragment.param_range.as_slice()]
+                    take_changed_values(fragment.master_values(), value)
 
     def rewritten_fragments(self, params) -> list[Fragment]:
         """The fragments of ``params`` (commit_params copies each changed parameter into its own)."""
