@@ -8,7 +8,9 @@ the two parameters of each Linear are one unit, whose masters were all re-read f
 fixed (rounding them); at stages 1-2 every parameter passed to the context was. Checked against the masters read
 before the edits: the untouched elements are bit for bit the same, the changed element is the model's new bf16
 value, the set weight is exactly the fp32 value given, and the model's bf16 copy is its masters rounded. Also with
-the masters in host memory (``offload_optimizer: cpu``) and swapped to a file (``nvme``).
+the masters in host memory (``offload_optimizer: cpu``) and swapped to a file (``nvme``), and at stage 3 with the
+delayed update, whose model lags the masters by one update: an edit there must not set the untouched masters back
+to the model's older values (stage 3 compares the edited shard with the shard before the edit).
 """
 
 from __future__ import annotations
@@ -28,8 +30,11 @@ def _worker(rank: int, world_size: int, stage: int, offload: str) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 4))
     config = {"stage": stage, "bf16": {"enabled": True}, "param_persistence_threshold": 0}
+    delayed = offload == "cpu, delayed"
     if offload != "none":  # host masters: bucket views (cpu), or separate pieces swapped to a file (nvme)
-        config["offload_optimizer"] = {"device": offload, "nvme_path": tempfile.mkdtemp(prefix="edits-")}
+        config["offload_optimizer"] = {"device": offload.split(",")[0], "nvme_path": tempfile.mkdtemp(prefix="e-")}
+    if delayed:  # the second step is delayed: the model then lags its masters by one update
+        config["offload_optimizer"]["delayed_update_after"] = 1
     engine = zero_core.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2), config)
     params = dict(model.named_parameters())
     for step in range(2):
@@ -54,7 +59,8 @@ def _worker(rank: int, world_size: int, stage: int, offload: str) -> dict:
         "bias rest": torch.equal(after["0.bias"][1:], before["0.bias"][1:]),
         "bias edited": after["0.bias"][0].item() == holder[0] != before["0.bias"][0].item(),
         "set exactly": torch.equal(after["2.weight"], value),
-        "model is masters rounded": all(torch.equal(model_copy[n], after[n].bfloat16().float()) for n in params),
+        "model is masters rounded": all(torch.equal(model_copy[n], after[n].bfloat16().float()) for n in params)
+        != delayed,  # (delayed: the model's untouched elements still lag the masters by one update)
     }
     if offload == "nvme":
         engine.remove_offload_files()
@@ -63,7 +69,8 @@ def _worker(rank: int, world_size: int, stage: int, offload: str) -> dict:
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage, offload", [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "nvme")])
+@pytest.mark.parametrize("stage, offload", [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "nvme"),
+                                            (3, "cpu, delayed")])
 def test_edits_change_only_the_masters_of_what_they_changed(stage, offload):
     for rank, out in enumerate(run_distributed(_worker, 2, stage, offload, timeout=100)):
         assert all(out.values()), (rank, stage, offload, out)

@@ -76,12 +76,14 @@ class HostMasterShards(MasterShards):
             if master.numel():  # swapped out: the step wrote it back before the swap
                 self.piece_shard(param_shards, index).copy_(master.detach())
 
-    def read_from(self, param_shards: Sequence[torch.Tensor]) -> None:
+    def read_from(self, param_shards: Sequence[torch.Tensor],
+                  before: Optional[Sequence[torch.Tensor]] = None) -> None:
         if not self.separate:
-            super().read_from(param_shards)
+            super().read_from(param_shards, before)
             return
         for index, master in enumerate(self.params):  # the caller holds the pieces resident
-            take_changed_values(master.detach(), self.piece_shard(param_shards, index))
+            take_changed_values(master.detach(), self.piece_shard(param_shards, index),
+                                None if before is None else self.piece_shard(before, index))
 
 
 def write_back_pieces(tile: list[tuple]) -> None:

@@ -78,11 +78,13 @@ class MasterShards:
             if shard.data_ptr() != master.data_ptr():
                 shard.copy_(master)
 
-    def read_from(self, param_shards: Sequence[torch.Tensor]) -> None:
-        """The shards were changed in place (GatheredParameters with a modifier): take their changed values."""
-        for shard, master in zip(param_shards, self.buckets):
+    def read_from(self, param_shards: Sequence[torch.Tensor],
+                  before: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """The shards were changed in place (GatheredParameters with a modifier): take their changed values
+        (``before``: the shards' values before the change)."""
+        for index, (shard, master) in enumerate(zip(param_shards, self.buckets)):
             if shard.data_ptr() != master.data_ptr():
-                take_changed_values(master, shard)
+                take_changed_values(master, shard, None if before is None else before[index])
 
     def fragments(self, names, shapes, dtype: torch.dtype, grad_shards: Sequence[torch.Tensor]) -> list[Fragment]:
         """One Fragment per piece; ``master`` is the piece the optimizer steps (its state has its shape)."""
@@ -96,16 +98,20 @@ class MasterShards:
         return fragments
 
 
-def take_changed_values(master: torch.Tensor, value: torch.Tensor) -> None:
+def take_changed_values(master: torch.Tensor, value: torch.Tensor, before: Optional[torch.Tensor] = None) -> None:
     """``master`` takes the elements of ``value`` (the model's copy, maybe 16-bit) that differ from ``master``
-    rounded to ``value``'s dtype: what a ``GatheredParameters`` modifier or ``safe_set_full_fp32_param`` changed.
-    Every other element keeps its fp32 value, where copying the whole 16-bit copy would round it (a change to one
-    parameter of a stage 3 unit rounded the masters of the whole unit)."""
+    rounded to ``value``'s dtype and, where ``before`` (the copy before the change) is given, from ``before``:
+    what a ``GatheredParameters`` modifier or ``safe_set_full_fp32_param`` changed. Every other element keeps its
+    fp32 value, where copying the whole 16-bit copy would round it (a change to one parameter of a stage 3 unit
+    rounded the masters of the whole unit), or set it back by an update the model's copy lags behind (the delayed
+    update, offload/delayed_update.py)."""
     with torch.no_grad():
-        if value.dtype == master.dtype:
+        if value.dtype == master.dtype and before is None:
             master.copy_(value)
             return
         changed = master.to(value.dtype) != value
+        if before is not None:
+            changed &= value != before
         master.copy_(torch.where(changed, value.to(master.dtype), master))
 
 

@@ -313,9 +313,11 @@ class ParamUnit:
             self._quantize_shard()
             return
         with self.shard_in_memory():
+            # the shard as it was: what the edit changed is what differs from it (the model may lag the masters)
+            before = None if self.master_shards is None else [s.clone() for s in self.param_shards()]
             self._take_shard_from_full()
             if self.master_shards is not None:
-                self.master_shards.read_from(self.param_shards())
+                self.master_shards.read_from(self.param_shards(), before)
 
     # -- gradients -----------------------------------------------------------------------------------------
     def grad_shards(self) -> list[torch.Tensor]:
