@@ -9,8 +9,9 @@ fixed (rounding them); at stages 1-2 every parameter passed to the context was. 
 before the edits: the untouched elements are bit for bit the same, the changed element is the model's new bf16
 value, the set weight is exactly the fp32 value given, and the model's bf16 copy is its masters rounded. Also with
 the masters in host memory (``offload_optimizer: cpu``) and swapped to a file (``nvme``), and at stage 3 with the
-delayed update, whose model lags the masters by one update: an edit there must not set the untouched masters back
-to the model's older values (stage 3 compares the edited shard with the shard before the edit).
+delayed update (stages 2 and 3), whose model lags the masters by one update: an edit there must not set the
+untouched masters back to the model's older values (the edit's changes are told from the model's values before it:
+stage 3's shard, stages 1-2's parameters copied when a modifier rank is given).
 """
 
 from __future__ import annotations
@@ -70,7 +71,7 @@ def _worker(rank: int, world_size: int, stage: int, offload: str) -> dict:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("stage, offload", [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "nvme"),
-                                            (3, "cpu, delayed")])
+                                            (2, "cpu, delayed"), (3, "cpu, delayed")])
 def test_edits_change_only_the_masters_of_what_they_changed(stage, offload):
     for rank, out in enumerate(run_distributed(_worker, 2, stage, offload, timeout=100)):
         assert all(out.values()), (rank, stage, offload, out)

@@ -524,9 +524,9 @@ class ZeroEngine:
             "parameters by identity (`a is b`)"
         )
 
-    def gather_params(self, params) -> list:
+    def gather_params(self, params, editing: bool = False) -> list:
         """GatheredParameters' entry: gather what is partitioned (stage 3). A collective."""
-        return self.runtime.gather_params(params)
+        return self.runtime.gather_params(params, editing)
 
     def commit_params(self, params, opened: list, modified: bool) -> None:
         """GatheredParameters' exit: keep modified values (masters included), release what was gathered."""

@@ -203,8 +203,10 @@ class ReplicatedParamsRuntime:
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.module.named_parameters()
 
-    def gather_params(self, params) -> list:
-        return []  # parameters are whole on every rank already
+    def gather_params(self, params, editing: bool = False) -> list:
+        """Parameters are whole on every rank already; ``editing``: their values now, so that commit_params can
+        tell what the edit changed (the model may lag its masters: the delayed update)."""
+        return [(p, p.detach().clone()) for p in params if p in self.names] if editing else []
 
     def release_all(self) -> None:
         pass  # nothing is gathered at stages 1-2
@@ -223,11 +225,13 @@ class ReplicatedParamsRuntime:
         if not modified:
             return
         values = {self.names[p]: p.detach().reshape(-1) for p in params if p in self.names}
+        before = {self.names[p]: copy.reshape(-1) for p, copy in opened}
         for part in self.parts:
             for fragment in part.fragments():
                 if fragment.name in values:  # (the elements it changed: the rest keep their fp32 values)
-                    value = values[fragment.name][fragment.param_range.as_slice()]
-                    take_changed_values(fragment.master_values(), value)
+                    where = fragment.param_range.as_slice()
+                    old = before[fragment.name][where] if fragment.name in before else None
+                    take_changed_values(fragment.master_values(), values[fragment.name][where], old)
 
     def rewritten_fragments(self, params) -> list[Fragment]:
         """The fragments of ``params`` (commit_params copies each changed parameter into its own)."""

@@ -96,7 +96,7 @@ class GatheredParameters:
     def __enter__(self):
         if self.enabled:
             for key, (owner, params) in self._by_owner().items():
-                self._opened[key] = owner.gather_params(params)
+                self._opened[key] = owner.gather_params(params, self.modifier_rank is not None)
         return self.params
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -142,7 +142,7 @@ class Init:
     # -- pretrained weights, straight into the shards (zero_core/pretrained/) -------------------------------
     def shard_range(self, numel: int) -> tuple[Range, int]:
         """This rank's elements of a parameter of ``numel`` elements, and its shard's padded size."""
-        world, rank = self.comm.topology.world_size, self.comm.topology.rank
+        rank = self.comm.topology.rank
         size = self._shard_numel(numel)
         return Range(min(rank * size, numel), min((rank + 1) * size, numel)), size
 
@@ -252,7 +252,7 @@ class Init:
         param.data = value.detach().clone()
         self._partition(param, entry.label)
 
-    def gather_params(self, params) -> list:
+    def gather_params(self, params, editing: bool = False) -> list:
         return [p for p in params if p in self._shards and self._gather(p)]
 
     def commit_params(self, params, opened: list, modified: bool) -> None:

@@ -496,8 +496,9 @@ class PartitionedParamsRuntime(UnitSetup, GradientReduction):
             if was_sharded:
                 self._release(unit)
 
-    def gather_params(self, params) -> list[ParamUnit]:
-        """Gather the units holding ``params`` (GatheredParameters); returns those that were sharded."""
+    def gather_params(self, params, editing: bool = False) -> list[ParamUnit]:
+        """Gather the units holding ``params`` (GatheredParameters); returns those that were sharded. (An edit's
+        changes are told from the shards themselves: ParamUnit.write_full_into_shard.)"""
         units = list(dict.fromkeys(self.unit_of[p] for p in params if p in self.unit_of))
         opened = [u for u in units if u.state is UnitState.SHARDED]
         for unit in units:
