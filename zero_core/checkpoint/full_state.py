@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from zero_core.contracts import CheckpointedEngine
+from zero_core.fragments import whole_value
 
 
 def state_dict_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
@@ -72,12 +73,7 @@ def live_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict
 
 def _master_value(engine, param: nn.Parameter, fragments: list) -> torch.Tensor:
     """A trainable parameter's fp32 master, whole: each rank fills its fragments, one all-reduce sums them."""
-    full = torch.zeros(param.shape.numel(), dtype=torch.float32, device=engine.device)
-    with engine.offload_resident(fragments, state=False, write=False):  # NVMe: only these masters, read in
-        for fragment in fragments:
-            full[fragment.param_range.as_slice()] = fragment.master_values().float()
-    engine.comm.all_reduce(full)
-    return full.view(param.shape).cpu()
+    return whole_value(engine, param.shape, fragments).cpu()  # NVMe: a piece bigger than a tile in slices
 
 
 def _model_value(engine, param: nn.Parameter) -> torch.Tensor:

@@ -6,11 +6,10 @@ Every function is a collective: all ranks must call it, in the same order, with 
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from zero_core.arg_checks import check_parameter
+from zero_core.fragments import whole_value, write_whole
 from zero_core.registry import require_engine
 
 
@@ -30,7 +29,7 @@ def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor:
     """The fp32 master value of ``param``, whole, on every rank."""
     check_parameter(param, "zero_core.safe_get_full_fp32_param", "param")
     engine = require_engine(param)
-    return _assemble(engine, param, lambda f: f.master_values())
+    return whole_value(engine, param.shape, engine.fragments_of(engine.name_of(param)))
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor:
@@ -40,13 +39,6 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor:
     engine.reduce_gradients()
     scale = engine.loss_scale
     return _assemble(engine, param, lambda f: f.grad_values().float() / scale)
-
-
-def _state_slice(engine, fragment, key: str) -> Optional[torch.Tensor]:
-    value = engine.optimizer_state_of(fragment.master).get(key)
-    if torch.is_tensor(value) and value.numel() == fragment.master.numel():
-        return value[fragment.local.as_slice()]
-    return None
 
 
 def _require_state(engine, key: str) -> None:
@@ -62,7 +54,7 @@ def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> 
     check_parameter(param, "zero_core.safe_get_full_optimizer_state", "param")
     engine = require_engine(param)
     _require_state(engine, optim_state_key)
-    return _assemble(engine, param, lambda f: _state_slice(engine, f, optim_state_key), state=True)
+    return whole_value(engine, param.shape, engine.fragments_of(engine.name_of(param)), optim_state_key)
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -70,10 +62,7 @@ def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     check_parameter(param, "zero_core.safe_set_full_fp32_param", "param")
     engine = require_engine(param)
     flat = value.detach().reshape(-1).to(torch.float32)
-    fragments = engine.fragments_of(engine.name_of(param))
-    with engine.offload_resident(fragments, state=False):
-        for fragment in fragments:
-            fragment.master_values()[...] = flat[fragment.param_range.as_slice()]
+    write_whole(engine, flat, engine.fragments_of(engine.name_of(param)))
     # NVMe: the masters it rewrites read in (stage 3 reads the whole unit's back from its shards), not everything
     with engine.offload_resident(engine.rewritten_fragments([param]), state=False):
         engine.refresh_param(param, value)
@@ -85,8 +74,4 @@ def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, opti
     engine = require_engine(param)
     _require_state(engine, optim_state_key)
     flat = value.detach().reshape(-1).to(torch.float32)
-    fragments = engine.fragments_of(engine.name_of(param))
-    with engine.offload_resident(fragments):
-        for fragment in fragments:
-            target = _state_slice(engine, fragment, optim_state_key)
-            target[...] = flat[fragment.param_range.as_slice()]
+    write_whole(engine, flat, engine.fragments_of(engine.name_of(param)), optim_state_key)
