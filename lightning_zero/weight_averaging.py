@@ -48,8 +48,9 @@ def masters_take_averaged(trainer, engine) -> None:
     the fp32 masters (what checkpoints and later fits use) take those values, as DDP's parameters hold them."""
     if engine is None or engine.config.stage == 3 or not _averaging_callbacks(trainer):
         return
-    params = list(engine.module.parameters())
-    engine.commit_params(params, engine.gather_params(params), modified=True)
+    for param in engine.module.parameters():  # replaced, not edited: every master takes the 16-bit average
+        if param.requires_grad:
+            zero_core.safe_set_full_fp32_param(param, param.detach())
 
 
 class SwapInWeightsEMA(Callback):

@@ -23,7 +23,10 @@ import torch.distributed as dist
 from distributed import run_distributed
 
 
-def _worker(rank: int, world_size: int, stage: int, offload: str) -> dict:
+CASES = [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "nvme"), (2, "cpu, delayed"), (3, "cpu, delayed")]
+
+
+def _case(rank: int, stage: int, offload: str) -> dict:
     import tempfile
 
     import zero_core
@@ -69,9 +72,18 @@ def _worker(rank: int, world_size: int, stage: int, offload: str) -> dict:
     return out
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("stage, offload", [(1, "none"), (2, "none"), (3, "none"), (2, "cpu"), (3, "nvme"),
-                                            (2, "cpu, delayed"), (3, "cpu, delayed")])
-def test_edits_change_only_the_masters_of_what_they_changed(stage, offload):
-    for rank, out in enumerate(run_distributed(_worker, 2, stage, offload, timeout=100)):
-        assert all(out.values()), (rank, stage, offload, out)
+def _worker(rank: int, world_size: int) -> list:
+    return [_case(rank, stage, offload) for stage, offload in CASES]  # one launch: process start-up once
+
+
+@pytest.fixture(scope="module")
+def results() -> list:
+    return run_distributed(_worker, 2, timeout=240)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("case", CASES, ids=[f"{stage}-{offload}" for stage, offload in CASES])
+def test_edits_change_only_the_masters_of_what_they_changed(results, case):
+    for rank, per_case in enumerate(results):
+        out = per_case[CASES.index(case)]
+        assert all(out.values()), (rank, case, out)
