@@ -75,6 +75,11 @@ ZERO3_CONFIG = {"bf16": {"enabled": True},
                 "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "pin_memory": True}}}
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)  # torch.optim.AdamW's defaults, lr 1e-4
 SKIP = "SKIP "  # a worker's line saying why it measured nothing (DeepSpeed missing, its op did not build)
+PROGRESS = "PROGRESS "  # a worker's line saying how far it got: what a process cut by --timeout reports
+
+
+def progress(what: str) -> None:
+    print(PROGRESS + what, flush=True)
 
 
 class Unavailable(Exception):
@@ -221,6 +226,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
 
         step = engine.step
     setup_s = time.perf_counter() - t0 - (build_s or 0.0)
+    progress(f"set up in {setup_s:.1f} s (the compiled host kernel's build included)")
     # Setup's peak (the fp32 model built on the GPU, as each implementation takes it) apart from training's
     setup_peak = torch.cuda.max_memory_allocated() / 2**30 if cuda else 0.0
     if cuda:
@@ -241,6 +247,7 @@ def worker(impl: str, config: GPTConfig, steps: int, warmup: int, profile_step: 
             summaries.append(thread_summary(overlapped.timeline, overlapped.step_called_at))
         step()
         computed()  # (the next forward waits for any copy the step left running)
+        progress(f"step {s}: {time.perf_counter() - start:.2f} s, of which forward+backward {middle - start:.2f} s")
         if s >= warmup:
             times.append(time.perf_counter() - start)
             phases.append(middle - start)
@@ -318,8 +325,11 @@ def main(argv=None) -> None:
         start = time.perf_counter()
         try:
             done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            print(f"{impl}: timed out after {args.timeout} s", flush=True)
+        except subprocess.TimeoutExpired as cut:  # where it was: the worker's progress lines so far
+            said = cut.stdout.decode(errors="replace") if isinstance(cut.stdout, bytes) else (cut.stdout or "")
+            where = [l[len(PROGRESS):] for l in said.splitlines() if l.startswith(PROGRESS)]
+            where = where[:1] + where[1:][-5:]  # setup, and the last steps
+            print(f"{impl}: timed out after {args.timeout} s; {'; '.join(where) or 'before setup ended'}", flush=True)
             continue
         lines = [l for l in done.stdout.splitlines() if l.startswith("RESULT ")]
         skipped = [l for l in done.stdout.splitlines() if l.startswith(SKIP)]

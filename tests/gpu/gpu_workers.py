@@ -61,12 +61,14 @@ def batches(device):
     return [torch.randint(0, VOCAB, (BATCH, SEQ), generator=g).to(device) for _ in range(STEPS)]
 
 
-def fresh_peak() -> None:
+def fresh_peak() -> int:
     """Start a run's peak from what is live now, after freeing what earlier runs dropped: a model and its engine
-    refer to each other, so the cycle collector, not the last reference, frees them."""
+    refer to each other, so the cycle collector, not the last reference, frees them. Returns the bytes still live
+    (what earlier runs' results keep on the GPU), which the run's peaks leave out."""
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+    return torch.cuda.memory_allocated()
 
 
 def plain(device) -> dict:
@@ -200,7 +202,7 @@ def grads_on_host_run(device, stage: int, moved: bool, clip: float, nvme: bool =
     nvme_path = tempfile.mkdtemp() if nvme else None
     offload = {"device": "nvme", "nvme_path": nvme_path, "pin_memory": True} if nvme else PINNED_CPU
     try:
-        fresh_peak()
+        live = fresh_peak()
         torch.manual_seed(0)
         model = GPT().to(device)
         fp32_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -209,7 +211,7 @@ def grads_on_host_run(device, stage: int, moved: bool, clip: float, nvme: bool =
                                                     "gradient_clipping": clip, "reduce_bucket_size": 300_000,
                                                     "stage3_param_persistence_threshold": 0,
                                                     "offload_optimizer": offload})
-        setup_peak = torch.cuda.max_memory_allocated()
+        setup_peak = torch.cuda.max_memory_allocated() - live
         torch.cuda.reset_peak_memory_stats()
         losses, held, grads = [], [], []
         for index, tokens in enumerate(batches(device)):
@@ -223,7 +225,7 @@ def grads_on_host_run(device, stage: int, moved: bool, clip: float, nvme: bool =
         masters = engine.full_state_dict(rank0_only=False)
         return {"losses": losses, "held": held, "grads": grads, "moved": engine._offload.grads.moved_to_host,
                 "masters": {n: masters[n] for n, _ in model.named_parameters()}, "setup_peak": setup_peak,
-                "fp32_bytes": fp32_bytes, "peak": torch.cuda.max_memory_allocated()}
+                "fp32_bytes": fp32_bytes, "peak": torch.cuda.max_memory_allocated() - live, "live": live}
     finally:
         HostGrads._move_to_host, HostGrads._write_reduced = move, write
         if nvme_path is not None:

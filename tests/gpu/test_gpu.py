@@ -109,8 +109,12 @@ def test_steps_started_during_backward_equal_the_inline_step_on_the_gpu(gpu_runs
 @pytest.mark.parametrize("stage", [2, 3])
 def test_the_compiled_host_kernel_follows_the_fused_one_on_the_gpu(gpu_runs, stage):
     """offload_optimizer.host_kernel: compiled: bf16 gradients copied to bf16 pinned buffers (no cast) and stepped
-    by the compiled kernel; started during backward bit for bit its inline step, and within the kernels' rounding
-    of the fused inline step."""
+    by the compiled kernel; started during backward bit for bit its inline step, and following the fused inline
+    step. The kernels round differently (about 1e-9 after a step); once that flips a bf16 weight, Adam's normalised
+    update moves near-zero gradients' weights apart by about the learning rate per step (this model on CPU: 2.4e-7
+    after the first step, 2.0e-3 after six), so the weights are compared to within the steps taken, as in
+    test_offloaded_step_trains_like_the_step_on_the_gpu (tests/offload/test_offload_compiled_kernel.py checks the
+    kernels 1e-5 apart where clipping keeps the gradients away from zero)."""
     inline, early = gpu_runs[f"compiled_zero{stage}_inline"], gpu_runs[f"compiled_zero{stage}_backward"]
     fused = gpu_runs[f"overlap_zero{stage}_pinned_False"]
     assert inline["grad_dtypes"] == ["torch.bfloat16"] and fused["grad_dtypes"] == ["torch.float32"]
@@ -119,8 +123,9 @@ def test_the_compiled_host_kernel_follows_the_fused_one_on_the_gpu(gpu_runs, sta
     for name, value in inline["weights"].items():
         assert torch.equal(early["weights"][name], value), name
         gap = (value.float() - fused["weights"][name].float()).abs().max().item()
-        assert gap < 1e-4, (name, gap)  # fp32 masters: ~1e-9 a step apart
-    assert max(abs(a - b) for a, b in zip(inline["losses"], fused["losses"])) < 1e-2
+        assert gap <= len(inline["losses"]) * 1e-3, (name, gap)  # AdamW, lr 1e-3
+    for a, b in zip(fused["losses"], inline["losses"]):
+        assert abs(a - b) <= 1e-3 * abs(a), (fused["losses"], inline["losses"])
 
 
 @pytest.mark.parametrize("stage", [2, 3])

@@ -75,10 +75,11 @@ def kernel() -> Callable:
     return _compiled
 
 
-def warm_up(field: str, dtypes: Iterable[torch.dtype]) -> None:
-    """Build the kernel now for gradients (and 16-bit shards written through) of each of ``dtypes``, on the
-    training thread: a missing compiler or a failed build is then an error at setup that names ``field``, and the
-    step's thread never compiles."""
+def warm_up(field: str, dtypes: Iterable[torch.dtype], writes_shards: bool = True) -> None:
+    """Build the kernel now for gradients of each of ``dtypes`` (and, ``writes_shards``, for 16-bit shards in host
+    memory written through: a CPU-only run, offload_param cpu), on the training thread: a missing compiler or a
+    failed build is then an error at setup that names ``field``, and the step's thread never compiles. Each variant
+    is a build of its own (seconds, tens of them on a cold cache): shards on an accelerator need no ``out``."""
     if compiler() is None:
         raise RuntimeError(f"{field}: compiled needs a C++ compiler (g++ or clang++, or $CXX) for torch.compile's "
                            "CPU code; none was found on PATH. Install one, or set it to 'fused'")
@@ -86,7 +87,8 @@ def warm_up(field: str, dtypes: Iterable[torch.dtype]) -> None:
     try:
         with torch.no_grad():  # as the step calls it (grad mode is part of what a compiled graph assumes)
             for dtype in set(dtypes):
-                for out in (None,) if dtype == torch.float32 else (None, torch.zeros(numel, dtype=dtype)):
+                through = writes_shards and dtype != torch.float32
+                for out in (None, torch.zeros(numel, dtype=dtype)) if through else (None,):
                     param, grad = torch.zeros(numel), torch.zeros(numel, dtype=dtype)
                     kernel()(param, grad, torch.zeros(numel), torch.zeros(numel), torch.ones(len(SCALARS)), out)
     except Exception as error:  # noqa: BLE001 - whatever the build raised, said with the field and the fix

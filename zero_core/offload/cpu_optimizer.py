@@ -149,7 +149,8 @@ class OptimizerOffload:
         """Move the masters of ``parts`` (at setup, or made trainable later) to the host; with NVMe, write them
         out one piece at a time (only one is in memory at once)."""
         if self.compiled:  # the kernel for these parts' gradient dtype, built now (compiled_adam.py)
-            compiled_adam.warm_up(compiled_adam.FIELD, {part.dtype for part in parts})
+            writes = any(part.swap is None and any(map(self._kernel_writes, part.param_shards())) for part in parts)
+            compiled_adam.warm_up(compiled_adam.FIELD, {part.dtype for part in parts}, writes)
         for part in parts:
             part.on_grad_reduced = self.grad_reduced  # (nvme: written to the file where memory is given back)
             # With the delayed update a master is never the model's shard itself: the thread changes the masters
