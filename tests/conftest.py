@@ -8,9 +8,10 @@ harness; ``launch``: launching scripts and launchers as subprocesses; ``models``
 Imports: no folder is a package. pytest's rootdir-relative "prepend" import mode puts each test file's own folder
 on sys.path and imports it by its basename, so test basenames are unique across folders, and a test module may
 import another test module of its own folder by name. This file puts support/ on sys.path, so a helper is imported
-by its bare name (``from distributed import run_distributed``) from any folder. Spawned ranks (``run_distributed``,
-multiprocessing's spawn) inherit the parent's sys.path and import the worker's module by the same name; scripts
-started as subprocesses get support/ and the repository on PYTHONPATH from ``launch.child_env``.
+by its bare name (``from distributed import run_distributed``) from any folder. Ranks started by ``run_distributed``
+(forks of multiprocessing's fork server, which starts after collection) get the parent's sys.path and import the
+worker's module by the same name; scripts started as subprocesses get support/ and the repository on PYTHONPATH
+from ``launch.child_env``.
 """
 
 import sys

@@ -47,6 +47,12 @@ def exit_silently_on_rank_one(rank, world_size):
     dist.barrier()
 
 
+def report_environment_then_change_state(rank, world_size):
+    seen = {"value": os.environ.get("ZERO_HARNESS_VALUE"), "dtype": torch.get_default_dtype()}
+    torch.set_default_dtype(torch.float64)  # a later run's ranks must not inherit this
+    return seen
+
+
 def assert_no_children():
     assert multiprocessing.active_children() == []
 
@@ -62,6 +68,22 @@ def test_results_come_back_in_rank_order():
         assert result["threads"] == 1
         assert torch.equal(result["value"], torch.full((2,), rank * 2.0 + 10.0))
         assert result["total"] == 0 + 1 + 2
+    assert_no_children()
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_starts_fresh_with_the_environment_as_of_its_start(monkeypatch):
+    """Ranks are forks of a server that imported torch once: each still takes the parent's environment as it is
+    when the rank starts (not as it was when the server started) and none of an earlier rank's state."""
+    monkeypatch.setenv("ZERO_HARNESS_VALUE", "first")
+    first = run_distributed(report_environment_then_change_state, 2, timeout=90)
+    monkeypatch.setenv("ZERO_HARNESS_VALUE", "second")
+    second = run_distributed(report_environment_then_change_state, 2, timeout=90)
+    monkeypatch.delenv("ZERO_HARNESS_VALUE")
+    third = run_distributed(report_environment_then_change_state, 2, timeout=90)
+    for run, value in ((first, "first"), (second, "second"), (third, None)):
+        assert [seen["value"] for seen in run] == [value, value], run
+        assert [seen["dtype"] for seen in run] == [torch.float32, torch.float32], run
     assert_no_children()
 
 
@@ -88,7 +110,7 @@ def test_a_rank_that_exits_without_a_result_is_reported():
 def test_timeout_kills_every_rank_and_names_them(tmp_path):
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] still running"):
-        run_distributed(hang_on_rank_one, 2, str(tmp_path), timeout=30)
+        run_distributed(hang_on_rank_one, 2, str(tmp_path), timeout=15)  # (ranks fork from a warm server)
     assert time.monotonic() - started < 120
     assert_no_children()
     for rank in (0, 1):

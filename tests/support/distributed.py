@@ -1,7 +1,9 @@
 """Run a function on several CPU processes joined by a gloo process group.
 
-Spawning a process costs seconds here (each one imports torch), so tests should loop over many
-configurations inside one call of `run_distributed` rather than spawn once per configuration.
+A fresh interpreter costs seconds here (importing torch and zero_core), so ranks are forked from one server process
+that imported them once (multiprocessing's forkserver, started on first use); a rank's start still costs its test
+module's own imports and the process group's rendezvous, so tests should loop over many configurations inside one
+call of `run_distributed` rather than launch once per configuration.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch.distributed as dist
 from launch import free_port
 
 SEED = 1234
+# What the fork server imports once for every rank it forks
+PRELOAD = ["torch", "torch.distributed", "zero_core"]
 # How long a finished rank may take to exit (destroying its group) before it is killed.
 EXIT_GRACE_S = 10.0
 
@@ -42,10 +46,10 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, nodes: int
 
     Returns each rank's (picklable) return value in rank order. Raises `RankFailed` with the
     traceback of the first rank that raised, or `TimeoutError` naming the ranks still running after
-    `timeout` seconds (counted from the spawn). Every process is gone when this returns or raises.
+    `timeout` seconds (counted from the start). Every process is gone when this returns or raises.
     """
     _check_importable(fn)
-    context = get_context("spawn")
+    context = _context()
     port = free_port()
     ranks = []
     finished = False
@@ -54,7 +58,7 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, nodes: int
             receiver, sender = context.Pipe(duplex=False)
             process = context.Process(
                 target=_worker,
-                args=(fn, rank, world_size, port, timeout, sender, args, kwargs, nodes),
+                args=(fn, rank, world_size, port, timeout, sender, args, kwargs, nodes, dict(os.environ)),
                 name=f"rank{rank}",
                 daemon=True,
             )
@@ -67,6 +71,15 @@ def run_distributed(fn, world_size: int, *args, timeout: float = 120, nodes: int
     finally:
         # After a failure the other ranks may wait forever in a collective: kill them at once.
         _stop(ranks, grace=EXIT_GRACE_S if finished else 0.0)
+
+
+def _context():
+    """Ranks start as forks of one server process that imported torch and zero_core once (multiprocessing's
+    forkserver): a fresh interpreter per rank spent seconds importing them again. The server is started on first
+    use, from this process's sys.path; each rank takes this process's environment as of its start (_worker)."""
+    context = get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    return context
 
 
 def _check_importable(fn) -> None:
@@ -127,7 +140,10 @@ def _stop(ranks, grace: float) -> None:
         receiver.close()
 
 
-def _worker(fn, rank, world_size, port, timeout, sender, args, kwargs, nodes=1) -> None:
+def _worker(fn, rank, world_size, port, timeout, sender, args, kwargs, nodes=1, environ=None) -> None:
+    if environ is not None:  # the parent's environment now, not the fork server's from when it started
+        os.environ.clear()
+        os.environ.update(environ)
     if world_size % nodes:
         raise ValueError(f"run_distributed: {world_size} ranks do not split into {nodes} equal nodes")
     per_node = world_size // nodes
