@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 
 import zero_core
 from distributed import run_distributed
@@ -65,6 +66,27 @@ def test_a_step_in_chunks_is_bit_for_bit_the_whole_step():
         assert torch.equal(a, b)
 
 
+def test_a_one_element_row_steps_as_the_same_element_of_a_longer_row_without_a_new_kernel():
+    """A piece of 65 elements stepped whole, and as the engine's chunks cut it (64, then 1): the same bits, the
+    16-bit ``out`` too; the one-element row builds no kernel of its own (dynamo specialises size 1)."""
+    gen = torch.Generator().manual_seed(2)
+    whole = [torch.randn(65, generator=gen), torch.rand(65, generator=gen), torch.rand(65, generator=gen)]
+    chunked = [tensor.clone() for tensor in whole]
+    grad = torch.randn(65, generator=gen).bfloat16()
+    outs = torch.zeros(65, dtype=torch.bfloat16), torch.zeros(65, dtype=torch.bfloat16)
+    group = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01, "eps": 1e-8, "decoupled_weight_decay": True}
+    scalars = compiled_adam.scalars(group, 2, 0.5)
+    with torch.no_grad():
+        compiled_adam.step(whole[0], grad, whole[1], whole[2], scalars, outs[0])
+        compiled_adam.step(chunked[0][:64], grad[:64], chunked[1][:64], chunked[2][:64], scalars, outs[1][:64])
+        graphs = counters["stats"]["unique_graphs"]
+        compiled_adam.step(chunked[0][64:], grad[64:], chunked[1][64:], chunked[2][64:], scalars, outs[1][64:])
+    assert counters["stats"]["unique_graphs"] == graphs
+    for a, b in zip(whole + [outs[0]], chunked + [outs[1]]):
+        assert torch.equal(a, b)
+    assert not torch.equal(outs[0], torch.zeros(65, dtype=torch.bfloat16))
+
+
 def test_the_estimate_counts_16_bit_host_gradient_buffers():
     config = {"stage": 3, "bf16": {"enabled": True}, "offload_optimizer": {"device": "cpu"}}
     fused = placement_bytes(estimate_stage(10_000, config, 4), config)
@@ -81,6 +103,7 @@ def train(rank: int, config: dict, overlap: bool) -> dict:
     scheduler = make_scheduler(optimizer)
     engine = zero_core.setup(model, optimizer, config)
     engine._offload.overlap = overlap
+    graphs = counters["stats"]["unique_graphs"]  # what dynamo built so far (the kernel: at setup)
     losses = []
     for step in range(STEPS):
         loss = engine.module(*make_batch(MODEL, rank, step, 0, dtype=torch.float16 if "fp16" in config
@@ -93,7 +116,8 @@ def train(rank: int, config: dict, overlap: bool) -> dict:
     result = {"losses": losses, "params": full_params(engine.module),
               "masters": engine.full_state_dict(rank0_only=False), "chunks": offload.chunks_stepped,
               "overlapped": offload.overlapped.overlapped_steps, "early": offload.overlapped.parts_stepped_in_backward,
-              "grad_dtypes": sorted({str(buffer.dtype) for buffer in offload.grads.buffers.values()})}
+              "grad_dtypes": sorted({str(buffer.dtype) for buffer in offload.grads.buffers.values()}),
+              "built_in_training": counters["stats"]["unique_graphs"] - graphs}
     engine.close()
     return result
 
@@ -119,6 +143,13 @@ def kernels_worker(rank, world_size):
             "compiled": train(rank, {**config, "offload_optimizer": compiled}, overlap=False),
             "early": train(rank, {**config, "offload_optimizer": {**compiled, "overlap_with_backward": True}},
                            overlap=True)}
+    # Two torch threads: the step's thread runs one (step_thread.py), and dynamo guards on the count, so setup
+    # built the kernel for both; a step that built it again would take a compile's time (tens of seconds).
+    torch.set_num_threads(2)
+    config = {**SMALL, "stage": 3, **BF16}
+    out["stage 3, two threads"] = {"compiled": train(rank, {**config, "offload_optimizer": compiled}, overlap=False),
+                                   "overlapped": train(rank, {**config, "offload_optimizer": compiled}, overlap=True)}
+    torch.set_num_threads(1)
     return out
 
 
@@ -133,6 +164,12 @@ def test_the_compiled_kernel_trains_as_the_fused_one_and_overlaps_bit_for_bit():
     for rank, out in enumerate(run_distributed(kernels_worker, 2, timeout=400)):
         for case, runs in out.items():
             label = f"rank {rank}, {case}"
+            for name, run in runs.items():  # setup built every kernel the steps ran, on either thread
+                assert run["built_in_training"] == 0, (label, name, run["built_in_training"])
+            if "two threads" in case:
+                assert runs["overlapped"]["overlapped"] == STEPS - 1, (label, runs["overlapped"]["overlapped"])
+                same(label, runs["compiled"], runs["overlapped"])
+                continue
             if "early" in runs:  # started during backward: bit for bit the inline compiled step
                 assert runs["early"]["early"] > 0 and runs["compiled"]["early"] == 0, (label, runs["early"]["early"])
                 same(label, runs["compiled"], runs["early"])

@@ -134,9 +134,9 @@ class _Kernel:
         """The kernel over ``rows`` (per piece: its parameter, gradient, moments and, with amsgrad, its maximum);
         the compiled kernel multiplies each gradient by ``scale`` as it reads it (the fused one takes them scaled)."""
         if self.compiled:
-            fn = compiled_adam.kernel()
             for row, step in zip(rows, steps):  # row[4]: the 16-bit shard the kernel writes too, or None
-                fn(row[0], row[1], row[2], row[3], compiled_adam.scalars(self.group, float(step), scale), row[4])
+                scalars = compiled_adam.scalars(self.group, float(step), scale)
+                compiled_adam.step(row[0], row[1], row[2], row[3], scalars, row[4])
             return
         columns = tuple(zip(*rows))
         maxes = columns[4] if self.amsgrad else ()

@@ -15,8 +15,10 @@ The arithmetic is torch's Adam/AdamW (``torch.optim.Adam`` with ``fused=True``),
 operations differs from torch's fused kernel, so the result is not bit for bit that kernel's (about 1e-9 apart
 after one step; tests/offload/test_offload_compiled_kernel.py). The kernel is elementwise and the engine cuts
 chunks on 64-element boundaries, so a step in other chunks (the overlapped step's) gives the same bits.
-One kernel serves every size (``dynamic=True``); the hyperparameters come in as one small tensor, so a changing
-learning rate does not recompile it.
+One kernel serves every size (``dynamic=True``; a one-element row goes through a two-element copy, :func:`step`);
+the hyperparameters come in as one small tensor, so a changing learning rate does not recompile it. dynamo also
+guards on the calling thread's torch thread count, so setup builds it for the training thread's count and for the
+step's thread's (:func:`warm_up`): no step ever compiles.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ import shutil
 from typing import Callable, Iterable, Optional
 
 import torch
+
+from zero_core.offload.step_thread import step_thread_count
 
 FIELD = "zero_optimization.offload_optimizer.host_kernel"  # what errors name
 
@@ -53,6 +57,27 @@ def _adam(param: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor, sq: torch.
     param.copy_(new_param)
     if out is not None:
         out.copy_(new_param)
+
+
+def step(param: torch.Tensor, grad: torch.Tensor, avg: torch.Tensor, sq: torch.Tensor, h: torch.Tensor,
+         out: Optional[torch.Tensor] = None) -> None:
+    """The compiled kernel over one row of flat tensors (``_adam``'s arguments). dynamo specialises sizes 0 and 1,
+    so a one-element row (a scalar parameter, a chunk's last element of a piece) would build a kernel of its own,
+    on the step's thread and towards dynamo's limit of 8, past which the step fails: it goes through a
+    two-element copy instead. Its element takes the kernel's scalar tail either way (same bits)."""
+    numel = param.numel()
+    if numel == 0:
+        return
+    if numel > 1:
+        kernel()(param, grad, avg, sq, h, out)
+        return
+    rows = [torch.cat([t.reshape(1), t.new_zeros(1)]) for t in (param, grad, avg, sq)]
+    padded_out = None if out is None else torch.empty(2, dtype=out.dtype)
+    kernel()(*rows, h, padded_out)
+    for target, row in zip((param, avg, sq), (rows[0], rows[2], rows[3])):
+        target.copy_(row[:1].view_as(target))
+    if out is not None:
+        out.copy_(padded_out[:1].view_as(out))
 
 
 _compiled: Optional[Callable] = None
@@ -84,16 +109,24 @@ def warm_up(field: str, dtypes: Iterable[torch.dtype], writes_shards: bool = Tru
         raise RuntimeError(f"{field}: compiled needs a C++ compiler (g++ or clang++, or $CXX) for torch.compile's "
                            "CPU code; none was found on PATH. Install one, or set it to 'fused'")
     numel = _WARM_UP_NUMEL
+    threads = torch.get_num_threads()
     try:
-        with torch.no_grad():  # as the step calls it (grad mode is part of what a compiled graph assumes)
-            for dtype in set(dtypes):
-                through = writes_shards and dtype != torch.float32
-                for out in (None, torch.zeros(numel, dtype=dtype)) if through else (None,):
-                    param, grad = torch.zeros(numel), torch.zeros(numel, dtype=dtype)
-                    kernel()(param, grad, torch.zeros(numel), torch.zeros(numel), torch.ones(len(SCALARS)), out)
+        # dynamo guards on the calling thread's torch thread count: a kernel built at the training thread's count
+        # would be built again (tens of seconds on a cold cache) by the first step on the step's thread, which
+        # runs one thread fewer (step_thread.py). So both counts now; the second reuses the first's C++.
+        for count in dict.fromkeys((threads, step_thread_count(threads))):
+            torch.set_num_threads(count)
+            with torch.no_grad():  # as the step calls it (grad mode is part of what a compiled graph assumes)
+                for dtype in set(dtypes):
+                    through = writes_shards and dtype != torch.float32
+                    for out in (None, torch.zeros(numel, dtype=dtype)) if through else (None,):
+                        param, grad = torch.zeros(numel), torch.zeros(numel, dtype=dtype)
+                        kernel()(param, grad, torch.zeros(numel), torch.zeros(numel), torch.ones(len(SCALARS)), out)
     except Exception as error:  # noqa: BLE001 - whatever the build raised, said with the field and the fix
         raise RuntimeError(f"{field}: compiled could not build its kernel with torch.compile "
                            f"({type(error).__name__}: {str(error)[-400:]}); set it to 'fused'") from error
+    finally:
+        torch.set_num_threads(threads)
 
 
 def scalars(group: dict, step: float, scale: float) -> torch.Tensor:

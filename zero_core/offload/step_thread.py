@@ -14,6 +14,11 @@ def use_threads(count: int) -> None:
     torch.set_num_threads(count)
 
 
+def step_thread_count(threads: int) -> int:
+    """The torch CPU threads of a host step's thread beside a training thread of ``threads``."""
+    return max(1, threads - 1)
+
+
 def host_step_pool(name: str) -> ThreadPoolExecutor:
     """One worker thread whose torch CPU kernels use one thread fewer than the training thread's. torch's CPU
     kernels split their work evenly over their threads, so one of them sharing a core with the training thread
@@ -21,7 +26,7 @@ def host_step_pool(name: str) -> ThreadPoolExecutor:
     chunk of it."""
     threads = torch.get_num_threads()
     pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name, initializer=use_threads,
-                              initargs=(max(1, threads - 1),))
+                              initargs=(step_thread_count(threads),))
     pool.submit(lambda: None).result()  # the thread has set its own count: now put back torch's process-wide
     torch.set_num_threads(threads)  # default, which setting a count also changes
     return pool
