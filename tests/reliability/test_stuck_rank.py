@@ -60,7 +60,10 @@ def train(rank: int, release: Path, stuck) -> dict:
         except RuntimeError as error:
             release.touch()
             if release.with_suffix(".pid").exists():
-                os.kill(int(release.with_suffix(".pid").read_text()), signal.SIGCONT)
+                try:
+                    os.kill(int(release.with_suffix(".pid").read_text()), signal.SIGCONT)
+                except ProcessLookupError:
+                    pass  # another waiting rank continued it first, and it has returned and exited
             return {"error": str(error), "seconds": time.monotonic() - started,
                     "named": [(str(w.message), time.monotonic()) for w in caught if "stuck or slow" in str(w.message)]}
     return {"weights": [p.detach().clone() for _, p in engine.iter_full_params()]}
