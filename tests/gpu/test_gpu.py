@@ -152,7 +152,8 @@ def test_gradients_leave_the_gpu_once_copied_to_the_host(gpu_runs, stage, clip):
         assert gap <= (0.0 if exact else steps * 1e-3), (name, gap)
     for a, b in zip(moved["grads"], kept["grads"]):
         assert torch.equal(a, b) if exact else torch.allclose(a, b, rtol=1e-2, atol=1e-4)
-    assert moved["setup_peak"] <= 1.25 * moved["fp32_bytes"] + 2**20, (moved["setup_peak"], moved["fp32_bytes"])
+    assert moved["setup_peak"] <= 1.25 * moved["fp32_bytes"] + 2**20, (  # over what earlier runs left live
+        moved["setup_peak"], moved["fp32_bytes"], moved["live"])
     print(f"stage {stage}, clip {clip}: peak GPU bytes in training {moved['peak']} moved, {kept['peak']} kept")
 
 
