@@ -178,3 +178,13 @@ def test_gather_names_a_missing_node_and_a_node_directory_alone_is_refused(saved
         main(["consolidate", str(root / "node1" / "ckpt" / "stage2"), str(root / "alone")])
     with pytest.raises(SystemExit, match=r"directories of node\(s\) \[1\] are missing"):
         main(["gather", str(root / "node0" / "ckpt" / "stage2"), "--out", str(root / "partial")])
+
+
+def test_the_command_s_help_names_gather(capsys):
+    """gather is parsed apart from jsonargparse's subcommands: the top-level help still lists it."""
+    from zero_core.checkpoint.cli import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(["--help"])
+    assert exited.value.code == 0
+    assert "gather NODE_DIR... --out CKPT" in capsys.readouterr().out

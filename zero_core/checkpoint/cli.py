@@ -126,8 +126,14 @@ def main(args: Optional[list[str]] = None) -> None:
         if args[:1] == ["gather"]:
             gather(args[1:])
             return
-        auto_cli({"consolidate": consolidate, "inspect": inspect, "export-optimizer": export_optimizer,
-                  "convert": convert}, args=args)
+        try:
+            auto_cli({"consolidate": consolidate, "inspect": inspect, "export-optimizer": export_optimizer,
+                      "convert": convert}, args=args)
+        except SystemExit:
+            if args[:1] in (["-h"], ["--help"]):  # gather is argparse's, outside jsonargparse's subcommands
+                print("\n  also: gather NODE_DIR... --out CKPT   Join node-local checkpoint directories into one "
+                      "(zero-checkpoint gather --help).")
+            raise
     except (CheckpointError, FileNotFoundError) as error:  # a bad checkpoint is the user's news, not a bug
         sys.exit(f"zero-checkpoint: error: {error}")
 
