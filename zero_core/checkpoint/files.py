@@ -75,6 +75,7 @@ def write_safetensors(path: Path, entries: Sequence[tuple[str, Union[torch.Tenso
                 crc = zlib.crc32(raw_data, crc)
                 size += len(raw_data)
             crcs[key] = crc
+            part = raw_data = None  # a streamed tensor's memory may go before the stream makes the next one
         f.flush()
         os.fsync(f.fileno())
     return {"bytes": size, "sha256": digest.hexdigest(), "crc32": crcs}

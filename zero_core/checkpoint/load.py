@@ -19,7 +19,7 @@ from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import agree, gather_json, run_agreed
 from zero_core.checkpoint import foreign
 from zero_core.checkpoint.format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
-from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases, trainable_shapes
+from zero_core.checkpoint.model_info import persistent_replicated_layout, tied_aliases, trainable_shapes
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
 from zero_core.checkpoint.sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
 from zero_core.checkpoint.values import load_client_state
@@ -172,8 +172,8 @@ def _optimizer_matches(engine, manifest: dict, strict: bool) -> bool:
 
 def _load(engine, source, optimizer, strict: bool) -> None:
     model_shapes = trainable_shapes(engine)
-    replicated = persistent_replicated_state(engine)  # a collective in stage 3 (frozen parameters are gathered)
-    model_shapes.update({n: list(t.shape) for n, t in replicated.items()})
+    replicated = persistent_replicated_layout(engine)  # names and whole shapes: nothing gathered
+    model_shapes.update({n: list(shape) for n, (shape, _) in replicated.items()})
     run_agreed(engine, _match, source, model_shapes, tied_aliases(engine.module), strict)
     names = _source_names(source, engine.module)
     run_agreed(engine, _load_fragments, engine, source, optimizer, names, strict)

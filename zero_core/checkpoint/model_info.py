@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Iterator
+
+import torch
 from torch import nn
 
 from zero_core.checkpoint.collective import gather_json
@@ -26,10 +29,19 @@ def non_persistent_buffers(module: nn.Module) -> set[str]:
     return names
 
 
-def persistent_replicated_state(engine) -> dict:
-    """The engine's replicated state (buffers, parameters outside the optimizer), minus non-persistent buffers."""
+def persistent_replicated_layout(engine) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Name -> (whole shape, dtype) of the engine's replicated state (buffers, parameters outside the optimizer)
+    that a checkpoint keeps (not non-persistent buffers), in the order :func:`iter_persistent_replicated` yields
+    them. No collective: nothing is gathered."""
     skip = non_persistent_buffers(engine.module)
-    return {name: tensor for name, tensor in engine.replicated_state().items() if name not in skip}
+    return {name: layout for name, layout in engine.replicated_layout().items() if name not in skip}
+
+
+def iter_persistent_replicated(engine) -> Iterator[tuple[str, torch.Tensor]]:
+    """That state one item at a time, whole: in stage 3 frozen parameters are gathered one unit at a time (a
+    collective: every rank walks it to the end; copy what you keep before the next item)."""
+    skip = non_persistent_buffers(engine.module)
+    yield from ((name, tensor) for name, tensor in engine.iter_replicated() if name not in skip)
 
 
 def trainable_shapes(engine) -> dict[str, list[int]]:

@@ -32,7 +32,7 @@ from zero_core.checkpoint.format import (
     FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
     tensor_key, write_json,
 )
-from zero_core.checkpoint.model_info import persistent_replicated_state, tied_aliases
+from zero_core.checkpoint.model_info import iter_persistent_replicated, persistent_replicated_layout, tied_aliases
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_not_shared, leave_probe, node_place
 from zero_core.checkpoint.values import encode_hyperparameters, encode_value, save_client_state
 from zero_core.optim.weights_ema import EMA_KIND
@@ -66,25 +66,25 @@ def _save(engine, path: Path, client_state: Optional[Any]) -> None:
         run_agreed(engine, leave_probe, path, token, place, leader)
         run_agreed(engine, check_not_shared, path, token, place, leader)
     with staged_together(engine, staged, leader) as temp:
-        replicated = persistent_replicated_state(engine)  # on every rank: a collective in stage 3
-        report = run_agreed(engine, _write_rank, engine, temp, client_state, replicated if leader else None)
+        report = run_agreed(engine, _write_rank, engine, temp, client_state, leader)
+        replicated = run_agreed(engine, _write_replicated, engine, temp, leader)  # stage 3: gathers, every rank
+        if replicated is not None:
+            report["replicated"], report["files"][REPLICATED] = replicated
         reports = gather_json(engine, report)
         node = None if place is None else {"place": place, "save_id": token}
         run_agreed(engine, _finish, engine, reports, staged, leader, node)
 
 
-def _write_rank(engine, temp: Path, client_state: Any, replicated: Optional[dict]) -> dict:
-    """Write this rank's shard file (and on rank 0 the replicated and client state); describe what was written."""
+def _write_rank(engine, temp: Path, client_state: Any, leader: bool) -> dict:
+    """Write this rank's shard file (and on rank 0 the client state); describe what was written."""
     name = shard_file(engine.topology.rank, engine.topology.world_size)
     entries, fragments, plan = _fragment_entries(engine, name)
     with contextlib.closing(_fragment_tensors(engine, plan)) as data:
         info = write_safetensors(temp / name, entries, {"format": "pt"}, data)
     _add_crcs(fragments, info["crc32"])
     report = {"fragments": fragments, "files": {name: _file_entry(info)}}
-    if replicated is not None:  # rank 0
-        report["replicated"], report["files"][REPLICATED] = _write_replicated(replicated, temp)
-        if client_state is not None:
-            report["files"].update(save_client_state(temp, client_state))
+    if leader and client_state is not None:
+        report["files"].update(save_client_state(temp, client_state))
     return report
 
 
@@ -165,10 +165,22 @@ def _file_entry(info: dict) -> dict:
     return {"bytes": info["bytes"], "sha256": info["sha256"]}
 
 
-def _write_replicated(state: dict, temp: Path) -> tuple[list, dict]:
-    info = write_safetensors(temp / REPLICATED, list(state.items()), {"format": "pt"})
-    described = [{"name": name, "shape": list(t.shape), "dtype": dtype_name(t.dtype), "key": name,
-                  "crc32": info["crc32"][name]} for name, t in state.items()]
+def _write_replicated(engine, temp: Path, leader: bool) -> Optional[tuple[list, dict]]:
+    """The buffers and the parameters outside the optimizer into the replicated file (rank 0 writes it; in stage
+    3 every rank takes part in gathering the frozen parameters). Streamed: a frozen unit is gathered, written and
+    released before the next, so a model whose frozen base is most of it (LoRA) is never whole on a rank."""
+    layout = persistent_replicated_layout(engine)
+    items = iter_persistent_replicated(engine)
+    try:
+        if not leader:
+            return None
+        entries = [(name, Pending(dtype, tuple(shape))) for name, (shape, dtype) in layout.items()]
+        info = write_safetensors(temp / REPLICATED, entries, {"format": "pt"}, items)
+    finally:
+        for _ in items:  # the gathers to the end on every rank, also after a failed write (the others wait in them)
+            pass
+    described = [{"name": name, "shape": list(shape), "dtype": dtype_name(dtype), "key": name,
+                  "crc32": info["crc32"][name]} for name, (shape, dtype) in layout.items()]
     return described, _file_entry(info)
 
 

@@ -432,6 +432,15 @@ class ZeroEngine:
         parameters are partitioned and get gathered (all of them at once) into copies."""
         return self.runtime.replicated_state()
 
+    def replicated_layout(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Name -> (whole shape, dtype) of the replicated state, in :meth:`iter_replicated`'s order; no collective."""
+        return self.runtime.replicated_layout()
+
+    def iter_replicated(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The replicated state one item at a time, whole: in stage 3 frozen parameters are gathered one unit at
+        a time (a collective: call on every rank; copy what you keep before the next item)."""
+        yield from self.runtime.iter_replicated()
+
     def offload_resident(self, fragments: Optional[list[Fragment]] = None, state: bool = True, write: bool = True):
         """A context in which NVMe-offloaded masters and optimizer state are in memory (a no-op otherwise):
         wrap direct reads of ``fragments()`` / ``optimizer_state_of`` with it. Given ``fragments``: only their

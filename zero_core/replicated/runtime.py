@@ -195,10 +195,16 @@ class ReplicatedParamsRuntime:
 
     def replicated_state(self) -> dict[str, torch.Tensor]:
         """Buffers and parameters outside every optimizer group: identical on every rank, not sharded."""
+        return dict(self.iter_replicated())
+
+    def replicated_layout(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        return {name: (t.shape, t.dtype) for name, t in self.iter_replicated()}
+
+    def iter_replicated(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """What :meth:`replicated_state` holds, one item at a time (no collective: all of it is whole here)."""
         managed = {id(p) for p in self.managed_params()}
-        state = {n: p for n, p in self.module.named_parameters() if id(p) not in managed}
-        state.update(dict(self.module.named_buffers()))
-        return state
+        yield from ((n, p) for n, p in self.module.named_parameters() if id(p) not in managed)
+        yield from self.module.named_buffers()
 
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         yield from self.module.named_parameters()

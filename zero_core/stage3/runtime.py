@@ -477,12 +477,20 @@ class PartitionedParamsRuntime(UnitSetup, GradientReduction):
         self.use.active.clear()
 
     def replicated_state(self) -> dict[str, torch.Tensor]:
-        """Buffers, plus frozen parameters gathered into whole copies (they are partitioned in stage 3)."""
-        state = {}
-        for name, param in self.iter_full_params(frozen_only=True):
-            state[name] = param.detach().clone()
-        state.update(dict(self.module.named_buffers()))
-        return state
+        """Buffers, plus frozen parameters gathered into whole copies (they are partitioned in stage 3): all of
+        them at once; :meth:`iter_replicated` holds one unit at a time."""
+        frozen = {name: param.detach().clone() for name, param in self.iter_full_params(frozen_only=True)}
+        return {**frozen, **dict(self.module.named_buffers())}
+
+    def replicated_layout(self) -> dict[str, tuple[torch.Size, torch.dtype]]:
+        """Frozen parameters' whole shapes (a released parameter keeps its shape) and buffers', no collective."""
+        frozen = [(n, p) for unit in self.units if not unit.trainable for n, p in zip(unit.names, unit.params)]
+        return {name: (t.shape, t.dtype) for name, t in [*frozen, *self.module.named_buffers()]}
+
+    def iter_replicated(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Frozen parameters, gathered one unit at a time (a collective), then buffers."""
+        yield from self.iter_full_params(frozen_only=True)
+        yield from self.module.named_buffers()
 
     def iter_full_params(self, frozen_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
         """Each parameter whole, one unit gathered at a time (copy what you keep before the next item)."""
