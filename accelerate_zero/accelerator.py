@@ -315,9 +315,11 @@ class ZeroAccelerator(Accelerator):
     def save_state(self, output_dir=None, safe_serialization: bool = True, **save_model_func_kwargs):
         if not self._managed:
             return super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
+        # DeepSpeed's save_checkpoint keyword, which Accelerate passes through to it (the HF Trainer does, for PEFT)
+        exclude_frozen = bool(save_model_func_kwargs.pop("exclude_frozen_parameters", False))
         with self._accelerate_objects_only():
             location = super().save_state(output_dir, safe_serialization, **save_model_func_kwargs)
-        state_io.save_engines(self, location)
+        state_io.save_engines(self, location, exclude_frozen_parameters=exclude_frozen)
         return location
 
     def load_state(self, input_dir=None, load_kwargs=None, **load_model_func_kwargs):

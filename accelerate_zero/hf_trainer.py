@@ -8,10 +8,11 @@ wrapped, for trainers whose model runs under a ZeRO engine (any other trainer ru
 
 - ``save_model``: every rank joins ``engine.full_state_dict()`` (the fp32 master weights, as a DDP model holds
   them); rank 0 writes them with ``save_pretrained``, as for DeepSpeed, and ``config.json`` names their dtype
-  (fp32; ``save_pretrained`` would name the model's 16-bit one).
+  (fp32; ``save_pretrained`` would name the model's 16-bit one). A PEFT model at stage 3: the trained parameters
+  alone (``exclude_frozen_parameters``, what transformers asks DeepSpeed for), so the frozen base is not gathered.
 - ``_save_optimizer_and_scheduler``: every rank writes the engine's sharded checkpoint (fp32 masters, optimizer
-  state, fp16 loss scale) into ``checkpoint-N/zero_model``, as ``accelerator.save_state`` does; rank 0 saves
-  the scheduler. There is no ``optimizer.pt``.
+  state, fp16 loss scale) into ``checkpoint-N/zero_model``, as ``accelerator.save_state`` does (for a PEFT model
+  without the frozen base, as transformers saves DeepSpeed's); rank 0 saves the scheduler. No ``optimizer.pt``.
 - ``_load_optimizer_and_scheduler``: every rank loads ``zero_model`` (resharding when the world size or stage
   changed), or, from a checkpoint written by plain DDP, the whole ``optimizer.pt`` with ``model.safetensors``;
   then the scheduler.
@@ -91,13 +92,25 @@ def _managed(trainer):
 
 def save_model(trainer, managed, output_dir: Optional[str] = None, _internal_call: bool = False) -> None:
     output_dir = output_dir if output_dir is not None else trainer.args.output_dir
-    state_dict = managed.engine.full_state_dict(rank0_only=True)  # a collective; {} on other ranks
+    # a collective; {} on other ranks. A LoRA adapter at stage 3: its trained weights alone, as transformers asks
+    # DeepSpeed for (save_pretrained keeps the adapter's keys only), so the frozen base is never gathered
+    exclude = _is_peft(trainer.model) and managed.engine.config.stage == 3
+    state_dict = managed.engine.full_state_dict(rank0_only=True, exclude_frozen_parameters=exclude)
     dtype = _floating_dtype(state_dict)  # before _save: save_pretrained empties the dict as it writes
     trainer._save(output_dir, state_dict=state_dict)
     if trainer.args.should_save and dtype is not None:
         _name_saved_dtype(Path(output_dir), dtype)
     if trainer.args.push_to_hub and not _internal_call:
         trainer.push_to_hub(commit_message="Model save", revision=trainer.args.hub_revision)
+
+
+def _is_peft(model) -> bool:
+    """Whether ``model`` is a PEFT model (transformers' own test: its checkpoints then leave the base out)."""
+    if "peft" not in sys.modules:
+        return False
+    from peft import PeftMixedModel, PeftModel
+
+    return isinstance(model, (PeftModel, PeftMixedModel))
 
 
 def _floating_dtype(state_dict: dict) -> Optional[torch.dtype]:
@@ -137,7 +150,8 @@ def save_optimizer(trainer, managed, output_dir: str) -> None:
 
     # every rank: zero_model/ and zero_state.json, with the Trainer's accumulation (its Accelerator's is 1)
     save_engines(trainer.accelerator, output_dir,
-                 batch_record(trainer.accelerator.num_processes, trainer.args.gradient_accumulation_steps))
+                 batch_record(trainer.accelerator.num_processes, trainer.args.gradient_accumulation_steps),
+                 exclude_frozen_parameters=_is_peft(trainer.model))  # as transformers saves DeepSpeed's, for PEFT
     if trainer.args.should_save and trainer.lr_scheduler is not None:
         torch.save(trainer.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
 

@@ -44,17 +44,20 @@ def _positions(accelerator) -> list[tuple[object, int, list[Optional[int]]]]:
     return out
 
 
-def save_engines(accelerator, directory, global_batch: Optional[dict] = None) -> None:
+def save_engines(accelerator, directory, global_batch: Optional[dict] = None,
+                 exclude_frozen_parameters: bool = False) -> None:
     """Every rank: one sharded checkpoint per ZeRO model, then rank 0 writes ``zero_state.json`` (with
     ``checkpoint.use_node_local_storage``: each machine's first process, into its own directory).
-    ``global_batch``: elastic.py's record, when the accumulation is not the Accelerator's (the HF Trainer's)."""
+    ``global_batch``: elastic.py's record, when the accumulation is not the Accelerator's (the HF Trainer's).
+    ``exclude_frozen_parameters`` (DeepSpeed's save_checkpoint keyword): the models' untrained parameters are
+    left out."""
     from zero_core import save_checkpoint
 
     directory = Path(directory)
     entries = []
     for managed, model_index, opt_indices in _positions(accelerator):
         name = zero_dir_name(model_index)
-        save_checkpoint(managed.engine, directory / name)
+        save_checkpoint(managed.engine, directory / name, exclude_frozen_parameters=exclude_frozen_parameters)
         entries.append({"dir": name, "model_index": model_index, "optimizer_indices": opt_indices,
                         "stage": managed.engine.config.stage})
     # node-local checkpoints: every machine's directory is its own, so each machine's first process records it

@@ -72,9 +72,10 @@ def restore_averaged(client_state: dict, module) -> dict:
     return client_state
 
 
-def save_sharded(engine, checkpoint: dict, path: Path) -> None:
+def save_sharded(engine, checkpoint: dict, path: Path, exclude_frozen_parameters: bool = False) -> None:
     """Every rank calls; the directory appears at ``path`` when complete."""
-    zero_core.save_checkpoint(engine, path, client_state=client_state_of(checkpoint))
+    zero_core.save_checkpoint(engine, path, client_state=client_state_of(checkpoint),
+                              exclude_frozen_parameters=exclude_frozen_parameters)
 
 
 def load_sharded(engine, path: Path, load_optimizer: bool, strict: bool) -> dict:

@@ -73,6 +73,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         timeout: Optional[timedelta] = default_pg_timeout,
         state_dict_type: StateDictType = "full",
         activation_checkpointing_policy: Optional[Policy] = None,
+        exclude_frozen_parameters: bool = False,
         allgather_bucket_size: Optional[int] = None,
         reduce_bucket_size: Optional[int] = None,
         allgather_partitions: Optional[bool] = None,
@@ -103,6 +104,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         self.zero_config = apply_deepspeed_args(base_config(stage, config), keywords, "ZeroFabricStrategy")
         self.state_dict_type = checked_state_dict_type(state_dict_type)
         self.activation_checkpointing_policy = check_policy(activation_checkpointing_policy, "ZeroFabricStrategy")
+        self.exclude_frozen_parameters = bool(exclude_frozen_parameters)  # DeepSpeed's: checkpoints only
         self._backward_sync_control = _EngineSyncControl(self)
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -213,7 +215,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         engine = self._require_engine()
         client = {k: v for k, v in state.items() if not self._is_engine_object(v)}
         client = self._convert_stateful_objects_in_state(client, filter={})
-        checkpoint_io.save_sharded(engine, client, Path(self.broadcast(str(path))))
+        checkpoint_io.save_sharded(engine, client, Path(self.broadcast(str(path))), self.exclude_frozen_parameters)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
         path = Path(self.broadcast(str(path)))

@@ -103,6 +103,7 @@ class ZeroStrategy(DDPStrategy):
         resume: Optional[str] = None,
         activation_checkpointing_policy: Optional[Policy] = None,
         keep_global_batch: bool = True,
+        exclude_frozen_parameters: bool = False,
         allgather_bucket_size: Optional[int] = None,
         reduce_bucket_size: Optional[int] = None,
         allgather_partitions: Optional[bool] = None,
@@ -146,6 +147,7 @@ class ZeroStrategy(DDPStrategy):
         self.resume = None if resume is None else os.fspath(resume)
         self.activation_checkpointing_policy = check_policy(activation_checkpointing_policy, "ZeroStrategy")
         self.keep_global_batch = bool(keep_global_batch)
+        self.exclude_frozen_parameters = bool(exclude_frozen_parameters)  # DeepSpeedStrategy's: checkpoints only
         self._forward_redirection = _ForwardRedirection()
         self._engine: Optional[zero_core.ZeroEngine] = None
 
@@ -392,7 +394,7 @@ class ZeroStrategy(DDPStrategy):
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is not None:  # what a resume at another world size needs to keep the global batch
             checkpoint[GLOBAL_BATCH_KEY] = batch_plan(self.world_size, trainer.accumulate_grad_batches)
-        checkpoint_io.save_sharded(self._engine, checkpoint, path)
+        checkpoint_io.save_sharded(self._engine, checkpoint, path, self.exclude_frozen_parameters)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if getattr(self, "_resumed_from", None) is not None:

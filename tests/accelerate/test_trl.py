@@ -129,6 +129,20 @@ def test_a_lora_adapter_saved_by_save_model_equals_ddps_and_loads_with_peft(runs
         assert torch.equal(loaded[key], tensor), name
 
 
+def test_an_adapter_trainers_checkpoint_leaves_the_base_out_and_resumes_to_the_same_adapter(runs):
+    """The plain Trainer with a LoRA adapter saves at steps 2 and 4; its zero_model holds the adapter alone (the
+    frozen base excluded, as transformers has DeepSpeed exclude it for PEFT), and a new trainer resumed from step 2
+    ends at step 4 with the adapter the run ended with, bit for bit."""
+    result = runs["zero3_autocast_hfpeft"]["result"]
+    assert result["saved"] and all("lora_" in name for name in result["saved"]), result["saved"]
+    assert result["replicated"] == [] or all("lora_" not in name and "weight" not in name
+                                             for name in result["replicated"]), result["replicated"]
+    assert any("embed_tokens" in name for name in result["excluded"]), result["excluded"]
+    assert not any("lora_" in name for name in result["excluded"])
+    assert result["resumed_adapter_equal"]
+    assert result["save_state_excluded"] == result["excluded"]  # accelerator.save_state(exclude_frozen_parameters=)
+
+
 @pytest.mark.parametrize("name", [name for name in (*DDP_RUNS, *ZERO_RUNS) if not name.startswith("zero3")])
 def test_save_pretrained_on_rank_0_alone_saves_under_ddp_and_at_stage_2(runs, name):
     assert runs[name]["result"]["rank0_save_error"] is None  # every rank holds the whole model

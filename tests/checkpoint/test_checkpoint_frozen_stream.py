@@ -31,12 +31,12 @@ def _model(seed: int) -> torch.nn.Module:
     return torch.nn.Sequential(base, torch.nn.Linear(WIDTH, 4))
 
 
-def _engine(seed: int):
+def _engine(seed: int, stage: int = 3):
     import zero_core
 
     model = _model(seed)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    config = {"stage": 3, "param_persistence_threshold": 0}
+    config = {"stage": stage, "param_persistence_threshold": 0}
     return zero_core.setup(model, torch.optim.AdamW(trainable, lr=1e-2), config)
 
 
@@ -110,3 +110,60 @@ def test_frozen_parameters_are_saved_one_unit_at_a_time_and_load_back():
         # a layer is 4 MiB (gathered, and the gather's buffers); holding the frozen base rose by 130 MB on rank 0
         assert min(result["rises"]) < FROZEN_BYTES // 4, (rank, result["rises"], FROZEN_BYTES)
         assert result["failed"] is not None and "No space left on device" in result["failed"], (rank, result)
+
+
+def _excluding_worker(rank: int, world_size: int, directory: str, stage: int) -> dict:
+    import json
+
+    from zero_core import GatheredParameters
+    from zero_core.checkpoint import load_checkpoint, save_checkpoint
+
+    engine = _engine(seed=0, stage=stage)
+    x = torch.randn(2, WIDTH, generator=torch.Generator().manual_seed(rank))
+    engine.backward(engine.module(x).square().mean())
+    engine.step()
+    frozen_gathers = []
+    if stage == 3:  # count the gathers of frozen units from here on
+        gather = engine.runtime._gather
+
+        def counting(unit, *args, **kwargs):
+            if not unit.trainable:
+                frozen_gathers.append(unit)
+            return gather(unit, *args, **kwargs)
+
+        engine.runtime._gather = counting
+    path = Path(directory) / f"lora{stage}"
+    save_checkpoint(engine, path, exclude_frozen_parameters=True)
+    states = [engine.full_state_dict(masters=m, exclude_frozen_parameters=True) for m in (True, False)]
+    gathered_frozen = len(frozen_gathers)
+
+    resumed = _engine(seed=0, stage=stage)  # the same base, as from the pretrained files; another head
+    with GatheredParameters(list(resumed.module[1].parameters()), modifier_rank=0):
+        torch.nn.init.normal_(resumed.module[1].weight)
+    load_checkpoint(resumed, path)  # strict: the base is left out on purpose, not missing
+    with GatheredParameters(list(engine.module.parameters()) + list(resumed.module.parameters())):
+        equal = all(torch.equal(a, b) for a, b in zip(engine.module.parameters(), resumed.module.parameters()))
+        head = {k: v.detach().clone() for k, v in engine.module[1].state_dict().items()}
+    manifest = json.loads((path / "manifest.json").read_text())
+    return {"equal": equal, "gathered_frozen": gathered_frozen, "manifest": manifest,
+            "keys": [sorted(s) for s in states], "head": head, "states": states,
+            "bytes": sum(f.stat().st_size for f in path.iterdir())}
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("stage", [2, 3])
+def test_exclude_frozen_parameters_leaves_the_base_out_ungathered_and_resumes(stage):
+    with tempfile.TemporaryDirectory() as directory:
+        results = run_distributed(_excluding_worker, 2, directory, stage, timeout=200)
+    base = [f"0.{i}.weight" for i in range(LAYERS)]
+    for rank, result in enumerate(results):
+        assert result["equal"], rank  # the head loaded, the base kept as the model had it
+        assert result["gathered_frozen"] == 0, result["gathered_frozen"]  # at stage 3: nothing of the base moved
+        assert sorted(result["manifest"]["excluded_frozen_parameters"]) == sorted(base)
+        assert result["manifest"]["replicated"] == []
+        assert result["bytes"] < FROZEN_BYTES // 16, result["bytes"]  # the head and its Adam state only
+    states, head = results[0]["states"], results[0]["head"]
+    for state in states:  # on rank 0: the head alone, its masters (fp32 here) and the model's own values alike
+        assert sorted(state) == ["1.bias", "1.weight"]
+        assert all(torch.equal(state[f"1.{k}"], head[k]) for k in ("weight", "bias"))
+    assert results[1]["states"] == [{}, {}]

@@ -30,6 +30,13 @@ def test_full_state_dict_is_ddps_on_rank_0_and_empty_elsewhere(out, stage):
     assert load_rank(out, f"state_dict_{stage}", rank=1) == {}
 
 
+def test_exclude_frozen_parameters_leaves_the_frozen_embedding_out_and_resumes(out):
+    for rank in (0, 1):
+        result = load_rank(out, "excluded", rank=rank)
+        assert result["excluded"] == ["model.pos.weight"], result
+        assert result["equal"], rank
+
+
 def test_sharded_state_dict_is_empty(out):
     assert load_rank(out, "state_dict_zero3_sharded", rank=0) == {}
     assert load_rank(out, "state_dict_zero3_sharded", rank=1) == {}

@@ -25,6 +25,7 @@ FORMAT = "zero-checkpoint"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 REPLICATED = "replicated.safetensors"
+EXCLUDED = "excluded_frozen_parameters"  # the manifest's list of parameters a save left out (exclude_frozen_parameters)
 CLIENT_STATE = "client_state.pt"
 CLIENT_TENSORS = "client_state.safetensors"
 MASTER_KIND = "fp32"  # the tensor kind of fp32 master weights; optimizer state kinds are the state keys

@@ -34,9 +34,11 @@ def state_dict_entries(module: nn.Module, prefix: str = "") -> Iterator[tuple[st
             yield from state_dict_entries(child, f"{prefix}{name}.")
 
 
-def full_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def full_state_dict(engine: CheckpointedEngine, rank0_only: bool = True,
+                    exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
     """The whole model state as CPU tensors; ``{}`` on ranks other than 0 when ``rank0_only``. A collective:
-    every rank of the engine calls it, at the same point."""
+    every rank of the engine calls it, at the same point. ``exclude_frozen_parameters``: without the parameters
+    the engine does not train (nothing of them is gathered: a LoRA run's base model)."""
     keep = not rank0_only or engine.topology.rank == 0
     fragments = defaultdict(list)
     for fragment in engine.fragments():
@@ -46,29 +48,39 @@ def full_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict
     for name, param in engine.module.named_parameters():
         if id(param) in trainable:
             value = _master_value(engine, param, fragments[name])
+        elif exclude_frozen_parameters:
+            continue
         else:
             value = _model_value(engine, param)
         if keep:
             values[id(param)] = value
-    if not keep:
-        return {}
-    return {key: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
-            for key, t in state_dict_entries(engine.module)}
+    return _in_state_dict_order(engine.module, values) if keep else {}
 
 
-def live_state_dict(engine: CheckpointedEngine, rank0_only: bool = True) -> dict[str, torch.Tensor]:
+def live_state_dict(engine: CheckpointedEngine, rank0_only: bool = True,
+                    exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
     """The model's own values (the training dtype, not the fp32 masters) as CPU tensors, in
     ``module.state_dict()``'s order; ``{}`` on ranks other than 0 when ``rank0_only``. A collective at stage 3,
-    where each unit is gathered in turn."""
+    where each unit is gathered in turn (``exclude_frozen_parameters``: only the trained parameters')."""
     keep = not rank0_only or engine.topology.rank == 0
     gathered = {}
-    for _, param in engine.iter_full_params():  # every rank walks it: each item is a collective gather
+    if exclude_frozen_parameters:
+        trained = {id(p) for p in engine.trainable_params()}
+        items = ((param, _model_value(engine, param)) for param in engine.module.parameters() if id(param) in trained)
+    else:  # every rank walks it: each item is a collective gather
+        items = ((param, param.detach().to("cpu", copy=True)) for _, param in engine.iter_full_params())
+    for param, value in items:
         if keep:
-            gathered[id(param)] = param.detach().to("cpu", copy=True)
-    if not keep:
-        return {}
-    return {key: gathered[id(t)] if id(t) in gathered else t.detach().to("cpu", copy=True)
-            for key, t in state_dict_entries(engine.module)}
+            gathered[id(param)] = value
+    return _in_state_dict_order(engine.module, gathered) if keep else {}
+
+
+def _in_state_dict_order(module: nn.Module, values: dict[int, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``module.state_dict()``'s keys, with ``values`` (by parameter id) for parameters and CPU copies of the
+    buffers; a parameter missing from ``values`` (left out: exclude_frozen_parameters) is left out."""
+    params = {id(p) for p in module.parameters()}
+    return {key: values[id(t)] if id(t) in values else t.detach().to("cpu", copy=True)
+            for key, t in state_dict_entries(module) if id(t) in values or id(t) not in params}
 
 
 def _master_value(engine, param: nn.Parameter, fragments: list) -> torch.Tensor:

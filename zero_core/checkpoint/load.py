@@ -18,7 +18,9 @@ from zero_core.arg_checks import check_engine
 from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import agree, gather_json, run_agreed
 from zero_core.checkpoint import foreign
-from zero_core.checkpoint.format import CLIENT_STATE, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest
+from zero_core.checkpoint.format import (
+    CLIENT_STATE, EXCLUDED, MASTER_KIND, CheckpointMismatchError, PathLike, optimizer_classes, read_manifest,
+)
 from zero_core.checkpoint.model_info import persistent_replicated_layout, tied_aliases, trainable_shapes
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_loadable_here, files_to_verify, node_place
 from zero_core.checkpoint.sources import HF_INDEX, FullStateSource, PlainOptimizerSource, ShardedSource
@@ -174,6 +176,9 @@ def _load(engine, source, optimizer, strict: bool) -> None:
     model_shapes = trainable_shapes(engine)
     replicated = persistent_replicated_layout(engine)  # names and whole shapes: nothing gathered
     model_shapes.update({n: list(shape) for n, (shape, _) in replicated.items()})
+    for name in getattr(source, "manifest", {}).get(EXCLUDED, ()):  # saved with exclude_frozen_parameters
+        if name in replicated:  # left out on purpose, and still frozen here: the model keeps its own values
+            del model_shapes[name]
     run_agreed(engine, _match, source, model_shapes, tied_aliases(engine.module), strict)
     names = _source_names(source, engine.module)
     run_agreed(engine, _load_fragments, engine, source, optimizer, names, strict)

@@ -37,11 +37,13 @@ def persistent_replicated_layout(engine) -> dict[str, tuple[torch.Size, torch.dt
     return {name: layout for name, layout in engine.replicated_layout().items() if name not in skip}
 
 
-def iter_persistent_replicated(engine) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_persistent_replicated(engine, buffers_only: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """That state one item at a time, whole: in stage 3 frozen parameters are gathered one unit at a time (a
-    collective: every rank walks it to the end; copy what you keep before the next item)."""
+    collective: every rank walks it to the end; copy what you keep before the next item). ``buffers_only``: the
+    persistent buffers alone (nothing gathered)."""
     skip = non_persistent_buffers(engine.module)
-    yield from ((name, tensor) for name, tensor in engine.iter_replicated() if name not in skip)
+    items = engine.module.named_buffers() if buffers_only else engine.iter_replicated()
+    yield from ((name, tensor) for name, tensor in items if name not in skip)
 
 
 def trainable_shapes(engine) -> dict[str, list[int]]:

@@ -29,7 +29,7 @@ from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import gather_json, on_first_replica, run_agreed, shared_token, staged_together
 from zero_core.checkpoint.files import Pending, StagedDirectory, publish, write_safetensors
 from zero_core.checkpoint.format import (
-    FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
+    EXCLUDED, FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
     tensor_key, write_json,
 )
 from zero_core.checkpoint.model_info import iter_persistent_replicated, persistent_replicated_layout, tied_aliases
@@ -38,12 +38,15 @@ from zero_core.checkpoint.values import encode_hyperparameters, encode_value, sa
 from zero_core.optim.weights_ema import EMA_KIND
 
 
-def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Optional[Any] = None) -> Path:
+def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Optional[Any] = None,
+                    exclude_frozen_parameters: bool = False) -> Path:
     """Save ``engine``'s model and optimizer state as a sharded checkpoint directory at ``path``. A collective.
 
     ``client_state`` (rank 0's is kept: loop counters, scheduler and RNG state...) is saved beside it and
     returned by :func:`load_checkpoint`. An earlier checkpoint at ``path`` is replaced only once the new one
-    is complete; see docs/checkpoints.md.
+    is complete; see docs/checkpoints.md. ``exclude_frozen_parameters`` (DeepSpeed's): the parameters the engine
+    does not train (a LoRA run's base model) are left out, and named in the manifest so that a load keeps the
+    model's own values for them.
     """
     check_engine(engine, "zero_core.save_checkpoint")
     path = Path(path).absolute()
@@ -52,11 +55,11 @@ def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Op
             f"checkpoint.use_node_local_storage does not combine with zero_optimization.mics_shard_size "
             f"({engine.topology.world_size}): only the first replica writes, so other nodes would hold no files. "
             "Save to a shared file system with use_node_local_storage off")
-    on_first_replica(engine, _save, engine, path, client_state)  # MiCS: replicas hold the same shards
+    on_first_replica(engine, _save, engine, path, client_state, bool(exclude_frozen_parameters))  # MiCS: once
     return path
 
 
-def _save(engine, path: Path, client_state: Optional[Any]) -> None:
+def _save(engine, path: Path, client_state: Optional[Any], exclude_frozen: bool) -> None:
     rank = engine.topology.rank
     place = node_place(engine) if engine.config.checkpoint.use_node_local_storage else None
     leader = rank == (place.first if place else 0)
@@ -67,9 +70,9 @@ def _save(engine, path: Path, client_state: Optional[Any]) -> None:
         run_agreed(engine, check_not_shared, path, token, place, leader)
     with staged_together(engine, staged, leader) as temp:
         report = run_agreed(engine, _write_rank, engine, temp, client_state, leader)
-        replicated = run_agreed(engine, _write_replicated, engine, temp, leader)  # stage 3: gathers, every rank
+        replicated = run_agreed(engine, _write_replicated, engine, temp, leader, exclude_frozen)  # stage 3: gathers
         if replicated is not None:
-            report["replicated"], report["files"][REPLICATED] = replicated
+            report["replicated"], report["files"][REPLICATED], report[EXCLUDED] = replicated
         reports = gather_json(engine, report)
         node = None if place is None else {"place": place, "save_id": token}
         run_agreed(engine, _finish, engine, reports, staged, leader, node)
@@ -165,12 +168,16 @@ def _file_entry(info: dict) -> dict:
     return {"bytes": info["bytes"], "sha256": info["sha256"]}
 
 
-def _write_replicated(engine, temp: Path, leader: bool) -> Optional[tuple[list, dict]]:
+def _write_replicated(engine, temp: Path, leader: bool, exclude_frozen: bool) -> Optional[tuple[list, dict, list]]:
     """The buffers and the parameters outside the optimizer into the replicated file (rank 0 writes it; in stage
     3 every rank takes part in gathering the frozen parameters). Streamed: a frozen unit is gathered, written and
-    released before the next, so a model whose frozen base is most of it (LoRA) is never whole on a rank."""
+    released before the next, so a model whose frozen base is most of it (LoRA) is never whole on a rank. With
+    ``exclude_frozen`` those parameters are left out (nothing is gathered) and listed as the third item."""
     layout = persistent_replicated_layout(engine)
-    items = iter_persistent_replicated(engine)
+    items = iter_persistent_replicated(engine, buffers_only=exclude_frozen)
+    buffers = {name for name, _ in engine.module.named_buffers()}
+    excluded = [name for name in layout if exclude_frozen and name not in buffers]
+    layout = {name: entry for name, entry in layout.items() if name not in excluded}
     try:
         if not leader:
             return None
@@ -181,7 +188,7 @@ def _write_replicated(engine, temp: Path, leader: bool) -> Optional[tuple[list, 
             pass
     described = [{"name": name, "shape": list(shape), "dtype": dtype_name(dtype), "key": name,
                   "crc32": info["crc32"][name]} for name, (shape, dtype) in layout.items()]
-    return described, _file_entry(info)
+    return described, _file_entry(info), excluded
 
 
 def _finish(engine, reports: list, staged: StagedDirectory, leader: bool, node: Optional[dict]) -> None:
@@ -215,6 +222,7 @@ def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:
         "files": files,
         "parameters": _parameters(engine, reports),
         "replicated": reports[here[0]]["replicated"],
+        EXCLUDED: reports[here[0]][EXCLUDED],  # frozen parameters left out: a load keeps the model's values
         "aliases": tied_aliases(engine.module),
         "optimizer": {
             "class": classes[0],

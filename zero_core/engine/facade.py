@@ -477,15 +477,16 @@ class ZeroEngine:
         if self.runtime.param_swap is not None:
             self.runtime.param_swap.close()
 
-    def full_state_dict(self, rank0_only: bool = True, masters: bool = True) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, rank0_only: bool = True, masters: bool = True,
+                        exclude_frozen_parameters: bool = False) -> dict[str, torch.Tensor]:
         """``module.state_dict()`` of the trained model as DDP would give it (fp32 masters for trainable
         parameters), as CPU tensors, on rank 0 (every rank unless ``rank0_only``). ``masters=False``: the
-        model's own values instead (the training dtype). A collective; see zero_core.checkpoint.full_state."""
+        model's own values instead (the training dtype). ``exclude_frozen_parameters``: without the parameters
+        the engine does not train, which are then not gathered. A collective; see zero_core.checkpoint.full_state."""
         from zero_core.checkpoint.full_state import full_state_dict, live_state_dict
 
-        if not masters:
-            return live_state_dict(self, rank0_only=rank0_only)
-        return full_state_dict(self, rank0_only=rank0_only)  # NVMe-offloaded masters: read one parameter at a time
+        read = full_state_dict if masters else live_state_dict  # NVMe-offloaded masters: one parameter at a time
+        return read(self, rank0_only=rank0_only, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def iter_full_params(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Every parameter, whole, one at a time (stage 3 gathers each transiently). Call on every rank."""
@@ -548,11 +549,13 @@ class ZeroEngine:
         self.runtime.release_all()
 
     # -- checkpoints (zero_core.checkpoint does the work; every rank calls these) -----------------------------
-    def save_checkpoint(self, path, client_state: Optional[dict] = None):
-        """Write a sharded checkpoint directory atomically (docs/checkpoints.md)."""
+    def save_checkpoint(self, path, client_state: Optional[dict] = None, exclude_frozen_parameters: bool = False):
+        """Write a sharded checkpoint directory atomically (docs/checkpoints.md); ``exclude_frozen_parameters``
+        leaves out the parameters the engine does not train (DeepSpeed's keyword)."""
         from zero_core.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, client_state)  # NVMe-offloaded state streams a few tiles at a time
+        # NVMe-offloaded state streams a few tiles at a time
+        return save_checkpoint(self, path, client_state, exclude_frozen_parameters=exclude_frozen_parameters)
 
     def load_checkpoint(self, path, strict: bool = True, load_optimizer_states: bool = True) -> Optional[dict]:
         """Load a checkpoint saved at any world size and stage (or a plain state dict); returns client_state."""

@@ -68,9 +68,10 @@ def length_reward(completions, **kwargs) -> list:
 
 
 def arguments(config_class, out: Path, steps: int, batch: int = 2, **extra):
-    return config_class(output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
-                        logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True, save_strategy="no",
-                        bf16=True, dataloader_num_workers=0, **extra)
+    given = dict(output_dir=str(out), max_steps=steps, per_device_train_batch_size=batch, learning_rate=3e-3,
+                 logging_steps=1, report_to=[], seed=0, use_cpu=True, disable_tqdm=True, save_strategy="no",
+                 bf16=True, dataloader_num_workers=0)
+    return config_class(**{**given, **extra})
 
 
 def adapter() -> LoraConfig:
@@ -80,8 +81,9 @@ def adapter() -> LoraConfig:
 def trainer_for(name: str, out: Path):
     if name.endswith("_hfpeft"):  # the plain Trainer: labels are the inputs (the model shifts them)
         rows = data().map(lambda row: {"labels": row["input_ids"]})
-        return Trainer(model=get_peft_model(tiny_llama(), adapter()), args=arguments(TrainingArguments, out, 4),
-                       train_dataset=rows)
+        saves = {"save_strategy": "steps", "save_steps": 2} if name.startswith("zero") else {}  # see resume()
+        return Trainer(model=get_peft_model(tiny_llama(), adapter()),
+                       args=arguments(TrainingArguments, out, 4, **saves), train_dataset=rows)
     if name.endswith("_grpo"):
         args = arguments(GRPOConfig, out, 2, batch=4, num_generations=4, max_completion_length=6)
         return GRPOTrainer(model=tiny_llama(), reward_funcs=length_reward, args=args, train_dataset=prompts(),
@@ -105,8 +107,31 @@ def run(name: str, out: Path) -> None:
                   "rank0_save_error": save_on_rank0(trainer, out / "rank0")}  # save_pretrained as is
         if adapter_run:  # and with the whole state given
             trainer.accelerator.unwrap_model(trainer.model).save_pretrained(str(out / "given"), state_dict=whole)
+    if name.startswith("zero") and name.endswith("_hfpeft"):
+        resumed = resume(name, out, whole)
+        if trainer.accelerator.is_main_process:
+            result.update(resumed)
+    if trainer.accelerator.is_main_process:
         (out / "result.json").write_text(json.dumps(result))
     trainer.accelerator.wait_for_everyone()
+
+
+def resume(name: str, out: Path, whole: dict) -> dict:
+    """The adapter Trainer's step-2 checkpoint (the frozen base left out of its zero_model, as transformers has
+    DeepSpeed leave it out for PEFT) resumed by a new trainer to step 4: the adapter it ends with against the run's
+    own (``whole``, rank 0's), and what the checkpoint holds."""
+    trainer = trainer_for(name, out / "resumed")
+    trainer.train(resume_from_checkpoint=str(out / "checkpoint-2"))
+    ended = trainer.accelerator.get_state_dict(trainer.model)  # every rank: a collective
+    manifest = json.loads((out / "checkpoint-2" / "zero_model" / "manifest.json").read_text())
+    trainer.accelerator.save_state(str(out / "state"), exclude_frozen_parameters=True)  # DeepSpeed's keyword
+    state = json.loads((out / "state" / "zero_model" / "manifest.json").read_text())
+    adapter = [key for key in whole if "lora_" in key]
+    return {"resumed_adapter_equal": bool(adapter) and all(torch.equal(ended[k], whole[k]) for k in adapter),
+            "excluded": manifest["excluded_frozen_parameters"],
+            "replicated": [entry["name"] for entry in manifest["replicated"]],
+            "saved": [p["name"] for p in manifest["parameters"]],
+            "save_state_excluded": state["excluded_frozen_parameters"]}
 
 
 def save_on_rank0(trainer, directory: Path):

@@ -48,10 +48,34 @@ def state_dict() -> None:
         save_rank(OUT, f"state_dict_{name}", {k: v.float() if v.is_floating_point() else v for k, v in got.items()})
         if name == "ddp":
             save_rank(OUT, "state_dict_ddp_keys", list(model.state_dict()))
+    excluded_checkpoint()
     fabric_, model, _ = fabric_train(ZeroFabricStrategy(stage=3, config=STAGE3))
     save_rank(OUT, "state_dict_fabric_zero3", fabric_.strategy.get_module_state_dict(model))
     fabric_ddp, model_ddp, _ = fabric_train("ddp")
     save_rank(OUT, "state_dict_fabric_ddp", fabric_ddp.strategy.get_module_state_dict(model_ddp))
+
+
+def excluded_checkpoint() -> None:
+    """``ZeroStrategy(exclude_frozen_parameters=True)``: the checkpoint leaves the frozen position embedding out
+    (the manifest names it), and a fit resumed from it into a model built the same way ends with the saved model:
+    the trained weights from the checkpoint, the frozen one as built."""
+    import json
+
+    def strategy() -> ZeroStrategy:
+        return ZeroStrategy(stage=3, config=STAGE3, exclude_frozen_parameters=True)
+
+    t = trainer(strategy(), OUT, max_steps=3)
+    t.fit(LitFrozenPos(), loader())
+    path = OUT / "excluded.ckpt"
+    t.save_checkpoint(path)
+    saved = t.strategy.lightning_module_state_dict()
+    resumed = trainer(strategy(), OUT, max_steps=3)
+    resumed.fit(LitFrozenPos(), loader(), ckpt_path=str(path))  # restores, then has no step left to take
+    got = resumed.strategy.lightning_module_state_dict()
+    manifest = json.loads((path / "manifest.json").read_text())
+    save_rank(OUT, "excluded", {"excluded": manifest["excluded_frozen_parameters"],
+                                "equal": sorted(saved) == sorted(got) and all(torch.equal(saved[k], got[k])
+                                                                             for k in saved)})
 
 
 if __name__ == "__main__":
