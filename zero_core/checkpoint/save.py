@@ -29,8 +29,8 @@ from zero_core.contracts import CheckpointedEngine
 from zero_core.checkpoint.collective import gather_json, on_first_replica, run_agreed, shared_token, staged_together
 from zero_core.checkpoint.files import Pending, StagedDirectory, publish, write_safetensors
 from zero_core.checkpoint.format import (
-    EXCLUDED, FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name, shard_file,
-    tensor_key, write_json,
+    EXCLUDED, FORMAT, FORMAT_VERSION, MANIFEST, MASTER_KIND, REPLICATED, CheckpointError, PathLike, dtype_name,
+    shard_file, tensor_key, write_json,
 )
 from zero_core.checkpoint.model_info import iter_persistent_replicated, persistent_replicated_layout, tied_aliases
 from zero_core.checkpoint.node_local import NODE_LOCAL, check_not_shared, leave_probe, node_place
@@ -168,7 +168,8 @@ def _file_entry(info: dict) -> dict:
     return {"bytes": info["bytes"], "sha256": info["sha256"]}
 
 
-def _write_replicated(engine, temp: Path, leader: bool, exclude_frozen: bool) -> Optional[tuple[list, dict, list]]:
+def _write_replicated(engine, temp: Path, leader: bool,
+                      exclude_frozen: bool) -> Optional[tuple[list, dict, list]]:
     """The buffers and the parameters outside the optimizer into the replicated file (rank 0 writes it; in stage
     3 every rank takes part in gathering the frozen parameters). Streamed: a frozen unit is gathered, written and
     released before the next, so a model whose frozen base is most of it (LoRA) is never whole on a rank. With
