@@ -1,6 +1,7 @@
 """Sharded checkpoints for the ZeRO engine: atomic save, verified and resharding load, streaming consolidation.
 
     save_checkpoint(engine, path, client_state)        every rank; a directory appears at path when complete
+                                                       (exclude_frozen_parameters=True: without the base model)
     client_state = load_checkpoint(engine, path)       every rank; any world size and stage
     consolidate(path, out, dtype="bf16")               offline: Hugging Face-style safetensors shards + index
     gather_node_dirs(node_dirs, out)                   offline: join a node-local save's node directories
