@@ -268,6 +268,9 @@ class PendingPartition(ParamOwner, Protocol):
     def copy_in(self, param: nn.Parameter, source: torch.Tensor) -> nn.Parameter:
         """``param.copy_(source)`` (no grad) after the context: ``model.load_state_dict`` before setup."""
 
+    def reopened(self) -> ContextManager:
+        """The context open again (after it closed, before setup): ``resize_token_embeddings``."""
+
 
 @runtime_checkable
 class CheckpointedEngine(Protocol):

@@ -1,7 +1,7 @@
 """An unmodified fine-tuning script that calls ``from_pretrained`` before its ``Trainer``, under the swap at stage 3.
 
 tests/accelerate/scripts/hf_pretrained.py loads a tiny Llama (tied embeddings, 4 safetensors shards, written by
-``save_pretrained``) and trains it 4 steps. Plain ``accelerate launch`` (DDP) is the reference; ``accelerate-zero
+``save_pretrained``), resizes its embeddings for added tokens and trains it 4 steps. Plain ``accelerate launch`` (DDP) is the reference; ``accelerate-zero
 launch --swap-accelerator`` at stage 3 must build the model already partitioned (the role ``HfDeepSpeedConfig``
 plays for DeepSpeed) and end with DDP's losses and weights.
 """
@@ -45,4 +45,5 @@ def test_fine_tuning_from_partitioned_weights_matches_ddp(runs):
     assert len(ddp["losses"]) == 4
     assert max(abs(a - b) for a, b in zip(zero["losses"], ddp["losses"])) <= TOLERANCE
     assert sorted(zero["weights"]) == sorted(ddp["weights"])
+    assert zero["weights"]["model.embed_tokens.weight"].shape[0] == 100  # resized after the partitioned load
     assert max((zero["weights"][k] - ddp["weights"][k]).abs().max().item() for k in ddp["weights"]) <= TOLERANCE

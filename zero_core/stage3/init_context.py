@@ -21,8 +21,9 @@ ever holds a whole model.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 from torch import nn
@@ -39,7 +40,7 @@ from zero_core.config import ZeroConfig
 from zero_core.layout import Range, compute_layout
 from zero_core.stage3.partitioned_param import base_of, mark_partitioned, tensors_in, unmark_partitioned
 from zero_core.comm.topology import Topology
-from zero_core.pretrained import transformers_hook
+from zero_core.pretrained import resize_embeddings, transformers_hook
 
 
 @dataclass
@@ -88,6 +89,7 @@ class Init:
         ]
         self._open = True
         self._transformers_hook = transformers_hook.install(self)
+        resize_embeddings.install_if_loaded()  # stays: a script resizes after the context, before setup
         if self._module is not None:
             self._partition_tree(self._module)
         return self
@@ -103,6 +105,16 @@ class Init:
             self._partition_own(module)
         self._pending.clear()
         self._open = False
+
+    @contextlib.contextmanager
+    def reopened(self) -> Iterator["Init"]:
+        """The context open again for code that runs after it and changes partitioned parameters' values or
+        shapes (``resize_token_embeddings``, pretrained/resize_embeddings.py); as is while it is open."""
+        if self._open or not self.enabled:
+            yield self
+            return
+        with self:
+            yield self
 
     def _on_parameter(self, module: nn.Module, name: str, param) -> None:
         if param is not None and param not in self._shards:

@@ -3,7 +3,7 @@
     accelerate launch --config_file cfg.yaml [-m accelerate_zero.swap] hf_pretrained.py MODEL_DIR OUT_DIR
 
 Loads MODEL_DIR (written by ``save_pretrained``), notes the class of its parameters right after loading (under
-ZeRO stage 3 they are already partitioned), trains 4 steps and ``save_model``s to OUT_DIR/final. Rank 0 writes
+ZeRO stage 3 they are already partitioned), resizes the embeddings for added tokens, trains 4 steps and ``save_model``s to OUT_DIR/final. Rank 0 writes
 OUT_DIR/result.json.
 """
 
@@ -32,6 +32,10 @@ class Tokens(torch.utils.data.Dataset):
 def main(model_dir: Path, out: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     loaded_as = type(model.lm_head.weight).__name__
+    # tokens added to the tokenizer; the new rows are drawn at random (seeded: the two launchers compared here leave
+    # the random state elsewhere before this)
+    torch.manual_seed(0)
+    model.resize_token_embeddings(VOCAB + 4)
     args = TrainingArguments(output_dir=str(out), max_steps=4, per_device_train_batch_size=2, learning_rate=3e-3,
                              logging_steps=1, report_to=[], seed=0, data_seed=0, use_cpu=True, save_strategy="no",
                              dataloader_num_workers=0, disable_tqdm=True)
