@@ -152,9 +152,21 @@ def _excluding_worker(rank: int, world_size: int, directory: str, stage: int) ->
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("stage", [2, 3])
-def test_exclude_frozen_parameters_leaves_the_base_out_ungathered_and_resumes(stage):
+def test_exclude_frozen_parameters_leaves_the_base_out_ungathered_and_resumes(stage, capsys):
+    from safetensors.torch import load_file
+
+    from zero_core.checkpoint import consolidate
+    from zero_core.checkpoint.cli import main
+
     with tempfile.TemporaryDirectory() as directory:
         results = run_distributed(_excluding_worker, 2, directory, stage, timeout=200)
+        path = Path(directory) / f"lora{stage}"
+        main(["inspect", str(path)])
+        said = capsys.readouterr().out
+        consolidated = consolidate(path, Path(directory) / "out", progress=False)
+        keys = sorted(k for f in consolidated.glob("*.safetensors") for k in load_file(f))
+    assert f"frozen parameters left out (exclude_frozen_parameters): {LAYERS} (0.0.weight" in said, said
+    assert keys == ["1.bias", "1.weight"]  # consolidation gives what was trained
     base = [f"0.{i}.weight" for i in range(LAYERS)]
     for rank, result in enumerate(results):
         assert result["equal"], rank  # the head loaded, the base kept as the model had it

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from zero_core.checkpoint.format import CLIENT_STATE, PathLike, read_manifest
+from zero_core.checkpoint.format import CLIENT_STATE, EXCLUDED, PathLike, read_manifest
 from zero_core.checkpoint.values import decode_value
 from zero_core.checkpoint.verify import verify_files
 
@@ -43,6 +43,10 @@ def describe(path: PathLike, verify: bool = False, tensors: bool = False) -> str
     lines.append(f"replicated state: {len(manifest['replicated'])} tensors "
                  f"({', '.join(r['name'] for r in manifest['replicated'][:6])}"
                  f"{', ...' if len(manifest['replicated']) > 6 else ''})")
+    excluded = manifest.get(EXCLUDED, [])
+    if excluded:
+        lines.append(f"frozen parameters left out (exclude_frozen_parameters): {len(excluded)} "
+                     f"({', '.join(excluded[:6])}{', ...' if len(excluded) > 6 else ''}); a load keeps the model's own")
     if manifest["aliases"]:
         lines.append("tied weights: " + ", ".join(f"{a} -> {c}" for a, c in manifest["aliases"].items()))
     lines += _optimizer_lines(optimizer, params)
