@@ -72,10 +72,13 @@ def restore_averaged(client_state: dict, module) -> dict:
     return client_state
 
 
-def save_sharded(engine, checkpoint: dict, path: Path, exclude_frozen_parameters: bool = False) -> None:
-    """Every rank calls; the directory appears at ``path`` when complete."""
+def save_sharded(engine, checkpoint: dict, path: Path, exclude_frozen_parameters: bool = False,
+                 optimizer: bool = True) -> None:
+    """Every rank calls; the directory appears at ``path`` when complete. Without ``optimizer`` (Lightning's
+    ``weights_only``, ``ModelCheckpoint(save_weights_only=True)``; a Fabric state without the optimizer) the
+    weights alone."""
     zero_core.save_checkpoint(engine, path, client_state=client_state_of(checkpoint),
-                              exclude_frozen_parameters=exclude_frozen_parameters)
+                              exclude_frozen_parameters=exclude_frozen_parameters, save_optimizer_states=optimizer)
 
 
 def load_sharded(engine, path: Path, load_optimizer: bool, strict: bool) -> dict:

@@ -215,7 +215,9 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
         engine = self._require_engine()
         client = {k: v for k, v in state.items() if not self._is_engine_object(v)}
         client = self._convert_stateful_objects_in_state(client, filter={})
-        checkpoint_io.save_sharded(engine, client, Path(self.broadcast(str(path))), self.exclude_frozen_parameters)
+        with_optimizer = any(self._is_engine_object(v) and isinstance(v, Optimizer) for v in state.values())
+        checkpoint_io.save_sharded(engine, client, Path(self.broadcast(str(path))), self.exclude_frozen_parameters,
+                                   optimizer=with_optimizer)
 
     def load_checkpoint(self, path, state=None, strict: bool = True, weights_only: Optional[bool] = None) -> dict:
         path = Path(self.broadcast(str(path)))

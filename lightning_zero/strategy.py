@@ -394,7 +394,9 @@ class ZeroStrategy(DDPStrategy):
         trainer = self.lightning_module._trainer if self.lightning_module is not None else None
         if trainer is not None:  # what a resume at another world size needs to keep the global batch
             checkpoint[GLOBAL_BATCH_KEY] = batch_plan(self.world_size, trainer.accumulate_grad_batches)
-        checkpoint_io.save_sharded(self._engine, checkpoint, path, self.exclude_frozen_parameters)
+        # weights_only (ModelCheckpoint(save_weights_only=True)): Lightning leaves the optimizers out, the engine too
+        checkpoint_io.save_sharded(self._engine, checkpoint, path, self.exclude_frozen_parameters,
+                                   optimizer="optimizer_states" in checkpoint)
 
     def load_checkpoint(self, checkpoint_path, weights_only: Optional[bool] = None) -> dict[str, Any]:
         if getattr(self, "_resumed_from", None) is not None:

@@ -37,6 +37,19 @@ def test_exclude_frozen_parameters_leaves_the_frozen_embedding_out_and_resumes(o
         assert result["equal"], rank
 
 
+def test_a_weights_only_checkpoint_holds_no_optimizer_state_validates_and_refuses_a_resume(out):
+    for rank in (0, 1):
+        result = load_rank(out, "weights_only", rank=rank)
+        assert result["classes"] == [] and result["keys"] == [], result
+        assert result["equal"], rank
+        assert result["refused"] is not None and "save_weights_only" in result["refused"], result
+
+
+def test_fabric_saves_the_optimizer_state_only_when_the_state_names_the_optimizer(out):
+    classes = load_rank(out, "fabric_saved_optimizer")
+    assert classes["model"] == [] and classes["model_optimizer"] == ["torch.optim.adamw.AdamW"], classes
+
+
 def test_sharded_state_dict_is_empty(out):
     assert load_rank(out, "state_dict_zero3_sharded", rank=0) == {}
     assert load_rank(out, "state_dict_zero3_sharded", rank=1) == {}

@@ -162,7 +162,7 @@ def _verify_my_share(engine, path: Path, manifest: dict, verify: Verify, place=N
 
 def _optimizer_matches(engine, manifest: dict, strict: bool) -> bool:
     saved = optimizer_classes(manifest)
-    if not saved:  # weights alone (converted from a foreign checkpoint without optimizer state)
+    if not saved:  # weights alone (save_optimizer_states=False, or converted from weights without optimizer state)
         return False
     current = [f"{type(inner).__module__}.{type(inner).__qualname__}" for inner in engine.inner_optimizers]
     if saved == current:

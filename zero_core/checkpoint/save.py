@@ -20,7 +20,7 @@ import platform
 from collections import defaultdict
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 
@@ -39,14 +39,15 @@ from zero_core.optim.weights_ema import EMA_KIND
 
 
 def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Optional[Any] = None,
-                    exclude_frozen_parameters: bool = False) -> Path:
+                    exclude_frozen_parameters: bool = False, save_optimizer_states: bool = True) -> Path:
     """Save ``engine``'s model and optimizer state as a sharded checkpoint directory at ``path``. A collective.
 
     ``client_state`` (rank 0's is kept: loop counters, scheduler and RNG state...) is saved beside it and
     returned by :func:`load_checkpoint`. An earlier checkpoint at ``path`` is replaced only once the new one
     is complete; see docs/checkpoints.md. ``exclude_frozen_parameters`` (DeepSpeed's): the parameters the engine
     does not train (a LoRA run's base model) are left out, and named in the manifest so that a load keeps the
-    model's own values for them.
+    model's own values for them. ``save_optimizer_states=False`` (Lightning's ``weights_only``): the fp32 master
+    weights without the optimizer's state, a third of Adam's bytes; such a checkpoint loads weights only.
     """
     check_engine(engine, "zero_core.save_checkpoint")
     path = Path(path).absolute()
@@ -55,11 +56,19 @@ def save_checkpoint(engine: CheckpointedEngine, path: PathLike, client_state: Op
             f"checkpoint.use_node_local_storage does not combine with zero_optimization.mics_shard_size "
             f"({engine.topology.world_size}): only the first replica writes, so other nodes would hold no files. "
             "Save to a shared file system with use_node_local_storage off")
-    on_first_replica(engine, _save, engine, path, client_state, bool(exclude_frozen_parameters))  # MiCS: once
+    what = _Saved(bool(exclude_frozen_parameters), bool(save_optimizer_states))
+    on_first_replica(engine, _save, engine, path, client_state, what)  # MiCS: replicas hold the same shards
     return path
 
 
-def _save(engine, path: Path, client_state: Optional[Any], exclude_frozen: bool) -> None:
+class _Saved(NamedTuple):
+    """What a save leaves out: the frozen parameters, the optimizer's state."""
+
+    exclude_frozen: bool
+    optimizer: bool
+
+
+def _save(engine, path: Path, client_state: Optional[Any], what: _Saved) -> None:
     rank = engine.topology.rank
     place = node_place(engine) if engine.config.checkpoint.use_node_local_storage else None
     leader = rank == (place.first if place else 0)
@@ -69,19 +78,19 @@ def _save(engine, path: Path, client_state: Optional[Any], exclude_frozen: bool)
         run_agreed(engine, leave_probe, path, token, place, leader)
         run_agreed(engine, check_not_shared, path, token, place, leader)
     with staged_together(engine, staged, leader) as temp:
-        report = run_agreed(engine, _write_rank, engine, temp, client_state, leader)
-        replicated = run_agreed(engine, _write_replicated, engine, temp, leader, exclude_frozen)  # stage 3: gathers
+        report = run_agreed(engine, _write_rank, engine, temp, client_state, leader, what.optimizer)
+        replicated = run_agreed(engine, _write_replicated, engine, temp, leader, what.exclude_frozen)  # gathers
         if replicated is not None:
             report["replicated"], report["files"][REPLICATED], report[EXCLUDED] = replicated
         reports = gather_json(engine, report)
         node = None if place is None else {"place": place, "save_id": token}
-        run_agreed(engine, _finish, engine, reports, staged, leader, node)
+        run_agreed(engine, _finish, engine, reports, staged, leader, node, what.optimizer)
 
 
-def _write_rank(engine, temp: Path, client_state: Any, leader: bool) -> dict:
+def _write_rank(engine, temp: Path, client_state: Any, leader: bool, optimizer: bool) -> dict:
     """Write this rank's shard file (and on rank 0 the client state); describe what was written."""
     name = shard_file(engine.topology.rank, engine.topology.world_size)
-    entries, fragments, plan = _fragment_entries(engine, name)
+    entries, fragments, plan = _fragment_entries(engine, name, optimizer)
     with contextlib.closing(_fragment_tensors(engine, plan)) as data:
         info = write_safetensors(temp / name, entries, {"format": "pt"}, data)
     _add_crcs(fragments, info["crc32"])
@@ -91,14 +100,16 @@ def _write_rank(engine, temp: Path, client_state: Any, leader: bool) -> dict:
     return report
 
 
-def _fragment_entries(engine, file: str) -> tuple[list, list, list]:
+def _fragment_entries(engine, file: str, optimizer: bool = True) -> tuple[list, list, list]:
     """(key, Pending) entries to write, the manifest's description of each fragment, and the plan of
-    :func:`_fragment_tensors`: (fragment, [(tensor key, optimizer state key or None for the master)]).
+    :func:`_fragment_tensors`: (fragment, [(tensor key, optimizer state key or None for the master)]); without
+    ``optimizer``, the masters (and their moving average) alone.
 
     Only shapes and dtypes are needed here, so nothing swapped out to NVMe is read (engine.shape_in_memory)."""
     entries, fragments, plan = [], [], []
     for fragment in engine.fragments():
-        per_element, scalars = _split_state(engine.optimizer_state_of(fragment.master), fragment, engine)
+        state = engine.optimizer_state_of(fragment.master) if optimizer else {}
+        per_element, scalars = _split_state(state, fragment, engine)
         start, end = fragment.param_range.start, fragment.param_range.end
         tensors, keys = {}, []
         kinds = [(MASTER_KIND, None, fragment.master.dtype)] + [(k, k, d) for k, d in sorted(per_element.items())]
@@ -192,29 +203,32 @@ def _write_replicated(engine, temp: Path, leader: bool,
     return described, _file_entry(info), excluded
 
 
-def _finish(engine, reports: list, staged: StagedDirectory, leader: bool, node: Optional[dict]) -> None:
+def _finish(engine, reports: list, staged: StagedDirectory, leader: bool, node: Optional[dict],
+            optimizer: bool) -> None:
     if not leader:
         return
     if node is None:
-        manifest = build_manifest(engine, reports)
+        manifest = build_manifest(engine, reports, optimizer=optimizer)
     else:  # this node's directory: every fragment, but only the files written here
         place = node["place"]
-        manifest = build_manifest(engine, reports, here=place.ranks)
+        manifest = build_manifest(engine, reports, here=place.ranks, optimizer=optimizer)
         manifest[NODE_LOCAL] = {"node": place.node, "nodes": place.nodes, "save_id": node["save_id"]}
     write_json(staged.temp / MANIFEST, manifest)
     # The moment the checkpoint appears (tests/checkpoint/test_checkpoint_crash.py kills here).
     publish(staged.temp, staged.path)
 
 
-def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:
+def build_manifest(engine, reports: list, here: Optional[tuple] = None, optimizer: bool = True) -> dict:
     """The manifest of the ranks' ``reports``; ``here``: only these ranks' files (the first wrote the
-    replicated and client state), for a node-local directory."""
+    replicated and client state), for a node-local directory. Without ``optimizer`` state saved, the optimizer
+    names no class (what a load reads as weights alone) and keeps the groups' hyper-parameters."""
     here = range(len(reports)) if here is None else here
     files = {}
     for rank in here:
         files.update(reports[rank]["files"])
     groups = [group for inner in engine.inner_optimizers for group in inner.param_groups]
     classes = [f"{type(inner).__module__}.{type(inner).__qualname__}" for inner in engine.inner_optimizers]
+    classes = classes if optimizer else []
     scaler, ema = engine.loss_scaler, engine.weights_ema
     return {
         "format": FORMAT,
@@ -226,7 +240,7 @@ def build_manifest(engine, reports: list, here: Optional[tuple] = None) -> dict:
         EXCLUDED: reports[here[0]][EXCLUDED],  # frozen parameters left out: a load keeps the model's values
         "aliases": tied_aliases(engine.module),
         "optimizer": {
-            "class": classes[0],
+            "class": classes[0] if classes else None,
             "classes": classes,  # one per optimizer; each group names its optimizer's index
             "per_element_keys": sorted({k for r in reports for f in r["fragments"] for k in f["tensors"]}
                                        - {MASTER_KIND, EMA_KIND}),

@@ -63,6 +63,8 @@ def _optimizer_lines(optimizer: dict, params: list) -> list[str]:
     saved = next((f["scalars"] for p in params for f in p["fragments"] if f["scalars"]), {})
     scalars = {k: decode_value(v).tolist() if isinstance(v, dict) else v for k, v in saved.items()}
     classes = optimizer.get("classes", [optimizer["class"]])
+    if not classes:
+        return ["optimizer: no state saved (weights only); a load starts the optimizer afresh"]
     lines = [f"optimizer{'s' if len(classes) > 1 else ''}: {', '.join(classes)}, per-element state "
              f"{optimizer['per_element_keys'] or 'none yet'}, scalars {scalars or 'none'}"]
     for index, group in enumerate(optimizer["param_groups"]):

@@ -549,13 +549,16 @@ class ZeroEngine:
         self.runtime.release_all()
 
     # -- checkpoints (zero_core.checkpoint does the work; every rank calls these) -----------------------------
-    def save_checkpoint(self, path, client_state: Optional[dict] = None, exclude_frozen_parameters: bool = False):
+    def save_checkpoint(self, path, client_state: Optional[dict] = None, exclude_frozen_parameters: bool = False,
+                        save_optimizer_states: bool = True):
         """Write a sharded checkpoint directory atomically (docs/checkpoints.md); ``exclude_frozen_parameters``
-        leaves out the parameters the engine does not train (DeepSpeed's keyword)."""
+        leaves out the parameters the engine does not train (DeepSpeed's keyword), ``save_optimizer_states=False``
+        the optimizer's state (Lightning's ``weights_only``)."""
         from zero_core.checkpoint import save_checkpoint
 
         # NVMe-offloaded state streams a few tiles at a time
-        return save_checkpoint(self, path, client_state, exclude_frozen_parameters=exclude_frozen_parameters)
+        return save_checkpoint(self, path, client_state, exclude_frozen_parameters=exclude_frozen_parameters,
+                               save_optimizer_states=save_optimizer_states)
 
     def load_checkpoint(self, path, strict: bool = True, load_optimizer_states: bool = True) -> Optional[dict]:
         """Load a checkpoint saved at any world size and stage (or a plain state dict); returns client_state."""

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -49,8 +50,13 @@ def state_dict() -> None:
         if name == "ddp":
             save_rank(OUT, "state_dict_ddp_keys", list(model.state_dict()))
     excluded_checkpoint()
-    fabric_, model, _ = fabric_train(ZeroFabricStrategy(stage=3, config=STAGE3))
+    fabric_, model, optimizer = fabric_train(ZeroFabricStrategy(stage=3, config=STAGE3))
     save_rank(OUT, "state_dict_fabric_zero3", fabric_.strategy.get_module_state_dict(model))
+    classes = {}  # what fabric.save wrote of the optimizer: its state only when the state names the optimizer
+    for name, state in (("model", {"model": model}), ("model_optimizer", {"model": model, "optimizer": optimizer})):
+        fabric_.save(OUT / f"fabric_{name}", state)
+        classes[name] = json.loads((OUT / f"fabric_{name}" / "manifest.json").read_text())["optimizer"]["classes"]
+    save_rank(OUT, "fabric_saved_optimizer", classes)
     fabric_ddp, model_ddp, _ = fabric_train("ddp")
     save_rank(OUT, "state_dict_fabric_ddp", fabric_ddp.strategy.get_module_state_dict(model_ddp))
 
@@ -59,8 +65,6 @@ def excluded_checkpoint() -> None:
     """``ZeroStrategy(exclude_frozen_parameters=True)``: the checkpoint leaves the frozen position embedding out
     (the manifest names it), and a fit resumed from it into a model built the same way ends with the saved model:
     the trained weights from the checkpoint, the frozen one as built."""
-    import json
-
     def strategy() -> ZeroStrategy:
         return ZeroStrategy(stage=3, config=STAGE3, exclude_frozen_parameters=True)
 
@@ -76,6 +80,30 @@ def excluded_checkpoint() -> None:
     save_rank(OUT, "excluded", {"excluded": manifest["excluded_frozen_parameters"],
                                 "equal": sorted(saved) == sorted(got) and all(torch.equal(saved[k], got[k])
                                                                              for k in saved)})
+    weights_only(t, saved)
+
+
+def weights_only(fitted, saved: dict) -> None:
+    """``trainer.save_checkpoint(path, weights_only=True)`` (what ModelCheckpoint(save_weights_only=True) calls):
+    the engine writes no optimizer state; validating from it reads the saved weights, and a fit resumed from it
+    raises Lightning's own KeyError, as under DDP."""
+    path = OUT / "weights_only.ckpt"
+    fitted.save_checkpoint(path, weights_only=True)
+    optimizer = json.loads((path / "manifest.json").read_text())["optimizer"]
+    checked = trainer(ZeroStrategy(stage=3, config=STAGE3), OUT, max_steps=3)
+    model = LitFrozenPos()
+    checked.validate(model, loader(), ckpt_path=str(path), verbose=False)
+    got = checked.strategy.lightning_module_state_dict()
+    resumed = trainer(ZeroStrategy(stage=3, config=STAGE3), OUT, max_steps=5)
+    try:
+        resumed.fit(LitFrozenPos(), loader(), ckpt_path=str(path))
+        refused = None
+    except KeyError as error:
+        refused = str(error)
+    save_rank(OUT, "weights_only", {"classes": optimizer["classes"], "keys": optimizer["per_element_keys"],
+                                    "equal": sorted(saved) == sorted(got) and all(torch.equal(saved[k], got[k])
+                                                                                 for k in saved),
+                                    "refused": refused})
 
 
 if __name__ == "__main__":
