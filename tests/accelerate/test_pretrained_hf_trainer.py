@@ -1,9 +1,9 @@
 """An unmodified fine-tuning script that calls ``from_pretrained`` before its ``Trainer``, under the swap at stage 3.
 
 tests/accelerate/scripts/hf_pretrained.py loads a tiny Llama (tied embeddings, 4 safetensors shards, written by
-``save_pretrained``), resizes its embeddings for added tokens and trains it 4 steps. Plain ``accelerate launch`` (DDP) is the reference; ``accelerate-zero
-launch --swap-accelerator`` at stage 3 must build the model already partitioned (the role ``HfDeepSpeedConfig``
-plays for DeepSpeed) and end with DDP's losses and weights.
+``save_pretrained``), resizes its embeddings for added tokens and trains it 4 steps. Plain ``accelerate launch``
+(DDP) is the reference; ``accelerate-zero launch --swap-accelerator`` at stage 3 must build the model already
+partitioned (the role ``HfDeepSpeedConfig`` plays for DeepSpeed) and end with DDP's losses and weights.
 """
 
 import json

@@ -3,8 +3,8 @@
     accelerate launch --config_file cfg.yaml [-m accelerate_zero.swap] hf_pretrained.py MODEL_DIR OUT_DIR
 
 Loads MODEL_DIR (written by ``save_pretrained``), notes the class of its parameters right after loading (under
-ZeRO stage 3 they are already partitioned), resizes the embeddings for added tokens, trains 4 steps and ``save_model``s to OUT_DIR/final. Rank 0 writes
-OUT_DIR/result.json.
+ZeRO stage 3 they are already partitioned), resizes the embeddings for added tokens, trains 4 steps and
+``save_model``s to OUT_DIR/final. Rank 0 writes OUT_DIR/result.json.
 """
 
 import json
