@@ -228,6 +228,10 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                             "'optimizer': optimizer}, not a bare module or optimizer")
         with_optimizer = any(self._is_engine_object(v) and isinstance(v, Optimizer) for v in state.values())
         if checkpoint_io.is_sharded_checkpoint(path):
+            if with_optimizer and strict and not checkpoint_io.holds_optimizer_state(path):
+                raise KeyError(f"the checkpoint at '{path}' holds no optimizer state (it was saved without the "
+                               "optimizer in its state): load the model alone, or pass strict=False to start the "
+                               "optimizer afresh")
             client = checkpoint_io.load_sharded(engine, path, with_optimizer, strict)
         elif path.is_file():
             client = self._load_full_file(engine, path, state, with_optimizer, strict, weights_only)

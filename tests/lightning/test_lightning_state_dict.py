@@ -48,6 +48,7 @@ def test_a_weights_only_checkpoint_holds_no_optimizer_state_validates_and_refuse
 def test_fabric_saves_the_optimizer_state_only_when_the_state_names_the_optimizer(out):
     classes = load_rank(out, "fabric_saved_optimizer")
     assert classes["model"] == [] and classes["model_optimizer"] == ["torch.optim.adamw.AdamW"], classes
+    assert "holds no optimizer state" in classes["refused"], classes  # and strict=False loads it
 
 
 def test_sharded_state_dict_is_empty(out):
