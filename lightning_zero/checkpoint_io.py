@@ -22,13 +22,6 @@ def is_sharded_checkpoint(path: Path) -> bool:
     return zero_core.is_checkpoint(path)
 
 
-def holds_optimizer_state(path: Path) -> bool:
-    """Whether a sharded checkpoint has the optimizer's state (not one saved weights only)."""
-    from zero_core.checkpoint.format import optimizer_classes, read_manifest
-
-    return bool(optimizer_classes(read_manifest(path)))
-
-
 def missing_checkpoint_error(path: Path) -> FileNotFoundError:
     if path.is_dir():
         return FileNotFoundError(

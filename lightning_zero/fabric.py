@@ -228,7 +228,7 @@ class ZeroFabricStrategy(DDPStrategy, _Sharded):
                             "'optimizer': optimizer}, not a bare module or optimizer")
         with_optimizer = any(self._is_engine_object(v) and isinstance(v, Optimizer) for v in state.values())
         if checkpoint_io.is_sharded_checkpoint(path):
-            if with_optimizer and strict and not checkpoint_io.holds_optimizer_state(path):
+            if with_optimizer and strict and not zero_core.has_optimizer_state(path):
                 raise KeyError(f"the checkpoint at '{path}' holds no optimizer state (it was saved without the "
                                "optimizer in its state): load the model alone, or pass strict=False to start the "
                                "optimizer afresh")

@@ -17,7 +17,7 @@ from zero_core.checkpoint.export16 import save_16bit_model
 from zero_core.checkpoint.files import atomic_directory, atomic_file
 from zero_core.checkpoint.hf_config import write_config as write_hf_config
 from zero_core.checkpoint.format import MANIFEST as MANIFEST_FILE, CheckpointError, CheckpointMismatchError, read_manifest
-from zero_core.checkpoint.latest import checkpoint_problem, is_checkpoint, latest_checkpoint
+from zero_core.checkpoint.latest import checkpoint_problem, has_optimizer_state, is_checkpoint, latest_checkpoint
 from zero_core.checkpoint.load import load_checkpoint, load_full_state_dict
 from zero_core.checkpoint.node_local import gather as gather_node_dirs
 from zero_core.checkpoint.save import save_checkpoint
@@ -38,6 +38,7 @@ __all__ = [
     "gather_node_dirs",
     "write_hf_config",
     "is_checkpoint",
+    "has_optimizer_state",
     "read_optimizer_states",
     "latest_checkpoint",
     "load_checkpoint",

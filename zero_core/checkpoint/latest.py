@@ -11,7 +11,7 @@ import warnings
 from pathlib import Path
 from typing import Optional
 
-from zero_core.checkpoint.format import MANIFEST, CheckpointError, PathLike, read_manifest
+from zero_core.checkpoint.format import MANIFEST, CheckpointError, PathLike, optimizer_classes, read_manifest
 from zero_core.checkpoint.verify import verify_files
 
 
@@ -41,6 +41,12 @@ def is_checkpoint(path: PathLike) -> bool:
     save). Cheap; :func:`checkpoint_problem` checks the files too."""
     path = Path(path)
     return path.is_dir() and (path / MANIFEST).is_file()
+
+
+def has_optimizer_state(path: PathLike) -> bool:
+    """Whether the checkpoint directory ``path`` holds optimizer state (not one saved weights only:
+    ``save_optimizer_states=False``, or converted from weights alone)."""
+    return bool(optimizer_classes(read_manifest(path)))
 
 
 def checkpoint_problem(path: PathLike, verify: str = "checksum") -> Optional[str]:
