@@ -105,12 +105,10 @@ def save_model(trainer, managed, output_dir: Optional[str] = None, _internal_cal
 
 
 def _is_peft(model) -> bool:
-    """Whether ``model`` is a PEFT model (transformers' own test: its checkpoints then leave the base out)."""
-    if "peft" not in sys.modules:
-        return False
-    from peft import PeftMixedModel, PeftModel
+    """Whether ``model`` is a PEFT model, by transformers' own test (the one its DeepSpeed branches use)."""
+    from transformers.trainer import _is_peft_model
 
-    return isinstance(model, (PeftModel, PeftMixedModel))
+    return _is_peft_model(model)
 
 
 def _floating_dtype(state_dict: dict) -> Optional[torch.dtype]:

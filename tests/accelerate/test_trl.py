@@ -135,8 +135,7 @@ def test_an_adapter_trainers_checkpoint_leaves_the_base_out_and_resumes_to_the_s
     ends at step 4 with the adapter the run ended with, bit for bit."""
     result = runs["zero3_autocast_hfpeft"]["result"]
     assert result["saved"] and all("lora_" in name for name in result["saved"]), result["saved"]
-    assert result["replicated"] == [] or all("lora_" not in name and "weight" not in name
-                                             for name in result["replicated"]), result["replicated"]
+    assert result["replicated"] == [], result["replicated"]  # the base left out; the Llama has no persistent buffer
     assert any("embed_tokens" in name for name in result["excluded"]), result["excluded"]
     assert not any("lora_" in name for name in result["excluded"])
     assert result["resumed_adapter_equal"]
